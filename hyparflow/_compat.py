@@ -1,0 +1,92 @@
+"""The one place that touches Keras internals; every version branch lives here."""
+
+import keras
+from keras.src import backend as _backend
+from keras.src import tree
+
+__all__ = [
+    "functional_of", "graph_nodes", "producer_node", "fill_in", "call_operation",
+    "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
+    "compile_metrics", "loss_tracker", "is_compiled", "tree",
+]
+
+
+def functional_of(model):
+    """The Functional graph behind `model`, or None for a subclassed model."""
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth") and hasattr(
+        model, "_inputs_struct"
+    ):
+        return model
+    return None
+
+
+def graph_nodes(functional):
+    """Ids of the keras Nodes that belong to this graph (a layer may sit in several)."""
+    return {id(n) for nodes in functional._nodes_by_depth.values() for n in nodes}
+
+
+def producer_node(tensor):
+    """The keras Node that produced a KerasTensor."""
+    history = tensor._keras_history
+    return history.operation._inbound_nodes[history.node_index]
+
+
+def fill_in(node, tensor_dict):
+    """(args, kwargs) of a node's call with symbolic tensors replaced by values."""
+    return node.arguments.fill_in(tensor_dict)
+
+
+def call_operation(op, args, kwargs, training):
+    """Call one layer/operation as Functional.call does, passing `training` where taken."""
+    context = getattr(op, "_call_context_args", None)
+    if context is None:  # older Keras 3
+        takes = getattr(op, "_call_has_training_arg", False)
+    else:
+        takes = "training" in context
+    if takes and training is not None:
+        kwargs = dict(kwargs, training=training)
+    return op(*args, **kwargs)
+
+
+def output_structure(functional):
+    return functional._outputs_struct
+
+
+def input_structure(functional):
+    return functional._inputs_struct
+
+
+def pack_outputs(functional, flat):
+    """Flat output values -> the structure the model's `call` returns."""
+    if functional is None:
+        return flat[0] if len(flat) == 1 else list(flat)
+    packed = tree.pack_sequence_as(functional._outputs_struct, list(flat))
+    if isinstance(packed, (list, tuple)) and len(packed) == 1:
+        return packed[0]
+    return packed
+
+
+def symbolic(shape, dtype):
+    return _backend.KerasTensor(tuple(shape), _backend.standardize_dtype(dtype))
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    return _backend.compute_output_spec(fn, *args, **kwargs)
+
+
+def compile_loss(model):
+    return getattr(model, "_compile_loss", None)
+
+
+def compile_metrics(model):
+    return getattr(model, "_compile_metrics", None)
+
+
+def loss_tracker(model):
+    return getattr(model, "_loss_tracker", None)
+
+
+def is_compiled(model):
+    return bool(getattr(model, "compiled", False)) and getattr(model, "optimizer", None) is not None

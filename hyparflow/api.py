@@ -1,0 +1,86 @@
+"""The public entry points: fit and the rank helpers."""
+
+from . import trainer
+from .comm import wrap
+
+__all__ = ["fit", "rank", "size", "is_main"]
+
+
+def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=1, num_replicas=None,
+        num_microbatches=1, shuffle=True, seed=None, verbose="auto", callbacks=None,
+        balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
+        run_eagerly=None):
+    """Train a compiled Keras model with S stages x R replicas x M microbatches.
+
+    Call it on every rank with the same arguments, as `model.fit` on one
+    process; launch with `mpiexec -n S*R python script.py` (one process works
+    too). The model's layer calls are cut into `num_stages` contiguous
+    stages, one per rank; the pipeline is copied `num_replicas` times
+    (default: world size // num_stages); each global batch of `batch_size`
+    samples is cut into `num_replicas` contiguous slices, each of those into
+    `num_microbatches` contiguous microbatches. Gradients are accumulated over
+    microbatches and summed over replicas, each microbatch's loss weighted by
+    its share of the global batch, so training gives the weights one process
+    gets with `model.fit(x, y, batch_size=batch_size)` (to float round-off).
+
+    Args:
+        model: a compiled Keras 3 model (Functional or Sequential to pipeline it;
+            a subclassed model trains with num_stages=1). Its optimizer, loss
+            (per-output losses and loss_weights included) and metrics are used.
+        x, y: numpy arrays, or lists / dicts (by input / output name) of them.
+        batch_size: the global batch, as in `model.fit`.
+        epochs: number of passes over the data.
+        num_stages: pipeline stages (S).
+        num_replicas: data-parallel copies (R); None means world size // S.
+        num_microbatches: microbatches per replica per step (M).
+        shuffle: one permutation per epoch, the same on every rank, from `seed`.
+        seed: the shuffling seed; None draws one on rank 0 and shares it.
+        verbose: 0, 1, 2 or "auto" (= 1), as in `model.fit`; the progress bar is
+            printed by rank 0 only, with global values.
+        callbacks: Keras callbacks; they run on every rank with the global logs.
+        balance: None (cut by estimated compute, see docs/concepts.md) or a
+            list with the number of layer calls of each stage.
+        comm: an mpi4py communicator (default MPI.COMM_WORLD) or a
+            `hyparflow.comm.Communicator`.
+        sample_weight, class_weight: as in `model.fit`.
+        schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
+        run_eagerly: run stages eagerly instead of as tf.functions (debugging);
+            None follows `model.run_eagerly`.
+
+    Returns:
+        A `keras.callbacks.History` with the global loss and metrics per
+        epoch, identical on every rank. When it returns, `model` holds all the
+        trained weights on every rank.
+    """
+    communicator, owned = wrap(comm)
+    try:
+        return trainer.train(
+            model, x, y, comm=communicator, batch_size=batch_size, epochs=epochs,
+            num_stages=num_stages, num_replicas=num_replicas,
+            num_microbatches=num_microbatches, shuffle=shuffle, seed=seed, verbose=verbose,
+            callbacks=callbacks, balance=balance, sample_weight=sample_weight,
+            class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly)
+    finally:
+        if owned:
+            communicator.free()
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def rank():
+    """This process's rank in MPI.COMM_WORLD (0 when run without a launcher)."""
+    return _world().Get_rank()
+
+
+def size():
+    """Number of ranks in MPI.COMM_WORLD."""
+    return _world().Get_size()
+
+
+def is_main():
+    """True on rank 0: the one rank that should print, save and log."""
+    return rank() == 0

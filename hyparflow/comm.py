@@ -1,0 +1,145 @@
+"""Communicators: the protocol the executor uses, and its mpi4py implementation.
+
+Tensors move as numpy buffers with mpi4py's capitalised (buffer) calls; pickled
+calls carry only small set-up metadata. Every wait polls with short sleeps, so
+a rank waiting for a message does not spin a core on an oversubscribed node,
+and gives up after a timeout instead of hanging.
+"""
+
+import os
+import time
+
+import numpy as np
+
+__all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds"]
+
+
+class CommTimeout(RuntimeError):
+    """A wait for a message or collective took longer than the watchdog allows."""
+
+
+def timeout_seconds():
+    """The watchdog: HYPARFLOW_TIMEOUT seconds (default 600; 0 disables)."""
+    value = float(os.environ.get("HYPARFLOW_TIMEOUT", "600"))
+    return value if value > 0 else None
+
+
+def _poll(test, timeout, what):
+    """Wait until `test()` is true, sleeping a little longer each round (at most 1 ms)."""
+    if test():
+        return
+    start = time.monotonic()
+    pause = 2e-5
+    while not test():
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise CommTimeout(f"waited more than {timeout:g} s for {what}")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def wait_all(requests, timeout=None, what="messages"):
+    pending = [r for r in requests if r is not None]
+    _poll(lambda: all(r.test() for r in pending), timeout, what)
+
+
+class Communicator:
+    """What the executor needs from a communicator. `rank`/`size` are attributes."""
+
+    rank: int
+    size: int
+
+    def isend(self, buf, dest, tag): raise NotImplementedError
+    def irecv(self, buf, source, tag): raise NotImplementedError
+    def allreduce(self, buf, timeout=None): raise NotImplementedError
+    def bcast(self, buf, root): raise NotImplementedError
+    def bcast_obj(self, obj, root): raise NotImplementedError
+    def allgather_obj(self, obj): raise NotImplementedError
+    def split(self, color, key): raise NotImplementedError
+    def abort(self, code=1): raise NotImplementedError
+    def free(self): pass
+
+    def barrier(self):
+        self.allgather_obj(None)
+
+
+def _bytes(buf):
+    """A flat byte view of a contiguous array (any dtype, bfloat16 included)."""
+    return buf.reshape(-1).view(np.uint8)
+
+
+class _MPIRequest:
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req, buf):
+        self.req, self.buf = req, buf  # keep the buffer alive until completion
+
+    def test(self):
+        return self.req.Test()
+
+
+class MPICommunicator(Communicator):
+    """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
+
+    def __init__(self, comm, dup=True):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm.Dup() if dup else comm
+        self._owned = dup
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+
+    def isend(self, buf, dest, tag):
+        buf = np.ascontiguousarray(buf)
+        return _MPIRequest(self.comm.Isend([_bytes(buf), self._MPI.BYTE], dest, tag % self.tag_ub), buf)
+
+    def irecv(self, buf, source, tag):
+        return _MPIRequest(self.comm.Irecv([_bytes(buf), self._MPI.BYTE], source, tag % self.tag_ub), buf)
+
+    def allreduce(self, buf, timeout=None):
+        if self.size == 1:
+            return buf
+        req = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
+        _poll(req.Test, timeout, f"an allreduce of {buf.size} values")
+        return buf
+
+    def bcast(self, buf, root, timeout=None):
+        if self.size == 1:
+            return buf
+        req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
+        _poll(req.Test, timeout, f"a broadcast of {buf.nbytes} bytes from rank {root}")
+        return buf
+
+    def bcast_obj(self, obj, root):
+        return self.comm.bcast(obj, root=root) if self.size > 1 else obj
+
+    def allgather_obj(self, obj):
+        return self.comm.allgather(obj) if self.size > 1 else [obj]
+
+    def split(self, color, key):
+        sub = self.comm.Split(self._MPI.UNDEFINED if color is None else color, key)
+        if sub == self._MPI.COMM_NULL:
+            return None
+        return MPICommunicator(sub, dup=False)
+
+    def abort(self, code=1):
+        self.comm.Abort(code)
+
+    def free(self):
+        if self._owned or self.comm != self._MPI.COMM_WORLD:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+
+
+def wrap(comm):
+    """`None` -> COMM_WORLD; an mpi4py communicator -> MPICommunicator; ours as is."""
+    if isinstance(comm, Communicator):
+        return comm, False
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return MPICommunicator(comm), True

@@ -1,0 +1,178 @@
+"""Runs one rank's lowered schedule for a training step: stage + communicator.
+
+Receives are posted for the whole step before the first action, sends are
+non-blocking and completed at the step's end, so the order in which stages
+reach their messages never matters; a wait that outlives the watchdog raises
+with the action it was waiting in.
+"""
+
+import numpy as np
+
+from . import schedule as sched
+from . import weights
+from .comm import CommTimeout, timeout_seconds, wait_all
+
+__all__ = ["Executor", "split_batch"]
+
+_ACT, _GRAD = 0, 1
+
+
+def split_batch(indices, num_replicas, num_microbatches):
+    """Global batch -> per replica, per microbatch, contiguous index arrays.
+
+    `np.array_split` sizes: the first slices take one more sample when the
+    batch does not divide evenly; empty microbatches (only in a short last
+    batch) are dropped."""
+    out = []
+    for part in np.array_split(indices, num_replicas):
+        out.append([m for m in np.array_split(part, num_microbatches) if len(m)])
+    return out
+
+
+class Executor:
+    """One rank: stage `stage` of replica `replica`, driven step by step by the trainer."""
+
+    def __init__(self, comm, topology, partition, graph, stage, optimizer, *,
+                 schedule="gpipe", num_microbatches=1, groups=()):
+        self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
+        self.stage, self.optimizer = stage, optimizer
+        self.schedule, self.num_microbatches = schedule, num_microbatches
+        self.s = topology.stage(comm.rank)
+        self.r = topology.replica(comm.rank)
+        self.plan = partition.stages[self.s]
+        self.groups = groups  # [(communicator, [variable positions in stage.trainable])]
+        self.num_edges = max(1, len(partition.edges))
+        self._lowered = {}
+        self.position = None  # (action, microbatch) being run, for error messages
+        sources = [p.sources for p in partition.stages]
+        dests = [p.dests for p in partition.stages]
+        self._sources, self._dests = sources, dests
+
+    def lowered(self, m):
+        if m not in self._lowered:
+            compute = sched.build(self.schedule, self.topo.num_stages, m)
+            lowered = sched.lower(compute, self._sources, self._dests)
+            sched.validate(lowered, m)
+            self._lowered[m] = lowered[self.s]
+        return self._lowered[m]
+
+    def _tag(self, micro, edge, kind):
+        return (micro * self.num_edges + edge.index) * 2 + kind
+
+    def _rank_of(self, stage):
+        return self.topo.rank(stage, self.r)
+
+    def step(self, micro_indices, batch_size, data):
+        """One training step on this rank's microbatches (`micro_indices`: list of
+        index arrays into the data); returns the step's summed loss contribution."""
+        m = len(micro_indices)
+        contribution = 0.0
+        if m:
+            contribution = self._pipeline(micro_indices, batch_size, data)
+        self.position = ("ALLREDUCE", -1)
+        self._allreduce_and_apply()
+        return contribution
+
+    def _pipeline(self, micro_indices, batch_size, data):
+        g, plan, stage = self.graph, self.plan, self.stage
+        timeout = timeout_seconds()
+        recv_act, recv_grad, sends = {}, {}, []
+        for i, idx in enumerate(micro_indices):
+            for e in plan.recv:
+                t = g.tensors[e.tensor]
+                buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
+                recv_act[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.src),
+                                                               self._tag(i, e, _ACT)))
+            for e in plan.send:
+                t = g.tensors[e.tensor]
+                if not t.floating:
+                    continue
+                buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
+                recv_grad[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.dst),
+                                                                self._tag(i, e, _GRAD)))
+        outs, grads_in = {}, {}
+        total = 0.0
+        for a in self.lowered(len(micro_indices)):
+            i = a.microbatch
+            self.position = (str(a), i)
+            if a.kind == sched.RECV_ACT:
+                reqs = [recv_act[(i, e.index)][1] for e in plan.recv if e.src == a.peer]
+                self._wait(reqs, timeout, a)
+            elif a.kind == sched.F:
+                idx = micro_indices[i]
+                inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
+                inputs += [recv_act.pop((i, e.index))[0] for e in plan.recv]
+                y, sw = (), ()
+                if stage.is_last:
+                    y = [leaf[idx] for leaf in data.y]
+                    sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
+                out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size)
+                outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
+                total += float(c)
+            elif a.kind == sched.SEND_ACT:
+                for e in plan.send:
+                    if e.dst == a.peer:
+                        sends.append(self.comm.isend(outs[i][e.tensor], self._rank_of(e.dst),
+                                                     self._tag(i, e, _ACT)))
+            elif a.kind == sched.RECV_GRAD:
+                reqs = [recv_grad[(i, e.index)][1] for e in plan.send
+                        if e.dst == a.peer and (i, e.index) in recv_grad]
+                self._wait(reqs, timeout, a)
+            elif a.kind == sched.B:
+                out_grads = {}
+                for e in plan.send:
+                    if (i, e.index) in recv_grad:
+                        buf = recv_grad.pop((i, e.index))[0]
+                        out_grads[e.tensor] = buf if e.tensor not in out_grads else out_grads[e.tensor] + buf
+                outs.pop(i, None)
+                grads = stage.backward(i, out_grads)
+                grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
+            elif a.kind == sched.SEND_GRAD:
+                for e in plan.recv:
+                    if e.src == a.peer and e.tensor in grads_in[i]:
+                        sends.append(self.comm.isend(grads_in[i][e.tensor], self._rank_of(e.src),
+                                                     self._tag(i, e, _GRAD)))
+            elif a.kind in (sched.ALLREDUCE, sched.STEP):
+                break  # the trainer's step closes with these, for every replica alike
+        self.position = ("SEND_WAIT", -1)
+        self._wait(sends, timeout, "completing sends")
+        return total
+
+    def _wait(self, reqs, timeout, action):
+        try:
+            wait_all(reqs, timeout, f"{action} on rank {self.comm.rank} (stage {self.s}, replica {self.r})")
+        except CommTimeout as exc:
+            raise CommTimeout(f"{exc}; schedule position: {self.position}") from None
+
+    def _allreduce_and_apply(self):
+        """Sum gradients over every rank holding each variable, then step the optimizer.
+
+        Variables are grouped by the set of stages that use them: usually just
+        this stage (an allreduce over its replicas); a weight shared between
+        stages is summed over all of them, so every copy takes the same step.
+        One flag per variable rides along, so a variable that got no gradient
+        anywhere is skipped as Keras skips it."""
+        grads, touched = self.stage.take_grads()
+        variables = self.stage.trainable
+        final = [None] * len(variables)
+        for comm, positions in self.groups:
+            flat = weights.pack([grads[k] for k in positions] +
+                                [touched[positions].astype(np.float32)], np.float32)
+            if comm is not None and comm.size > 1:
+                comm.allreduce(flat, timeout_seconds())
+            flags = flat[len(flat) - len(positions):]
+            values = weights.unpack(flat, [variables[k] for k in positions])
+            for k, value, flag in zip(positions, values, flags):
+                if flag > 0:
+                    final[k] = value
+        pairs = [(g, v) for g, v in zip(final, variables) if g is not None]
+        if pairs:
+            self.optimizer.apply_gradients(pairs)
+
+
+def _np_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)

@@ -1,0 +1,187 @@
+"""A Keras model as a LayerGraph: layer calls in a topological order, tensors with shapes."""
+
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+
+from . import _compat
+
+__all__ = ["LayerGraph", "Node", "Tensor", "from_model"]
+
+
+@dataclass
+class Tensor:
+    """A value flowing in the graph. `producer` is a node index, or None for a model input."""
+
+    index: int
+    shape: tuple  # first dimension is the batch (None)
+    dtype: str
+    producer: object = None
+    input_position: object = None
+    keras_tensor: object = field(default=None, repr=False)
+
+    @property
+    def floating(self):
+        return np.dtype(self.dtype).kind == "f" if self.dtype != "bfloat16" else True
+
+
+@dataclass
+class Node:
+    """One call of a layer or operation (a layer called twice is two nodes)."""
+
+    index: int
+    name: str
+    op: object = field(repr=False)
+    keras_node: object = field(repr=False)
+    inputs: list
+    outputs: list
+    params: int
+    cost: float
+
+
+@dataclass
+class LayerGraph:
+    nodes: list
+    tensors: list
+    inputs: list   # tensor index of each model input, in the model's flat input order
+    outputs: list  # tensor index of each model output, in the model's flat output order
+    functional: object = field(repr=False)  # None for a subclassed model (one opaque node)
+    input_names: list = field(default_factory=list)
+    output_names: list = field(default_factory=list)
+
+    def variables_of(self, node_indices, trainable):
+        """Variables of the given nodes' operations, each once, in first-use order."""
+        seen, out = set(), []
+        for i in node_indices:
+            op = self.nodes[i].op
+            for v in (op.trainable_weights if trainable else op.non_trainable_weights):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+
+def _numel(shape):
+    n = 1
+    for d in shape[1:]:
+        n *= d if d is not None else 1
+    return n
+
+
+def _estimate_cost(op, out_shapes, params):
+    """Forward compute estimate per sample, in multiply-adds.
+
+    A weight is used once per output position (the output size divided by its
+    last dimension): exact for Dense and Conv, close for recurrent layers. Layers
+    without weights and lookups (Embedding) cost about one operation per output
+    element.
+    """
+    elems = sum(_numel(s) for s in out_shapes)
+    if params == 0 or isinstance(op, keras.layers.Embedding):
+        return float(elems)
+    positions = max(1, max(_numel(s) // max(1, (s[-1] or 1)) if len(s) > 1 else 1
+                           for s in out_shapes))
+    return float(params * positions + elems)
+
+
+def _param_count(op):
+    return int(sum(int(np.prod(v.shape)) for v in op.trainable_weights))
+
+
+def from_model(model, x_shapes=None):
+    """Read `model`'s graph. A subclassed model becomes one opaque node whose inputs
+    have the shapes `x_shapes` (flat list of array shapes)."""
+    functional = _compat.functional_of(model)
+    if functional is None:
+        return _opaque(model, x_shapes)
+    members = _compat.graph_nodes(functional)
+    tensors, tensor_of = [], {}
+
+    def tensor(kt, producer=None, input_position=None):
+        key = id(kt)
+        if key not in tensor_of:
+            shape = tuple(kt.shape)
+            t = Tensor(len(tensors), shape, str(kt.dtype), producer, input_position, kt)
+            tensors.append(t)
+            tensor_of[key] = t.index
+        return tensor_of[key]
+
+    flat_inputs = _compat.tree.flatten(_compat.input_structure(functional))
+    inputs = [tensor(kt, input_position=p) for p, kt in enumerate(flat_inputs)]
+    flat_outputs = _compat.tree.flatten(_compat.output_structure(functional))
+
+    # Depth-first post-order from the outputs: a node comes right after the
+    # last of its inputs' producers, so a branch stays contiguous and a
+    # stage cut falls between blocks rather than across them.
+    order, state = [], {}
+    stack = [(_compat.producer_node(kt), False) for kt in reversed(flat_outputs)]
+    while stack:
+        node, expanded = stack.pop()
+        key = id(node)
+        if node.is_input or state.get(key) == "done":
+            continue
+        if expanded:
+            state[key] = "done"
+            order.append(node)
+            continue
+        if state.get(key) == "open":
+            continue
+        if key not in members:
+            raise ValueError(
+                f"Layer {node.operation.name!r} is used by the model's graph through a call "
+                "that is not part of it; hyparflow cannot place it."
+            )
+        state[key] = "open"
+        stack.append((node, True))
+        for kt in reversed(node.input_tensors):
+            stack.append((_compat.producer_node(kt), False))
+
+    nodes, calls = [], {}
+    for kn in order:
+        op = kn.operation
+        ins = []
+        for kt in kn.input_tensors:
+            if id(kt) not in tensor_of:
+                raise ValueError(
+                    f"Layer call {op.name!r} reads a tensor that is neither a model input nor "
+                    "produced by an earlier layer call; hyparflow cannot place it."
+                )
+            ins.append(tensor_of[id(kt)])
+        index = len(nodes)
+        outs = [tensor(kt, producer=index) for kt in kn.outputs]
+        calls[id(op)] = calls.get(id(op), 0) + 1
+        name = op.name if calls[id(op)] == 1 else f"{op.name}#{calls[id(op)]}"
+        params = _param_count(op) if calls[id(op)] == 1 else 0
+        cost = _estimate_cost(op, [tensors[t].shape for t in outs], _param_count(op))
+        nodes.append(Node(index, name, op, kn, ins, outs, params, cost))
+
+    outputs = []
+    for kt in flat_outputs:
+        if id(kt) not in tensor_of:
+            raise ValueError(f"Model output {kt.name!r} is not connected to the model's inputs.")
+        outputs.append(tensor_of[id(kt)])
+    if not nodes:
+        raise ValueError("The model has no layer calls between its inputs and outputs.")
+    return LayerGraph(
+        nodes, tensors, inputs, outputs, functional,
+        input_names=[kt.name for kt in flat_inputs],
+        output_names=list(getattr(model, "output_names", None) or
+                          [kt.name for kt in flat_outputs]),
+    )
+
+
+def _opaque(model, x_shapes):
+    """A subclassed model: its `call` cannot be read, so it is one node."""
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built: call it once on a batch (or build it) "
+            "before hyparflow.fit, so its variables exist on every rank."
+        )
+    if not x_shapes:
+        raise ValueError("A subclassed model needs its input shapes from the data.")
+    tensors = [Tensor(i, (None,) + tuple(s[1:]), "float32", None, i) for i, s in enumerate(x_shapes)]
+    node = Node(0, model.name, model, None, [t.index for t in tensors], [], _param_count(model), 1.0)
+    return LayerGraph([node], tensors, [t.index for t in tensors], [], None,
+                      input_names=[f"input_{i}" for i in range(len(tensors))],
+                      output_names=list(getattr(model, "output_names", None) or []))

@@ -1,0 +1,167 @@
+"""One stage's computation in TensorFlow: forward under a tape, backward, gradient sums.
+
+The forward runs the stage's layer calls (compiled with `tf.function`, batch
+dimension `None`, so it traces once). Calling a compiled function under an
+eager `GradientTape` makes TensorFlow keep the intermediates it needs and run
+the backward as compiled code too, so there is neither recomputation nor
+per-layer Python in the backward.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from . import _compat
+
+__all__ = ["Stage"]
+
+
+def _spec(tensor, batch=None):
+    return tf.TensorSpec((batch,) + tuple(tensor.shape[1:]), tf.as_dtype(tensor.dtype))
+
+
+class Stage:
+    """Runs stage `plan.index` of `graph` for the user's `model`, on its own variables.
+
+    Inputs are the model inputs this stage reads from data followed by the
+    boundary tensors it receives (`input_ids`); outputs are the boundary
+    tensors it sends (`output_ids`). The last stage also computes the compiled
+    loss and metrics. Every forward returns `contribution`: the microbatch's
+    loss (last stage) plus its layers' own losses (regularisers), scaled by the
+    microbatch's share of the global batch, so that summing contributions and
+    their gradients over microbatches and replicas gives the full batch's.
+    """
+
+    def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
+                 y_specs=(), has_sample_weight=False):
+        self.graph, self.plan, self.model = graph, plan, model
+        self.is_last = is_last
+        self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
+        self.output_ids = sorted({e.tensor for e in plan.send})
+        self.trainable = graph.variables_of(plan.nodes, trainable=True)
+        # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
+        # shared with an earlier stage is counted there, once.
+        self._loss_ops = []
+        seen = set()
+        for i in plan.nodes:
+            op = graph.nodes[i].op
+            if id(op) in seen:
+                continue
+            seen.add(id(op))
+            weights = op.weights
+            if not weights or all(partition.owner.get(id(v)) == plan.index for v in weights):
+                self._loss_ops.append(op)
+        # Gradients flow back only into received tensors; data inputs need none.
+        self._diff = [k for k, t in enumerate(self.input_ids)
+                      if k >= len(plan.data_inputs) and graph.tensors[t].floating]
+        self._saved = {}
+        self.grads = [None] * len(self.trainable)
+        self.touched = np.zeros(len(self.trainable), dtype=bool)
+        if not is_last:
+            y_specs, has_sample_weight = (), False
+        in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
+        y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
+        sw_specs = [tf.TensorSpec((None,), tf.float32)] if has_sample_weight else []
+        signature = [in_specs, y_specs, sw_specs, tf.TensorSpec((), tf.float32)]
+        body = self._body
+        self._forward = body if run_eagerly else tf.function(
+            body, input_signature=signature, reduce_retracing=True)
+
+    # -- the computation ------------------------------------------------------
+    def _run_nodes(self, inputs, training):
+        g = self.graph
+        if g.functional is None:  # a subclassed model: one opaque call
+            x = inputs[0] if len(inputs) == 1 else list(inputs)
+            out = self.model(x, training=training)
+            return {"opaque": _compat.tree.flatten(out)}
+        values = {id(g.tensors[t].keras_tensor): v for t, v in zip(self.input_ids, inputs)}
+        for i in self.plan.nodes:
+            node = g.nodes[i]
+            args, kwargs = _compat.fill_in(node.keras_node, values)
+            out = _compat.call_operation(node.op, args, kwargs, training)
+            for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
+                values[id(kt)] = v
+        return values
+
+    def _value(self, values, t):
+        return values[id(self.graph.tensors[t].keras_tensor)]
+
+    def _body(self, inputs, y, sample_weight, share):
+        values = self._run_nodes(inputs, training=True)
+        extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
+        total = tf.add_n(extra) if extra else tf.zeros((), tf.float32)
+        if self.graph.functional is None:
+            outs = []
+            flat_pred = values["opaque"]
+        else:
+            outs = [self._value(values, t) for t in self.output_ids]
+            flat_pred = [self._value(values, t) for t in self.plan.outputs]
+        if self.is_last:
+            y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
+            y_true = y[0] if len(y) == 1 else list(y)
+            sw = sample_weight[0] if sample_weight else None
+            loss = _compat.compile_loss(self.model)(y_true, y_pred, sw)
+            metrics = _compat.compile_metrics(self.model)
+            if metrics is not None:
+                metrics.update_state(y_true, y_pred, sample_weight=sw)
+            total = total + tf.cast(loss, tf.float32)
+        return outs, share * total
+
+    # -- the schedule's actions ---------------------------------------------
+    def forward(self, i, inputs, y=(), sample_weight=(), share=1.0):
+        """Forward microbatch `i`; returns its output tensors (by `output_ids`) and
+        its loss contribution. Keeps the tape until `backward(i, ...)`."""
+        inputs = [tf.convert_to_tensor(a) for a in inputs]
+        y = [tf.convert_to_tensor(a) for a in y]
+        sample_weight = [tf.convert_to_tensor(a, tf.float32) for a in sample_weight]
+        share = tf.constant(share, tf.float32)
+        tape = tf.GradientTape()
+        with tape:
+            for k in self._diff:
+                tape.watch(inputs[k])
+            outs, contribution = self._forward(inputs, y, sample_weight, share)
+        self._saved[i] = (tape, [inputs[k] for k in self._diff], outs, contribution)
+        return outs, contribution
+
+    def backward(self, i, out_grads):
+        """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
+        array, or missing when no later stage used it); adds the variables' gradients
+        to `self.grads` and returns the gradients of the received inputs by tensor id."""
+        tape, diff_inputs, outs, contribution = self._saved.pop(i)
+        targets, seeds = [contribution], [tf.ones_like(contribution)]
+        for t, o in zip(self.output_ids, outs):
+            g = out_grads.get(t)
+            if g is not None and self.graph.tensors[t].floating:
+                targets.append(o)
+                seeds.append(tf.convert_to_tensor(g, dtype=o.dtype))
+        sources = list(self.trainable) + diff_inputs
+        result = tape.gradient(targets, sources, output_gradients=seeds,
+                               unconnected_gradients=tf.UnconnectedGradients.NONE)
+        n = len(self.trainable)
+        for k, g in enumerate(result[:n]):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            self.grads[k] = g if self.grads[k] is None else self.grads[k] + g
+            self.touched[k] = True
+        grads_in = {}
+        for k, g in zip(self._diff, result[n:]):
+            t = self.input_ids[k]
+            if g is None:
+                g = tf.zeros_like(diff_inputs[self._diff.index(k)])
+            grads_in[t] = g
+        return grads_in
+
+    def drop(self, i):
+        """Forget microbatch `i`'s tape (forward-only use)."""
+        self._saved.pop(i, None)
+
+    def take_grads(self):
+        """The summed gradients as numpy arrays (zeros where none), then reset."""
+        out = []
+        for v, g in zip(self.trainable, self.grads):
+            out.append(np.zeros(v.shape, v.dtype) if g is None else g.numpy())
+        touched = self.touched.copy()
+        self.grads = [None] * len(self.trainable)
+        self.touched[:] = False
+        return out, touched
