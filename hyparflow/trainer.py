@@ -351,7 +351,9 @@ def _loop(model, setup, comm, batch_size, epochs, shuffle, callbacks, where):
     cbs = keras.callbacks.CallbackList(
         user_callbacks, add_history=True, add_progbar=verbose != 0 and main,
         model=model, verbose=verbose, epochs=epochs, steps=steps)
-    per_step = verbose == 1 or bool(user_callbacks)
+    # Ranks may differ in verbosity (`verbose=1 if hf.is_main() else 0` is common)
+    # or callbacks; per-step logs are a collective, so all join if any wants them.
+    per_step = any(comm.allgather_obj(verbose == 1 or bool(user_callbacks)))
     logs = _Logs(model, comm)
     r = topo.replica(comm.rank)
     model.stop_training = False
