@@ -90,3 +90,46 @@ def loss_tracker(model):
 
 def is_compiled(model):
     return bool(getattr(model, "compiled", False)) and getattr(model, "optimizer", None) is not None
+
+
+def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
+    """`CompileLoss.__call__` for one microbatch that is `share` of the global batch.
+
+    Keras weights each per-output loss tracker ("out_loss" in the logs) by the
+    batch's *static* size, which is None in its traced train function, so
+    `model.fit` reports the plain mean over steps of each batch's per-output
+    loss. Weighting a microbatch's update by its share of the global batch adds
+    up, over microbatches and replicas, to exactly one update per step with
+    the global batch's per-output loss: the same numbers as `model.fit`.
+
+    `y_true` must have the structure of `y_pred` (the trainer packs it so)."""
+    from keras import ops
+
+    def resolve(path, obj):
+        for p in path:
+            obj = obj[p]
+        return obj
+
+    def conform(structure, value):
+        if structure is None:
+            return value
+        try:
+            tree.assert_same_structure(structure, value)
+            return value
+        except ValueError:
+            return tree.pack_sequence_as(structure, tree.flatten(value))
+
+    y_pred = conform(loss._y_pred_build_structure, y_pred)
+    y_true = conform(loss._y_true_build_structure, y_true)
+    metrics = list(loss.metrics) or [None] * len(loss._flat_losses)
+    values = []
+    for (path, fn, weight, _), metric in zip(loss._flat_losses, metrics):
+        y_t, y_p = resolve(path, y_true), resolve(path, y_pred)
+        sw = resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+        value = ops.cast(fn(y_t, y_p, sw), dtype=loss.dtype)
+        if metric is not None:
+            metric.update_state(value, sample_weight=share)
+        if weight is not None:
+            value = ops.multiply(value, weight)
+        values.append(value)
+    return sum(values) if values else ops.zeros(())

@@ -165,10 +165,19 @@ def from_model(model, x_shapes=None):
         raise ValueError("The model has no layer calls between its inputs and outputs.")
     return LayerGraph(
         nodes, tensors, inputs, outputs, functional,
-        input_names=[kt.name for kt in flat_inputs],
-        output_names=list(getattr(model, "output_names", None) or
-                          [kt.name for kt in flat_outputs]),
+        input_names=_names(_compat.input_structure(functional), [kt.name for kt in flat_inputs]),
+        output_names=_names(_compat.output_structure(functional),
+                            list(getattr(model, "output_names", None) or
+                                 [kt.name for kt in flat_outputs])),
     )
+
+
+def _names(structure, fallback):
+    """Names by which dict data is matched to the flat inputs/outputs: the dict's
+    keys (in the flat order) when the model was built with a dict, else layer names."""
+    if isinstance(structure, dict):
+        return [path[0] for path, _ in _compat.tree.flatten_with_path(structure)]
+    return fallback
 
 
 def _opaque(model, x_shapes):

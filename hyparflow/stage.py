@@ -99,7 +99,8 @@ class Stage:
             y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
             y_true = y[0] if len(y) == 1 else list(y)
             sw = sample_weight[0] if sample_weight else None
-            loss = _compat.compile_loss(self.model)(y_true, y_pred, sw)
+            loss = _compat.call_compile_loss(_compat.compile_loss(self.model), y_true, y_pred, sw,
+                                             share)
             metrics = _compat.compile_metrics(self.model)
             if metrics is not None:
                 metrics.update_state(y_true, y_pred, sample_weight=sw)

@@ -147,7 +147,10 @@ def _build_compiled(model, graph, data):
     x_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.x]
     y_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.y]
     sw_sym = _compat.symbolic((None,), "float32") if data.sample_weight is not None else None
-    x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
+    if graph.functional is not None:
+        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
+    else:
+        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
     y_pred = _compat.compute_output_spec(model, x_arg, training=False)
     y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
         y_sym[0] if len(y_sym) == 1 else y_sym)
