@@ -1,0 +1,127 @@
+"""Bad input gets a clear error naming the value and the fix, and trains nothing."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+import models
+from hyparflow.local import run_ranks
+
+
+def fit_on(size, build, x, y, **kwargs):
+    def body(comm):
+        return hf.fit(build(), x, y, comm=comm, verbose=0, **kwargs)
+
+    return run_ranks(size, body, timeout=120)
+
+
+def test_world_size_not_stages_times_replicas():
+    x, y = models.mlp_data(32)
+    with pytest.raises(ValueError, match=r"2 x 2 = 4 ranks, but 3 were launched"):
+        fit_on(3, models.mlp, x, y, num_stages=2, num_replicas=2)
+    with pytest.raises(ValueError, match=r"does not divide"):
+        fit_on(3, models.mlp, x, y, num_stages=2)
+
+
+def test_more_stages_than_layer_calls():
+    x, y = models.mlp_data(32)
+    with pytest.raises(ValueError, match=r"num_stages=7 is larger than the number of layer calls in the model \(5\)"):
+        fit_on(7, models.mlp, x, y, num_stages=7)
+
+
+def test_batch_smaller_than_replicas_times_microbatches():
+    x, y = models.mlp_data(32)
+    with pytest.raises(ValueError, match=r"batch_size=4 is smaller than num_replicas x num_microbatches = 2 x 4"):
+        fit_on(2, models.mlp, x, y, num_stages=1, num_microbatches=4, batch_size=4)
+
+
+def test_uncompiled_model():
+    x, y = models.mlp_data(32)
+
+    def build():
+        inp = keras.Input((12,))
+        return keras.Model(inp, keras.layers.Dense(2)(inp))
+
+    with pytest.raises(ValueError, match=r"is not compiled: call model.compile"):
+        fit_on(1, build, x, y)
+
+
+def test_x_and_y_lengths_differ():
+    x, y = models.mlp_data(32)
+    with pytest.raises(ValueError, match=r"same number of samples.*'y\[0\]': 31"):
+        fit_on(1, models.mlp, x, y[:31])
+
+
+def test_balance_does_not_sum():
+    x, y = models.mlp_data(32)
+    with pytest.raises(ValueError, match=r"`balance` must sum to the number of layer calls in the model \(5\). Received: balance=\[1, 2\]"):
+        fit_on(2, models.mlp, x, y, num_stages=2, balance=[1, 2])
+    with pytest.raises(ValueError, match=r"one count per stage"):
+        fit_on(2, models.mlp, x, y, num_stages=2, balance=[5])
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(8, activation="relu")
+        self.b = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def build_subclassed():
+    keras.utils.set_random_seed(5)
+    model = Subclassed()
+    model(np.zeros((1, 12), "float32"))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_subclassed_model_cannot_be_pipelined_but_trains_data_parallel():
+    x, y = models.mlp_data(40)
+    with pytest.raises(ValueError, match=r"subclassed keras.Model.*num_stages=1.*Functional"):
+        fit_on(2, build_subclassed, x, y, num_stages=2)
+    # S=1: plain data parallelism, and the same weights as one process.
+    reference = build_subclassed()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    def body(comm):
+        model = build_subclassed()
+        model.set_weights(start)
+        hf.fit(model, x, y, comm=comm, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for weights in run_ranks(2, body, timeout=120):
+        for a, b in zip(weights, reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_ranks_that_disagree_are_told_so():
+    x, y = models.mlp_data(32)
+
+    def body(comm):
+        n = 32 if comm.rank == 0 else 30
+        return hf.fit(models.mlp(), x[:n], y[:n], comm=comm, verbose=0, num_stages=2)
+
+    with pytest.raises(ValueError, match=r"Ranks disagree on the training set-up.*samples"):
+        run_ranks(2, body, timeout=120)
+
+
+def test_error_in_one_rank_stops_the_others():
+    """A layer that fails on one rank mid-training: every rank stops, none hangs."""
+    x, y = models.mlp_data(64)
+
+    def body(comm):
+        model = models.mlp()
+        if comm.rank == 1:
+            def failing(*args, **kwargs):
+                raise RuntimeError("injected failure on rank 1")
+
+            model.optimizer.apply_gradients = failing
+        return hf.fit(model, x, y, comm=comm, verbose=0, num_stages=2, batch_size=16)
+
+    with pytest.raises(RuntimeError, match="injected failure on rank 1"):
+        run_ranks(2, body, timeout=120)

@@ -1,0 +1,70 @@
+"""Schedules as data: builders, lowering, validation and simulation (no TF, no MPI)."""
+
+import pytest
+
+from hyparflow import schedule as sched
+
+
+def test_gpipe_reads_like_the_paper():
+    assert [sched.format_actions(a) for a in sched.gpipe(2, 3)] == ["F0 F1 F2 B0 B1 B2"] * 2
+
+
+def test_one_f_one_b_warms_up_then_alternates():
+    lists = sched.one_f_one_b(3, 4)
+    assert sched.format_actions(lists[0]) == "F0 F1 F2 B0 F3 B1 B2 B3"
+    assert sched.format_actions(lists[1]) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert sched.format_actions(lists[2]) == "F0 B0 F1 B1 F2 B2 F3 B3"
+
+
+def test_parse_is_the_inverse_of_format():
+    text = "ra0@0 F0 sa0@2 rg0@2 B0 sg0@0 ALLREDUCE STEP"
+    assert sched.format_actions(sched.parse(text)) == text
+
+
+def chain(n):
+    return [[s - 1] if s else [] for s in range(n)], [[s + 1] if s < n - 1 else [] for s in range(n)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(1, 1), (2, 4), (3, 3), (4, 8), (4, 2)])
+def test_lowered_schedules_validate_and_run(name, stages, micro):
+    sources, dests = chain(stages)
+    lowered = sched.lower(sched.build(name, stages, micro), sources, dests)
+    sched.validate(lowered, micro)
+    result = sched.simulate(lowered, forward_time=1, backward_time=1)
+    # Equal forward and backward times: the classic bubble (S-1)/(M+S-1).
+    assert result.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+    if name == "1f1b":
+        assert result.peak_activations == [min(stages - s, micro) for s in range(stages)]
+    else:
+        assert result.peak_activations == [micro] * stages
+
+
+def test_skip_edges_lower_to_direct_messages():
+    # Stage 0 feeds stages 1 and 2 directly (a skip connection over stage 1).
+    sources, dests = [[], [0], [0, 1]], [[1, 2], [2], []]
+    lowered = sched.lower(sched.gpipe(3, 2), sources, dests)
+    sched.validate(lowered, 2)
+    assert sched.format_actions(lowered[0][:3]) == "F0 sa0@1 sa0@2"
+    assert sched.simulate(lowered).makespan > 0
+
+
+def test_validate_catches_mistakes():
+    with pytest.raises(ValueError, match="before its forward"):
+        sched.validate([sched.parse("B0 F0")], 1)
+    with pytest.raises(ValueError, match="forwarded twice"):
+        sched.validate([sched.parse("F0 F0 B0")], 1)
+    with pytest.raises(ValueError, match="do not match"):
+        sched.validate([sched.parse("F0 sa0@1 B0"), sched.parse("F0 B0")], 1)
+
+
+def test_simulate_reports_deadlock():
+    # Both stages wait for each other's activations first.
+    lowered = [sched.parse("ra0@1 F0 sa0@1 B0"), sched.parse("ra0@0 F0 sa0@0 B0")]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        sched.simulate(lowered)
+
+
+def test_unknown_schedule_names_the_choices():
+    with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe'\]"):
+        sched.build("zigzag", 2, 2)
