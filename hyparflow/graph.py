@@ -55,7 +55,8 @@ class LayerGraph:
         seen, out = set(), []
         for i in node_indices:
             op = self.nodes[i].op
-            for v in (op.trainable_weights if trainable else op.non_trainable_weights):
+            # Plain operations (keras.ops calls) have no weights at all.
+            for v in getattr(op, "trainable_weights" if trainable else "non_trainable_weights", ()):
                 if id(v) not in seen:
                     seen.add(id(v))
                     out.append(v)
@@ -86,7 +87,7 @@ def _estimate_cost(op, out_shapes, params):
 
 
 def _param_count(op):
-    return int(sum(int(np.prod(v.shape)) for v in op.trainable_weights))
+    return int(sum(int(np.prod(v.shape)) for v in getattr(op, "trainable_weights", ())))
 
 
 def from_model(model, x_shapes=None):

@@ -47,6 +47,8 @@ class Stage:
             if id(op) in seen:
                 continue
             seen.add(id(op))
+            if not hasattr(op, "losses"):
+                continue  # a plain operation: no weights, no losses
             weights = op.weights
             if not weights or all(partition.owner.get(id(v)) == plan.index for v in weights):
                 self._loss_ops.append(op)
