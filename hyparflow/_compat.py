@@ -133,3 +133,11 @@ def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
             value = ops.multiply(value, weight)
         values.append(value)
     return sum(values) if values else ops.zeros(())
+
+
+def seed_generators(layer):
+    """The keras SeedGenerators a layer (and its sublayers) draws randomness from."""
+    out = []
+    for sub in layer._flatten_layers(include_self=True) if hasattr(layer, "_flatten_layers") else ():
+        out.extend(getattr(sub, "_seed_generators", ()))
+    return out

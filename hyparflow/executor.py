@@ -62,18 +62,19 @@ class Executor:
     def _rank_of(self, stage):
         return self.topo.rank(stage, self.r)
 
-    def step(self, micro_indices, batch_size, data):
-        """One training step on this rank's microbatches (`micro_indices`: list of
-        index arrays into the data); returns the step's summed loss contribution."""
+    def step(self, micro_indices, batch_size, data, step_id=0, seed=0):
+        """Training step number `step_id` on this rank's microbatches (`micro_indices`:
+        list of index arrays into the data); returns the step's summed loss contribution."""
         m = len(micro_indices)
         contribution = 0.0
         if m:
-            contribution = self._pipeline(micro_indices, batch_size, data)
+            first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
+            contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
         self.position = ("ALLREDUCE", -1)
         self._allreduce_and_apply()
         return contribution
 
-    def _pipeline(self, micro_indices, batch_size, data):
+    def _pipeline(self, micro_indices, batch_size, data, first_id, seed):
         g, plan, stage = self.graph, self.plan, self.stage
         timeout = timeout_seconds()
         recv_act, recv_grad, sends = {}, {}, []
@@ -106,6 +107,7 @@ class Executor:
                 if stage.is_last:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
+                stage.reseed(seed, first_id + i)
                 out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size)
                 outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
                 total += float(c)

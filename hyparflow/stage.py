@@ -53,6 +53,16 @@ class Stage:
             if not weights or all(partition.owner.get(id(v)) == plan.index for v in weights):
                 self._loss_ops.append(op)
         # Gradients flow back only into received tensors; data inputs need none.
+        # Random layers: a stable model-wide number for each seed generator, so a
+        # microbatch's randomness depends on (seed, microbatch, generator), never on
+        # which stage or rank runs it.
+        numbers = {id(g): k for k, g in enumerate(_compat.seed_generators(model))}
+        self._generators, seen_gen = [], set()
+        for i in plan.nodes:
+            for g in _compat.seed_generators(graph.nodes[i].op):
+                if id(g) not in seen_gen:
+                    seen_gen.add(id(g))
+                    self._generators.append((numbers.get(id(g), len(numbers)), g))
         self._diff = [k for k, t in enumerate(self.input_ids)
                       if k >= len(plan.data_inputs) and graph.tensors[t].floating]
         self._saved = {}
@@ -108,6 +118,12 @@ class Stage:
                 metrics.update_state(y_true, y_pred, sample_weight=sw)
             total = total + tf.cast(loss, tf.float32)
         return outs, share * total
+
+    def reseed(self, seed, microbatch_id):
+        """Set every random layer's generator from (seed, global microbatch id, its number)."""
+        for number, g in self._generators:
+            mixed = (seed * 0x9E3779B1 + number * 0x85EBCA77 + microbatch_id * 0xC2B2AE3D) % (2**31 - 1)
+            g.state.assign(np.array([mixed, 0], dtype=g.state.dtype))
 
     # -- the schedule's actions ---------------------------------------------
     def forward(self, i, inputs, y=(), sample_weight=(), share=1.0):
