@@ -298,13 +298,6 @@ def _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
                 f"its shape {t.shape} has unknown dimensions besides the batch. Give the model's "
                 "Input a full shape, or choose a `balance` that cuts elsewhere."
             )
-        if getattr(t.keras_tensor, "_keras_mask", None) is not None:
-            raise ValueError(
-                f"Tensor {t.keras_tensor.name!r} carries a Keras mask (e.g. from "
-                "Embedding(mask_zero=True)) and would cross from stage "
-                f"{e.src} to stage {e.dst}; masks do not cross stages. Choose a `balance` that "
-                "keeps the masked layers on one stage."
-            )
     topo = Topology(num_stages, num_replicas)
     _check_agreement(comm, {
         "samples": len(data), "x_shapes": [a.shape[1:] for a in data.x],

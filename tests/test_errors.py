@@ -126,19 +126,3 @@ def test_error_in_one_rank_stops_the_others():
     with pytest.raises(RuntimeError, match="injected failure on rank 1"):
         run_ranks(2, body, timeout=120)
 
-
-def test_a_mask_may_not_cross_stages():
-    def build():
-        keras.utils.set_random_seed(0)
-        inp = keras.Input((6,), dtype="int32")
-        x = keras.layers.Embedding(20, 4, mask_zero=True)(inp)
-        x = keras.layers.LSTM(4)(x)
-        model = keras.Model(inp, keras.layers.Dense(2)(x))
-        model.compile(optimizer="sgd", loss="mse")
-        return model
-
-    x = np.random.default_rng(0).integers(0, 20, (16, 6)).astype("int32")
-    y = np.zeros((16, 2), "float32")
-    with pytest.raises(ValueError, match=r"carries a Keras mask.*balance"):
-        fit_on(2, build, x, y, num_stages=2, balance=[1, 2])
-    fit_on(2, build, x, y, num_stages=2, balance=[2, 1], batch_size=8)  # cut after the mask's use

@@ -142,6 +142,22 @@ def text_rnn():
     return _compile(keras.Model(inp, out)), (rng.integers(0, 50, (40, 12)).astype("int32"), rng.integers(0, 2, 40))
 
 
+def masked_text():
+    """Embedding(mask_zero=True): Keras 3 passes the mask to the LSTM as an explicit
+    argument of its call, so the mask is a boundary tensor like any other."""
+    keras.utils.set_random_seed(21)
+    inp = keras.Input((10,), dtype="int32")
+    x = L.Embedding(30, 6, mask_zero=True)(inp)
+    x = L.LSTM(6)(x)
+    x = L.Dense(6, activation="relu")(x)
+    out = L.Dense(2, activation="softmax")(x)
+    rng = np.random.default_rng(21)
+    tokens = rng.integers(1, 30, (40, 10)).astype("int32")
+    for row, length in zip(tokens, rng.integers(3, 11, 40)):
+        row[length:] = 0  # padded sequences of different lengths
+    return _compile(keras.Model(inp, out)), (tokens, rng.integers(0, 2, 40))
+
+
 def ops_graph():
     """keras.ops calls in a Functional graph become operation nodes (no Lambda)."""
     keras.utils.set_random_seed(18)
@@ -190,4 +206,4 @@ def multi_io():
 
 
 ZOO = {f.__name__: f for f in (unet, densenet, inception, sequential, nested, custom_layers, frozen,
-                               text_rnn, ops_graph, tied, multi_io)}
+                               text_rnn, masked_text, ops_graph, tied, multi_io)}
