@@ -1,13 +1,28 @@
 """The public entry points: fit and the rank helpers."""
 
+import os
+
 from . import trainer
 from .comm import wrap
 
 __all__ = ["fit", "rank", "size", "is_main"]
 
 
-def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=1, num_replicas=None,
-        num_microbatches=1, shuffle=True, seed=None, verbose="auto", callbacks=None,
+def _from_env(value, name, default):
+    """An argument left as None takes HYPARFLOW_<NAME> (set by `hyparflow run`), else default."""
+    if value is not None:
+        return value
+    text = os.environ.get(f"HYPARFLOW_{name.upper()}")
+    if text:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"HYPARFLOW_{name.upper()} must be an integer. Received: {text!r}") from None
+    return default
+
+
+def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
+        num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
         run_eagerly=None):
     """Train a compiled Keras model with S stages x R replicas x M microbatches.
@@ -30,9 +45,11 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=1, num_replicas
         x, y: numpy arrays, or lists / dicts (by input / output name) of them.
         batch_size: the global batch, as in `model.fit`.
         epochs: number of passes over the data.
-        num_stages: pipeline stages (S).
-        num_replicas: data-parallel copies (R); None means world size // S.
-        num_microbatches: microbatches per replica per step (M).
+        num_stages: pipeline stages (S); None: $HYPARFLOW_NUM_STAGES, else 1.
+        num_replicas: data-parallel copies (R); None: $HYPARFLOW_NUM_REPLICAS,
+            else world size // S.
+        num_microbatches: microbatches per replica per step (M); None:
+            $HYPARFLOW_NUM_MICROBATCHES, else 1.
         shuffle: one permutation per epoch, the same on every rank, from `seed`.
         seed: the shuffling seed; None draws one on rank 0 and shares it.
         verbose: 0, 1, 2 or "auto" (= 1), as in `model.fit`; the progress bar is
@@ -56,8 +73,9 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=1, num_replicas
     try:
         return trainer.train(
             model, x, y, comm=communicator, batch_size=batch_size, epochs=epochs,
-            num_stages=num_stages, num_replicas=num_replicas,
-            num_microbatches=num_microbatches, shuffle=shuffle, seed=seed, verbose=verbose,
+            num_stages=_from_env(num_stages, "num_stages", 1),
+            num_replicas=_from_env(num_replicas, "num_replicas", None),
+            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1), shuffle=shuffle, seed=seed, verbose=verbose,
             callbacks=callbacks, balance=balance, sample_weight=sample_weight,
             class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly)
     finally:

@@ -126,3 +126,14 @@ def test_error_in_one_rank_stops_the_others():
     with pytest.raises(RuntimeError, match="injected failure on rank 1"):
         run_ranks(2, body, timeout=120)
 
+
+
+def test_stage_and_microbatch_defaults_come_from_the_environment(monkeypatch):
+    x, y = models.mlp_data(32)
+    monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "2")
+    monkeypatch.setenv("HYPARFLOW_NUM_MICROBATCHES", "4")
+    with pytest.raises(ValueError, match=r"num_replicas x num_microbatches = 1 x 4"):
+        fit_on(2, models.mlp, x, y, batch_size=2)
+    monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "two")
+    with pytest.raises(ValueError, match=r"HYPARFLOW_NUM_STAGES must be an integer"):
+        fit_on(1, models.mlp, x, y)
