@@ -24,7 +24,7 @@ def _from_env(value, name, default):
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
-        run_eagerly=None):
+        run_eagerly=None, recompute=False, trace=None):
     """Train a compiled Keras model with S stages x R replicas x M microbatches.
 
     Call it on every rank with the same arguments, as `model.fit` on one
@@ -63,6 +63,10 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
         run_eagerly: run stages eagerly instead of as tf.functions (debugging);
             None follows `model.run_eagerly`.
+        recompute: keep only each stage's inputs per microbatch and recompute
+            its forward in the backward (less memory, one more forward).
+        trace: a path; every action on every rank is recorded and written there
+            by rank 0 as Chrome-trace JSON (see `hyparflow trace`).
 
     Returns:
         A `keras.callbacks.History` with the global loss and metrics per
@@ -77,7 +81,8 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             num_replicas=_from_env(num_replicas, "num_replicas", None),
             num_microbatches=_from_env(num_microbatches, "num_microbatches", 1), shuffle=shuffle, seed=seed, verbose=verbose,
             callbacks=callbacks, balance=balance, sample_weight=sample_weight,
-            class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly)
+            class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly,
+            recompute=recompute, trace=trace)
     finally:
         if owned:
             communicator.free()

@@ -51,6 +51,11 @@ class Communicator:
     def isend(self, buf, dest, tag): raise NotImplementedError
     def irecv(self, buf, source, tag): raise NotImplementedError
     def allreduce(self, buf, timeout=None): raise NotImplementedError
+
+    def iallreduce(self, buf):
+        """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
+        self.allreduce(buf)
+        return _Done()
     def bcast(self, buf, root): raise NotImplementedError
     def bcast_obj(self, obj, root): raise NotImplementedError
     def allgather_obj(self, obj): raise NotImplementedError
@@ -60,6 +65,11 @@ class Communicator:
 
     def barrier(self):
         self.allgather_obj(None)
+
+
+class _Done:
+    def test(self):
+        return True
 
 
 def _bytes(buf):
@@ -103,6 +113,11 @@ class MPICommunicator(Communicator):
         req = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
         _poll(req.Test, timeout, f"an allreduce of {buf.size} values")
         return buf
+
+    def iallreduce(self, buf):
+        if self.size == 1:
+            return _Done()
+        return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
 
     def bcast(self, buf, root, timeout=None):
         if self.size == 1:

@@ -3,8 +3,11 @@
 Receives are posted for the whole step before the first action, sends are
 non-blocking and completed at the step's end, so the order in which stages
 reach their messages never matters; a wait that outlives the watchdog raises
-with the action it was waiting in.
+with the action it was waiting in. With a `Timeline`, every action is
+recorded with its wall time.
 """
+
+import time
 
 import numpy as np
 
@@ -12,9 +15,10 @@ from . import schedule as sched
 from . import weights
 from .comm import CommTimeout, timeout_seconds, wait_all
 
-__all__ = ["Executor", "split_batch"]
+__all__ = ["Executor", "split_batch", "BUCKET_BYTES"]
 
 _ACT, _GRAD = 0, 1
+BUCKET_BYTES = 8 << 20  # gradient allreduce bucket size
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -33,7 +37,7 @@ class Executor:
     """One rank: stage `stage` of replica `replica`, driven step by step by the trainer."""
 
     def __init__(self, comm, topology, partition, graph, stage, optimizer, *,
-                 schedule="gpipe", num_microbatches=1, groups=()):
+                 schedule="gpipe", num_microbatches=1, groups=(), timeline=None):
         self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
         self.stage, self.optimizer = stage, optimizer
         self.schedule, self.num_microbatches = schedule, num_microbatches
@@ -42,11 +46,11 @@ class Executor:
         self.plan = partition.stages[self.s]
         self.groups = groups  # [(communicator, [variable positions in stage.trainable])]
         self.num_edges = max(1, len(partition.edges))
+        self.timeline = timeline
         self._lowered = {}
-        self.position = None  # (action, microbatch) being run, for error messages
-        sources = [p.sources for p in partition.stages]
-        dests = [p.dests for p in partition.stages]
-        self._sources, self._dests = sources, dests
+        self.position = None  # the action being run, for error messages
+        self._sources = [p.sources for p in partition.stages]
+        self._dests = [p.dests for p in partition.stages]
 
     def lowered(self, m):
         if m not in self._lowered:
@@ -62,22 +66,25 @@ class Executor:
     def _rank_of(self, stage):
         return self.topo.rank(stage, self.r)
 
+    def _record(self, name, cat, start, **args):
+        if self.timeline is not None:
+            self.timeline.add(name, cat, start, time.perf_counter(), **args)
+
     def step(self, micro_indices, batch_size, data, step_id=0, seed=0):
         """Training step number `step_id` on this rank's microbatches (`micro_indices`:
         list of index arrays into the data); returns the step's summed loss contribution."""
-        m = len(micro_indices)
+        start = time.perf_counter()
         contribution = 0.0
-        if m:
+        if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
-        self.position = ("ALLREDUCE", -1)
         self._allreduce_and_apply()
+        self._record("step", "step", start, step=step_id)
         return contribution
 
-    def _pipeline(self, micro_indices, batch_size, data, first_id, seed):
-        g, plan, stage = self.graph, self.plan, self.stage
-        timeout = timeout_seconds()
-        recv_act, recv_grad, sends = {}, {}, []
+    def _post_receives(self, micro_indices):
+        g, plan = self.graph, self.plan
+        recv_act, recv_grad = {}, {}
         for i, idx in enumerate(micro_indices):
             for e in plan.recv:
                 t = g.tensors[e.tensor]
@@ -91,14 +98,21 @@ class Executor:
                 buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
                 recv_grad[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.dst),
                                                                 self._tag(i, e, _GRAD)))
-        outs, grads_in = {}, {}
+        return recv_act, recv_grad
+
+    def _pipeline(self, micro_indices, batch_size, data, first_id, seed):
+        g, plan, stage = self.graph, self.plan, self.stage
+        timeout = timeout_seconds()
+        recv_act, recv_grad = self._post_receives(micro_indices)
+        sends, outs, grads_in = [], {}, {}
         total = 0.0
         for a in self.lowered(len(micro_indices)):
             i = a.microbatch
-            self.position = (str(a), i)
+            self.position = str(a)
+            start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
-                reqs = [recv_act[(i, e.index)][1] for e in plan.recv if e.src == a.peer]
-                self._wait(reqs, timeout, a)
+                self._wait([recv_act[(i, e.index)][1] for e in plan.recv if e.src == a.peer], timeout)
+                self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.F:
                 idx = micro_indices[i]
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
@@ -107,42 +121,50 @@ class Executor:
                 if stage.is_last:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
-                stage.reseed(seed, first_id + i)
-                out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size)
+                out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size,
+                                       seed=(seed, first_id + i))
                 outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
                 total += float(c)
+                self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
                 for e in plan.send:
                     if e.dst == a.peer:
                         sends.append(self.comm.isend(outs[i][e.tensor], self._rank_of(e.dst),
                                                      self._tag(i, e, _ACT)))
+                self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.RECV_GRAD:
-                reqs = [recv_grad[(i, e.index)][1] for e in plan.send
-                        if e.dst == a.peer and (i, e.index) in recv_grad]
-                self._wait(reqs, timeout, a)
+                self._wait([recv_grad[(i, e.index)][1] for e in plan.send
+                            if e.dst == a.peer and (i, e.index) in recv_grad], timeout)
+                self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
                 out_grads = {}
                 for e in plan.send:
                     if (i, e.index) in recv_grad:
                         buf = recv_grad.pop((i, e.index))[0]
+                        # A tensor sent to several stages gets the sum of their gradients.
                         out_grads[e.tensor] = buf if e.tensor not in out_grads else out_grads[e.tensor] + buf
                 outs.pop(i, None)
                 grads = stage.backward(i, out_grads)
                 grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
+                self._record(str(a), "backward", start, microbatch=i)
             elif a.kind == sched.SEND_GRAD:
                 for e in plan.recv:
                     if e.src == a.peer and e.tensor in grads_in[i]:
                         sends.append(self.comm.isend(grads_in[i][e.tensor], self._rank_of(e.src),
                                                      self._tag(i, e, _GRAD)))
+                self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind in (sched.ALLREDUCE, sched.STEP):
-                break  # the trainer's step closes with these, for every replica alike
-        self.position = ("SEND_WAIT", -1)
-        self._wait(sends, timeout, "completing sends")
+                break  # the step closes with these for every replica alike, below
+        self.position = "completing sends"
+        start = time.perf_counter()
+        self._wait(sends, timeout)
+        self._record("send wait", "wait", start)
         return total
 
-    def _wait(self, reqs, timeout, action):
+    def _wait(self, reqs, timeout):
+        where = f"rank {self.comm.rank} (stage {self.s}, replica {self.r})"
         try:
-            wait_all(reqs, timeout, f"{action} on rank {self.comm.rank} (stage {self.s}, replica {self.r})")
+            wait_all(reqs, timeout, f"{self.position} on {where}")
         except CommTimeout as exc:
             raise CommTimeout(f"{exc}; schedule position: {self.position}") from None
 
@@ -152,24 +174,49 @@ class Executor:
         Variables are grouped by the set of stages that use them: usually just
         this stage (an allreduce over its replicas); a weight shared between
         stages is summed over all of them, so every copy takes the same step.
-        One flag per variable rides along, so a variable that got no gradient
-        anywhere is skipped as Keras skips it."""
+        Each group is cut into buckets of about BUCKET_BYTES whose allreduces
+        are all in flight at once. One flag per variable rides along, so a
+        variable that got no gradient anywhere is skipped as Keras skips it."""
+        self.position = "ALLREDUCE"
+        start = time.perf_counter()
         grads, touched = self.stage.take_grads()
         variables = self.stage.trainable
-        final = [None] * len(variables)
+        pending = []
         for comm, positions in self.groups:
-            flat = weights.pack([grads[k] for k in positions] +
-                                [touched[positions].astype(np.float32)], np.float32)
-            if comm is not None and comm.size > 1:
-                comm.allreduce(flat, timeout_seconds())
-            flags = flat[len(flat) - len(positions):]
-            values = weights.unpack(flat, [variables[k] for k in positions])
-            for k, value, flag in zip(positions, values, flags):
+            for bucket in _buckets(positions, variables):
+                flat = weights.pack([grads[k] for k in bucket] +
+                                    [touched[bucket].astype(np.float32)], np.float32)
+                req = comm.iallreduce(flat) if comm is not None and comm.size > 1 else None
+                pending.append((bucket, flat, req))
+        self._wait([req for _, _, req in pending], timeout_seconds())
+        final = [None] * len(variables)
+        for bucket, flat, _ in pending:
+            flags = flat[len(flat) - len(bucket):]
+            for k, value, flag in zip(bucket, weights.unpack(flat, [variables[k] for k in bucket]), flags):
                 if flag > 0:
                     final[k] = value
+        self._record("allreduce", "allreduce", start)
+        self.position = "STEP"
+        start = time.perf_counter()
         pairs = [(g, v) for g, v in zip(final, variables) if g is not None]
         if pairs:
             self.optimizer.apply_gradients(pairs)
+        self._record("optimizer", "optimizer", start)
+
+
+def _buckets(positions, variables):
+    """Consecutive runs of variables of about BUCKET_BYTES each (one at least)."""
+    out, current, size = [], [], 0
+    for k in positions:
+        nbytes = 4 * int(np.prod(variables[k].shape))
+        if current and size + nbytes > BUCKET_BYTES:
+            out.append(current)
+            current, size = [], 0
+        current.append(k)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
 
 
 def _np_dtype(dtype):

@@ -32,15 +32,17 @@ class Stage:
     """
 
     def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
-                 y_specs=(), has_sample_weight=False):
+                 y_specs=(), has_sample_weight=False, recompute=False):
         self.graph, self.plan, self.model = graph, plan, model
         self.is_last = is_last
+        self.recompute = recompute
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
         self.output_ids = sorted({e.tensor for e in plan.send})
         self.trainable = graph.variables_of(plan.nodes, trainable=True)
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
         self._loss_ops = []
+        self._state = graph.variables_of(plan.nodes, trainable=False)
         seen = set()
         for i in plan.nodes:
             op = graph.nodes[i].op
@@ -126,26 +128,52 @@ class Stage:
             g.state.assign(np.array([mixed, 0], dtype=g.state.dtype))
 
     # -- the schedule's actions ---------------------------------------------
-    def forward(self, i, inputs, y=(), sample_weight=(), share=1.0):
-        """Forward microbatch `i`; returns its output tensors (by `output_ids`) and
-        its loss contribution. Keeps the tape until `backward(i, ...)`."""
-        inputs = [tf.convert_to_tensor(a) for a in inputs]
-        y = [tf.convert_to_tensor(a) for a in y]
-        sample_weight = [tf.convert_to_tensor(a, tf.float32) for a in sample_weight]
-        share = tf.constant(share, tf.float32)
+    def forward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None):
+        """Forward microbatch `i`; returns its output tensors (by `output_ids`) and its
+        loss contribution. Keeps what `backward(i, ...)` needs: the tape, or with
+        `recompute` only the stage's inputs. `seed`: (seed, global microbatch id)
+        for the random layers."""
+        if seed is not None:
+            self.reseed(*seed)
+        args = ([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
+                [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
+                tf.constant(share, tf.float32))
+        if self.recompute:
+            outs, contribution = self._forward(*args)
+            self._saved[i] = (args, seed)
+            return outs, contribution
+        tape, outs, contribution = self._taped(args)
+        self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution)
+        return outs, contribution
+
+    def _taped(self, args):
         tape = tf.GradientTape()
         with tape:
             for k in self._diff:
-                tape.watch(inputs[k])
-            outs, contribution = self._forward(inputs, y, sample_weight, share)
-        self._saved[i] = (tape, [inputs[k] for k in self._diff], outs, contribution)
-        return outs, contribution
+                tape.watch(args[0][k])
+            outs, contribution = self._forward(*args)
+        return tape, outs, contribution
+
+    def _replay(self, i):
+        """Recompute microbatch `i`'s forward under a tape, leaving the layers' state
+        (BatchNorm statistics, seed generators) as the first forward left it."""
+        args, seed = self._saved.pop(i)
+        before = [v.numpy() for v in self._state]
+        if seed is not None:
+            self.reseed(*seed)
+        tape, outs, contribution = self._taped(args)
+        for v, value in zip(self._state, before):
+            v.assign(value)
+        return tape, [args[0][k] for k in self._diff], outs, contribution
 
     def backward(self, i, out_grads):
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
         array, or missing when no later stage used it); adds the variables' gradients
         to `self.grads` and returns the gradients of the received inputs by tensor id."""
-        tape, diff_inputs, outs, contribution = self._saved.pop(i)
+        if self.recompute:
+            tape, diff_inputs, outs, contribution = self._replay(i)
+        else:
+            tape, diff_inputs, outs, contribution = self._saved.pop(i)
         targets, seeds = [contribution], [tf.ones_like(contribution)]
         for t, o in zip(self.output_ids, outs):
             g = out_grads.get(t)

@@ -14,6 +14,7 @@ from . import weights
 from .comm import timeout_seconds
 from .executor import Executor, split_batch
 from .stage import Stage
+from .timeline import Timeline
 from .topology import Topology
 
 __all__ = ["train", "Data", "prepare_data"]
@@ -187,34 +188,38 @@ def _agree_on_error(comm, error):
             raise RuntimeError(f"hyparflow.fit set-up failed on rank {r}: {e[0]}: {e[1]}")
 
 
-def _make_groups(comm, topo, part, stage):
+def _make_groups(comm, topo, part, stage, model_variables):
     """One communicator per set of stages sharing variables (normally one stage):
     every rank joins each split, in the same sorted order. Returns
     {stage set: (communicator or None, positions in stage.trainable)}."""
     s = topo.stage(comm.rank)
     index_of = {id(v): k for k, v in enumerate(stage.trainable)}
+    # Pack variables in the model's order, which every stage of a group shares.
+    order = {id(v): k for k, v in enumerate(model_variables)}
     groups = {}
     for key in sorted(set(part.users.values())):
         color = 0 if s in key else None
         sub = comm.split(color, comm.rank) if topo.size > 1 else None
         if color is None:
             continue
-        positions = sorted(index_of[vid] for vid, users in part.users.items()
-                           if users == key and vid in index_of)
+        positions = sorted((index_of[vid] for vid, users in part.users.items()
+                            if users == key and vid in index_of),
+                           key=lambda k: order[id(stage.trainable[k])])
         groups[key] = (sub, positions)
     return groups
 
 
 def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
           num_microbatches, shuffle, seed, verbose, callbacks, balance,
-          sample_weight=None, class_weight=None, schedule="gpipe", run_eagerly=None):
+          sample_weight=None, class_weight=None, schedule="gpipe", run_eagerly=None,
+          recompute=False, trace=None):
     """The body of `hyparflow.fit` for one rank (see its docstring)."""
     where = {"rank": comm.rank, "action": "set-up"}
     error, setup = None, None
     try:
         setup = _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
                        num_microbatches, seed, verbose, balance, sample_weight, class_weight,
-                       schedule, run_eagerly)
+                       schedule, run_eagerly, recompute, trace)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     _agree_on_error(comm, error)
@@ -242,7 +247,7 @@ def _fail(comm, setup, exc):
 
 def _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
            num_microbatches, seed, verbose, balance, sample_weight, class_weight,
-           schedule, run_eagerly):
+           schedule, run_eagerly, recompute, trace):
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
     if not _compat.is_compiled(model):
@@ -279,6 +284,11 @@ def _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
             "microbatch would be empty. Raise batch_size or lower num_microbatches."
         )
     verbose = _resolve_verbose(verbose)
+    from .schedule import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
+                         f"Received: schedule={schedule!r}")
     x_leaves = [np.asarray(a) for a in (_leaves(x, [], "x") if not isinstance(x, dict) else list(x.values()))]
     graph = _graph.from_model(model, [a.shape for a in x_leaves])
     if graph.functional is None and num_stages > 1:
@@ -315,14 +325,15 @@ def _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
     stage = Stage(graph, part.stages[s], model, part, is_last=(s == num_stages - 1),
                   run_eagerly=eager,
                   y_specs=[((None,) + a.shape[1:], a.dtype) for a in data.y],
-                  has_sample_weight=data.sample_weight is not None)
+                  has_sample_weight=data.sample_weight is not None, recompute=recompute)
     optimizer = model.optimizer
     if not optimizer.built:
         # Only this stage's variables: optimizer state is split like the weights.
         optimizer.build(stage.trainable)
-    groups = _make_groups(comm, topo, part, stage)
+    groups = _make_groups(comm, topo, part, stage, model.weights)
+    timeline = Timeline(comm.rank) if trace else None
     executor = Executor(comm, topo, part, graph, stage, optimizer, schedule=schedule,
-                        num_microbatches=num_microbatches,
+                        num_microbatches=num_microbatches, timeline=timeline,
                         groups=[g for g in groups.values() if g[1]])
     executor.lowered(num_microbatches)  # validate the schedule before any step
     stage_comm = groups.get((s,), (None, []))[0]
@@ -333,7 +344,8 @@ def _setup(model, x, y, comm, batch_size, epochs, num_stages, num_replicas,
         "graph": graph, "data": data, "part": part, "topo": topo, "stage": stage,
         "executor": executor, "seed": seed, "verbose": verbose, "owners": owners,
         "non_trainable": non_trainable, "stage_comm": stage_comm,
-        "num_microbatches": num_microbatches,
+        "num_microbatches": num_microbatches, "timeline": timeline, "trace": trace,
+        "schedule": schedule,
     }
 
 
@@ -360,6 +372,9 @@ def _loop(model, setup, comm, batch_size, epochs, shuffle, callbacks, where):
     logs = _Logs(model, comm)
     r = topo.replica(comm.rank)
     model.stop_training = False
+    timeline = setup["timeline"]
+    if timeline is not None:
+        timeline.start(comm)
     cbs.on_train_begin()
     epoch_logs = {}
     for epoch in range(epochs):
@@ -388,4 +403,8 @@ def _loop(model, setup, comm, batch_size, epochs, shuffle, callbacks, where):
         if model.stop_training:
             break
     cbs.on_train_end(epoch_logs)
+    if timeline is not None:
+        timeline.write(comm, setup["trace"], {
+            "num_stages": topo.num_stages, "num_replicas": topo.num_replicas,
+            "num_microbatches": setup["num_microbatches"], "schedule": setup["schedule"]})
     return model.history

@@ -1,0 +1,75 @@
+"""1F1B, eager vs compiled, recomputation and the timeline keep the numerical contract."""
+
+import json
+
+import numpy as np
+import pytest
+
+import models
+from conftest import max_diff, train_ranks
+from hyparflow import timeline as T
+from test_rules import bn_data, bn_model
+
+
+def reference(build, x, y, epochs=2, batch_size=16):
+    model = build()
+    start = model.get_weights()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return start, model.get_weights()
+
+
+@pytest.mark.parametrize("options", [
+    {"schedule": "1f1b"},
+    {"schedule": "1f1b", "recompute": True},
+    {"run_eagerly": True},
+    {"recompute": True},
+])
+@pytest.mark.parametrize("config", [(3, 1, 4), (2, 2, 2)])
+def test_options_give_plain_keras_weights(options, config):
+    x, y = models.skip_cnn_data()
+    start, expected = reference(models.skip_cnn, x, y)
+    s, r, m = config
+    results = train_ranks(models.skip_cnn, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
+                          weights=start, batch_size=16, epochs=2, shuffle=False,
+                          balance=models.SKIP_CNN_BALANCE[s], **options)
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+
+
+def test_gpipe_and_1f1b_accumulate_in_the_same_order():
+    x, y = models.mlp_data()
+    start, _ = reference(models.mlp, x, y)
+    runs = [train_ranks(models.mlp, x, y, num_stages=3, num_replicas=1, num_microbatches=4,
+                        weights=start, batch_size=16, epochs=2, shuffle=False, schedule=s)[0][0]
+            for s in ("gpipe", "1f1b")]
+    assert max_diff(*runs) == 0.0
+
+
+def test_recompute_updates_batchnorm_statistics_once():
+    x, y = bn_data()
+    start = bn_model().get_weights()
+    plain, again = [train_ranks(bn_model, x, y, num_stages=2, num_replicas=1, num_microbatches=2,
+                                weights=start, batch_size=16, epochs=2, shuffle=False,
+                                recompute=flag)[0][0] for flag in (False, True)]
+    assert max_diff(plain, again) <= 1e-6
+
+
+def test_trace_records_every_action_on_every_rank(tmp_path):
+    x, y = models.mlp_data(64)
+    start, _ = reference(models.mlp, x, y)
+    path = tmp_path / "run.json"
+    train_ranks(models.mlp, x, y, num_stages=2, num_replicas=2, num_microbatches=4,
+                weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in events} == {0, 1, 2, 3}
+    cats = {e["cat"] for e in events}
+    assert {"forward", "backward", "send", "wait", "allreduce", "optimizer", "step"} <= cats
+    for rank in range(4):
+        mine = [e for e in events if e["tid"] == rank]
+        assert sum(e["cat"] == "forward" for e in mine) == 4 * 4   # 4 steps x 4 microbatches
+        assert sum(e["cat"] == "backward" for e in mine) == 4 * 4
+    assert trace["otherData"]["num_stages"] == 2
+    assert 0.0 <= T.bubble(trace) < 1.0
+    picture = tmp_path / "run.png"
+    T.draw(trace, str(picture))
+    assert picture.stat().st_size > 1000
