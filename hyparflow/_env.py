@@ -6,7 +6,7 @@ import sys
 import tempfile
 
 __all__ = ["quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
-           "start_tensorflow"]
+           "start_tensorflow", "oversubscribed"]
 
 
 def quiet_tensorflow():
@@ -89,6 +89,11 @@ def start_tensorflow():
         done = configure_threads()
         tf.constant(0.0) + 1.0  # starts the runtime, which logs once more
     return done
+
+
+def oversubscribed():
+    """True when this node's ranks want more threads than it has cores."""
+    return local_ranks() * threads_per_rank() > (os.cpu_count() or 1)
 
 
 def configure_threads():

@@ -24,11 +24,41 @@ def timeout_seconds():
     return value if value > 0 else None
 
 
-def _poll(test, timeout, what):
-    """Wait until `test()` is true, sleeping a little longer each round (at most 1 ms)."""
+def _spin_seconds():
+    """How long a wait polls without sleeping before it backs off.
+
+    MPI moves large messages and non-blocking collectives forward only inside
+    Test calls, so sleeping between polls slows them; but on an oversubscribed
+    node a spinning rank steals the core another rank needs. Default: 20 ms of
+    spinning when every rank has its own cores, none otherwise;
+    HYPARFLOW_SPIN_SECONDS overrides."""
+    value = os.environ.get("HYPARFLOW_SPIN_SECONDS")
+    if value is not None:
+        return float(value)
+    from . import _env
+
+    return 0.0 if _env.oversubscribed() else 0.02
+
+
+_SPIN = None
+
+
+def _poll(test, timeout, what, spin=None):
+    """Wait until `test()` is true: spin for a while (`spin` seconds, default from
+    `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
+    waiting rank leaves its core to others."""
+    global _SPIN
     if test():
         return
+    if spin is None:
+        if _SPIN is None:
+            _SPIN = _spin_seconds()
+        spin = _SPIN
     start = time.monotonic()
+    spin_until = start + spin
+    while time.monotonic() < spin_until:
+        if test():
+            return
     pause = 2e-5
     while not test():
         if timeout is not None and time.monotonic() - start > timeout:
@@ -37,9 +67,9 @@ def _poll(test, timeout, what):
         pause = min(pause * 2, 1e-3)
 
 
-def wait_all(requests, timeout=None, what="messages"):
+def wait_all(requests, timeout=None, what="messages", spin=None):
     pending = [r for r in requests if r is not None]
-    _poll(lambda: all(r.test() for r in pending), timeout, what)
+    _poll(lambda: all(r.test() for r in pending), timeout, what, spin)
 
 
 class Communicator:
@@ -47,6 +77,7 @@ class Communicator:
 
     rank: int
     size: int
+    spin = None  # seconds a wait may spin; None: the default for MPI processes
 
     def isend(self, buf, dest, tag): raise NotImplementedError
     def irecv(self, buf, source, tag): raise NotImplementedError
@@ -111,7 +142,7 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             return buf
         req = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
-        _poll(req.Test, timeout, f"an allreduce of {buf.size} values")
+        _poll(req.Test, timeout, f"an allreduce of {buf.size} values", self.spin)
         return buf
 
     def iallreduce(self, buf):
@@ -123,7 +154,7 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             return buf
         req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
-        _poll(req.Test, timeout, f"a broadcast of {buf.nbytes} bytes from rank {root}")
+        _poll(req.Test, timeout, f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
         return buf
 
     def bcast_obj(self, obj, root):

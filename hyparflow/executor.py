@@ -12,7 +12,6 @@ import time
 import numpy as np
 
 from . import schedule as sched
-from . import weights
 from .comm import CommTimeout, timeout_seconds, wait_all
 
 __all__ = ["Executor", "split_batch", "BUCKET_BYTES"]
@@ -164,7 +163,7 @@ class Executor:
     def _wait(self, reqs, timeout):
         where = f"rank {self.comm.rank} (stage {self.s}, replica {self.r})"
         try:
-            wait_all(reqs, timeout, f"{self.position} on {where}")
+            wait_all(reqs, timeout, f"{self.position} on {where}", self.comm.spin)
         except CommTimeout as exc:
             raise CommTimeout(f"{exc}; schedule position: {self.position}") from None
 
@@ -179,28 +178,19 @@ class Executor:
         variable that got no gradient anywhere is skipped as Keras skips it."""
         self.position = "ALLREDUCE"
         start = time.perf_counter()
-        grads, touched = self.stage.take_grads()
         variables = self.stage.trainable
         pending = []
         for comm, positions in self.groups:
             for bucket in _buckets(positions, variables):
-                flat = weights.pack([grads[k] for k in bucket] +
-                                    [touched[bucket].astype(np.float32)], np.float32)
+                flat = self.stage.flat_grads(bucket)
                 req = comm.iallreduce(flat) if comm is not None and comm.size > 1 else None
                 pending.append((bucket, flat, req))
+        self.stage.reset_grads()
         self._wait([req for _, _, req in pending], timeout_seconds())
-        final = [None] * len(variables)
-        for bucket, flat, _ in pending:
-            flags = flat[len(flat) - len(bucket):]
-            for k, value, flag in zip(bucket, weights.unpack(flat, [variables[k] for k in bucket]), flags):
-                if flag > 0:
-                    final[k] = value
         self._record("allreduce", "allreduce", start)
         self.position = "STEP"
         start = time.perf_counter()
-        pairs = [(g, v) for g, v in zip(final, variables) if g is not None]
-        if pairs:
-            self.optimizer.apply_gradients(pairs)
+        self.stage.apply(self.optimizer, [(bucket, flat) for bucket, flat, _ in pending])
         self._record("optimizer", "optimizer", start)
 
 

@@ -58,6 +58,8 @@ class _LocalRequest:
 
 
 class LocalCommunicator(Communicator):
+    spin = 0.0  # ranks are threads: a spinning wait would hold the GIL from the others
+
     def __init__(self, world, group, rank):
         self.world, self.group, self.rank = world, group, rank
         self.size = len(group.members)
@@ -112,7 +114,7 @@ class LocalCommunicator(Communicator):
             with w.lock:
                 return len(g.slots[seq]) == self.size
 
-        _poll(ready, timeout, f"collective #{seq} on group {g.gid}")
+        _poll(ready, timeout, f"collective #{seq} on group {g.gid}", spin=0.0)
         with w.lock:
             values = [g.slots[seq][r] for r in range(self.size)]
             g.reads[seq] = g.reads.get(seq, 0) + 1

@@ -77,6 +77,7 @@ class Stage:
         sw_specs = [tf.TensorSpec((None,), tf.float32)] if has_sample_weight else []
         signature = [in_specs, y_specs, sw_specs, tf.TensorSpec((), tf.float32)]
         body = self._body
+        self._eager = run_eagerly
         self._forward = body if run_eagerly else tf.function(
             body, input_signature=signature, reduce_retracing=True)
 
@@ -203,12 +204,62 @@ class Stage:
         """Forget microbatch `i`'s tape (forward-only use)."""
         self._saved.pop(i, None)
 
-    def take_grads(self):
-        """The summed gradients as numpy arrays (zeros where none), then reset."""
-        out = []
-        for v, g in zip(self.trainable, self.grads):
-            out.append(np.zeros(v.shape, v.dtype) if g is None else g.numpy())
-        touched = self.touched.copy()
+    def flat_grads(self, positions):
+        """The summed gradients of variables `positions` in one writable float32 buffer
+        (zeros where none), followed by one flag per variable: 1 if it got a gradient."""
+        parts = []
+        for k in positions:
+            g = self.grads[k]
+            n = int(np.prod(self.trainable[k].shape))
+            parts.append(tf.zeros([n], tf.float32) if g is None else tf.reshape(tf.cast(g, tf.float32), [-1]))
+        parts.append(tf.constant(self.touched[positions].astype(np.float32)))
+        return np.array(tf.concat(parts, 0))
+
+    def reset_grads(self):
         self.grads = [None] * len(self.trainable)
         self.touched[:] = False
-        return out, touched
+
+    def apply(self, optimizer, buckets):
+        """Step `optimizer` with the reduced buffers of `flat_grads` ((positions, flat) pairs).
+
+        When every variable got a gradient (the usual case) the step is one compiled
+        call, as in Keras's own train function; otherwise the variables without one
+        are skipped, as Keras skips them."""
+        grads = [None] * len(self.trainable)
+        everything = True
+        for positions, flat in buckets:
+            flags = flat[len(flat) - len(positions):]
+            everything &= bool(np.all(flags > 0))
+            start = 0
+            for k, flag in zip(positions, flags):
+                n = int(np.prod(self.trainable[k].shape))
+                if flag > 0:
+                    grads[k] = flat[start:start + n].reshape(tuple(self.trainable[k].shape))
+                start += n
+        if everything and len(buckets) and all(v.dtype == "float32" for v in self.trainable):
+            layout = tuple(tuple(p) for p, _ in buckets)
+            if getattr(self, "_apply_layout", None) != layout:
+                self._apply_layout = layout
+                self._apply_fn = self._compile_apply(optimizer, layout)
+            self._apply_fn([tf.convert_to_tensor(flat) for _, flat in buckets])
+            return
+        pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
+        if pairs:
+            optimizer.apply_gradients(pairs)
+
+    def _compile_apply(self, optimizer, layout):
+        variables = self.trainable
+        shapes = [tuple(v.shape) for v in variables]
+
+        def step(flats):
+            grads = [None] * len(variables)
+            for positions, flat in zip(layout, flats):
+                sizes = [int(np.prod(shapes[k])) for k in positions] + [len(positions)]
+                pieces = tf.split(flat, sizes)
+                for k, piece in zip(positions, pieces):
+                    grads[k] = tf.reshape(piece, shapes[k])
+            optimizer.apply(grads, variables)
+
+        signature = [[tf.TensorSpec((sum(int(np.prod(shapes[k])) for k in p) + len(p),), tf.float32)
+                      for p in layout]]
+        return step if self._eager else tf.function(step, input_signature=signature)

@@ -1,0 +1,93 @@
+"""The benchmark suite: throughput, step time, bubble and memory, next to a one-process baseline.
+
+    python benchmarks/run.py                 # everything, table + benchmarks/results.json
+    python benchmarks/run.py --only mlp transfer --steps 8
+
+Each configuration runs under `mpiexec -n S*R` with one intra-op thread per rank
+(HYPARFLOW_THREADS=1); the baseline is plain Keras `model.fit` in one process with one
+thread, measured in the same run. Step time is the median of the traced steps after
+the first (which includes tracing); the bubble comes from the same trace.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+# workload -> (global batch, list of (S, R, M, schedule, extra))
+PLANS = {
+    "mlp": (256, [(1, 2, 1, "gpipe"), (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
+    "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
+    "resnet1001": (8, [(2, 1, 4, "1f1b")]),
+}
+
+
+def run(cmd, env=None, timeout=3000):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def worker_cmd(*args):
+    return [sys.executable, os.path.join(HERE, "worker.py"), *map(str, args)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=["mlp", "resnet110", "resnet1001", "transfer"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", default=os.path.join(HERE, "results.json"))
+    parser.add_argument("--trace-dir", default=None, help="keep the traces (and pictures) here")
+    args = parser.parse_args()
+    env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    rows, results = [], {}
+    trace_dir = args.trace_dir or tempfile.mkdtemp()
+    os.makedirs(trace_dir, exist_ok=True)
+    for workload in [w for w in args.only if w in PLANS]:
+        batch, configs = PLANS[workload]
+        base = run(worker_cmd("baseline", workload, batch, args.steps), env)
+        results[workload] = {"baseline": base, "runs": []}
+        rows.append((workload, "baseline 1 proc x 1 thread", base["step_s"], base["samples_s"], 1.0,
+                     "", "", f"{base['peak_mb']:.0f}", f"{base['state_mb']:.1f}"))
+        for s, r, m, schedule in configs:
+            trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}.json")
+            res = run([MPIEXEC, "-n", str(s * r), *worker_cmd(
+                "hf", workload, batch, args.steps, s, r, m, schedule, trace)], env)
+            results[workload]["runs"].append(res)
+            rows.append((workload, f"S={s} R={r} M={m} {schedule}", res["step_s"], res["samples_s"],
+                         res["samples_s"] / base["samples_s"], f"{res['bubble']:.3f}",
+                         f"{res['theory_bubble']:.3f}",
+                         "/".join(f"{v:.0f}" for v in res["peak_mb"]),
+                         "/".join(f"{v:.1f}" for v in res["state_mb"])))
+    if "transfer" in args.only:
+        res = run([MPIEXEC, "-n", "2", *worker_cmd("transfer")], env)
+        results["transfer"] = res
+    header = ("workload", "configuration", "s/step", "samples/s", "x baseline", "bubble",
+              "theory", "peak MB/rank", "params+opt MB/rank")
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *[
+        tuple(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) for row in rows])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    print(fmt.format(*header))
+    for row in rows:
+        print(fmt.format(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row)))
+    if "transfer" in results:
+        print("\nboundary-tensor transfer, one way (ping-pong / 2), median of repeats")
+        print(f"{'bytes':>10}  {'mpi4py Send/Recv s':>20}  {'hyparflow s':>12}  {'ratio':>6}")
+        for row in results["transfer"]["rows"]:
+            print(f"{row['bytes']:>10}  {row['raw_s']:>20.6f}  {row['hf_s']:>12.6f}  "
+                  f"{row['hf_s'] / row['raw_s']:>6.2f}")
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.json}; traces in {trace_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""One benchmark measurement (run by benchmarks/run.py): prints `RESULT {json}`.
+
+    worker.py baseline WORKLOAD BATCH STEPS
+    worker.py hf WORKLOAD BATCH STEPS S R M SCHEDULE TRACE.json      (under mpiexec)
+    worker.py transfer                                                (under mpiexec -n 2)
+"""
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+import hyparflow as hf
+import keras
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import workloads  # noqa: E402
+
+
+def peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def state_mb(variables):
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables) / 2**20
+
+
+def baseline(workload, batch, steps):
+    model, x, y = workloads.make(workload, batch * (steps + 1))
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)  # trace + warm up
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, b, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, b, logs=None):
+            times.append(time.perf_counter() - self.t)
+
+    model.fit(x[batch:], y[batch:], batch_size=batch, epochs=1, verbose=0, shuffle=False,
+              callbacks=[Timer()])
+    step = statistics.median(times)
+    state = state_mb(model.trainable_weights) + state_mb(model.optimizer.variables)
+    return {"step_s": step, "samples_s": batch / step, "peak_mb": peak_mb(), "state_mb": state}
+
+
+def hybrid(workload, batch, steps, s, r, m, schedule, trace):
+    from hyparflow import timeline
+
+    model, x, y = workloads.make(workload, batch * (steps + 1))
+    hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
+           num_microbatches=m, schedule=schedule, verbose=0, shuffle=False, trace=trace)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    # This rank's parameters + optimizer state: the stage's trainable variables and the
+    # optimizer slots built for them (the optimizer only knows its stage's variables).
+    mine = state_mb([v for v in model.optimizer.variables]) + state_mb(
+        [v for v in model.trainable_weights if any(v is w for w in _stage_vars(model))])
+    peaks = comm.gather(peak_mb(), 0)
+    states = comm.gather(mine, 0)
+    if comm.rank == 0:
+        data = timeline.load(trace)
+        rank_steps = {}
+        for e in data["traceEvents"]:
+            if e.get("cat") == "step":
+                rank_steps.setdefault(e["args"]["step"], []).append(e["dur"] / 1e6)
+        per_step = [max(v) for k, v in sorted(rank_steps.items())][1:]  # skip the traced first
+        step = statistics.median(per_step)
+        print("RESULT " + json.dumps({
+            "stages": s, "replicas": r, "microbatches": m, "schedule": schedule,
+            "step_s": step, "samples_s": batch / step, "bubble": timeline.bubble(data),
+            "theory_bubble": timeline.theoretical_bubble(s, m), "peak_mb": peaks,
+            "state_mb": states}), flush=True)
+
+
+def _stage_vars(model):
+    opt = model.optimizer
+    return getattr(opt, "_trainable_variables", [])
+
+
+def transfer():
+    from mpi4py import MPI
+
+    from hyparflow.comm import MPICommunicator, wait_all
+
+    world = MPI.COMM_WORLD
+    hfc = MPICommunicator(world)
+    rank, peer = world.Get_rank(), 1 - world.Get_rank()
+    rows = []
+    for nbytes in [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]:
+        buf = np.ones(nbytes // 4, np.float32)
+        repeats = max(5, min(200, (256 << 20) // nbytes))
+
+        def raw():
+            if rank == 0:
+                world.Send(buf, dest=peer, tag=1)
+                world.Recv(buf, source=peer, tag=2)
+            else:
+                world.Recv(buf, source=peer, tag=1)
+                world.Send(buf, dest=peer, tag=2)
+
+        def ours():
+            # What the executor does for a boundary tensor: Irecv posted, Isend, polled wait.
+            if rank == 0:
+                wait_all([hfc.isend(buf, peer, 3)])
+                wait_all([hfc.irecv(buf, peer, 4)])
+            else:
+                wait_all([hfc.irecv(buf, peer, 3)])
+                wait_all([hfc.isend(buf, peer, 4)])
+
+        result = {}
+        for name, fn in (("raw_s", raw), ("hf_s", ours), ("raw_s", raw), ("hf_s", ours)):
+            times = []
+            for _ in range(repeats):
+                world.Barrier()
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) / 2)
+            result[name] = min(result.get(name, 1e9), statistics.median(times))
+        rows.append({"bytes": nbytes, **result})
+    if rank == 0:
+        print("RESULT " + json.dumps({"rows": rows}), flush=True)
+
+
+if __name__ == "__main__":
+    kind = sys.argv[1]
+    if kind == "baseline":
+        print("RESULT " + json.dumps(baseline(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    elif kind == "hf":
+        w, b, n, s, r, m, sched, trace = sys.argv[2:10]
+        hybrid(w, int(b), int(n), int(s), int(r), int(m), sched, trace)
+    elif kind == "transfer":
+        transfer()

@@ -1,0 +1,84 @@
+"""Benchmark models with synthetic data: the MLP, ResNet-110 and a ResNet-1001-style net."""
+
+import keras
+import numpy as np
+
+L = keras.layers
+
+
+def mlp():
+    """8 Dense(1024) + ReLU layers on 1024 features, MSE, SGD."""
+    inp = keras.Input((1024,))
+    x = inp
+    for _ in range(8):
+        x = L.Dense(1024, activation="relu")(x)
+    model = keras.Model(inp, x, name="mlp8x1024")
+    model.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse")
+    return model, (1024,), (1024,)
+
+
+def _basic_block(x, filters, stride):
+    y = L.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
+    y = L.BatchNormalization()(y)
+    y = L.Activation("relu")(y)
+    y = L.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+    y = L.BatchNormalization()(y)
+    if stride != 1 or x.shape[-1] != filters:
+        x = L.Conv2D(filters, 1, strides=stride, use_bias=False)(x)
+    return L.Activation("relu")(L.Add()([x, y]))
+
+
+def resnet_cifar(depth):
+    """The CIFAR ResNet of He et al.: 3 groups of (depth - 2) / 6 basic blocks."""
+    n = (depth - 2) // 6
+    inp = keras.Input((32, 32, 3))
+    x = L.Activation("relu")(L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(inp)))
+    for group, filters in enumerate((16, 32, 64)):
+        for block in range(n):
+            x = _basic_block(x, filters, 2 if group and block == 0 else 1)
+    x = L.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, L.Dense(10, activation="softmax")(x), name=f"resnet{depth}")
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model, (32, 32, 3), ()
+
+
+def _bottleneck(x, filters, stride):
+    """Pre-activation bottleneck block (ResNet-1001, He et al. 2016)."""
+    y = L.Activation("relu")(L.BatchNormalization()(x))
+    shortcut = x
+    if stride != 1 or x.shape[-1] != 4 * filters:
+        shortcut = L.Conv2D(4 * filters, 1, strides=stride, use_bias=False)(y)
+    y = L.Conv2D(filters, 1, use_bias=False)(y)
+    y = L.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(
+        L.Activation("relu")(L.BatchNormalization()(y)))
+    y = L.Conv2D(4 * filters, 1, use_bias=False)(L.Activation("relu")(L.BatchNormalization()(y)))
+    return L.Add()([shortcut, y])
+
+
+def resnet1001():
+    """ResNet-1001: 3 groups of 111 pre-activation bottleneck blocks (16/32/64 x4 channels)."""
+    inp = keras.Input((32, 32, 3))
+    x = L.Conv2D(16, 3, padding="same", use_bias=False)(inp)
+    for group, filters in enumerate((16, 32, 64)):
+        for block in range(111):
+            x = _bottleneck(x, filters, 2 if group and block == 0 else 1)
+    x = L.GlobalAveragePooling2D()(L.Activation("relu")(L.BatchNormalization()(x)))
+    model = keras.Model(inp, L.Dense(10, activation="softmax")(x), name="resnet1001")
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model, (32, 32, 3), ()
+
+
+def make(name, samples):
+    """(compiled model, x, y) with the same initial weights on every rank."""
+    keras.utils.set_random_seed(0)
+    builders = {"mlp": mlp, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
+    model, x_shape, y_shape = builders[name]()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples,) + x_shape).astype("float32")
+    if y_shape:
+        y = rng.normal(size=(samples,) + y_shape).astype("float32")
+    else:
+        y = rng.integers(0, 10, samples)
+    return model, x, y
