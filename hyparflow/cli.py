@@ -1,0 +1,140 @@
+"""The `hyparflow` command: run, info, slurm."""
+
+import argparse
+import os
+import shlex
+import sys
+
+from . import launch
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_run(sub):
+    p = sub.add_parser(
+        "run", help="start a training script on N ranks (srun in a Slurm job, else mpiexec)",
+        description="Start SCRIPT on N ranks: `srun --mpi=pmi2` inside a Slurm allocation, "
+                    "else the mpiexec beside this Python. Sets HYPARFLOW_NUM_STAGES/REPLICAS/"
+                    "MICROBATCHES (hyparflow.fit's defaults), HYPARFLOW_THREADS, "
+                    "PYTHONUNBUFFERED=1 and TF_CPP_MIN_LOG_LEVEL=2; exits with the run's code.")
+    p.add_argument("-n", "--ranks", type=int, default=None,
+                   help="number of ranks (default: $SLURM_NTASKS inside a Slurm job)")
+    p.add_argument("--stages", type=int, help="pipeline stages S (default $HYPARFLOW_NUM_STAGES or 1)")
+    p.add_argument("--replicas", type=int, help="replicas R (default N // S)")
+    p.add_argument("--microbatches", type=int,
+                   help="microbatches M (default $HYPARFLOW_NUM_MICROBATCHES or 1)")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads per rank (default cores // N on this node)")
+    p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
+                   help="default auto: srun inside a Slurm allocation, else mpiexec")
+    p.add_argument("--dry-run", action="store_true", help="print the environment and command only")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    p.set_defaults(func=_run)
+
+
+def _run(args):
+    plan = launch.plan(args.script, args.args, ranks=args.ranks, stages=args.stages,
+                       replicas=args.replicas, microbatches=args.microbatches,
+                       threads=args.threads, launcher=args.launcher)
+    if args.dry_run:
+        print(launch.describe(plan))
+        return 0
+    launch.execute(plan)  # does not return
+
+
+def _add_info(sub):
+    p = sub.add_parser("info", help="versions, cores, ranks, threads, Slurm: for bug reports",
+                       description="Print what a bug report needs: library versions, MPI, "
+                                   "cores, threads per rank, Slurm.")
+    p.set_defaults(func=_info)
+
+
+def _info(args):
+    print(launch.report())
+    return 0
+
+
+def _add_slurm(sub):
+    from . import slurm
+    p = sub.add_parser(
+        "slurm", help="write an sbatch script for a training script (or submit it)",
+        description="Render an sbatch script from hyparflow's slurm/ templates: print it, "
+                    "write it (--output) or submit it (--submit). The job activates this "
+                    "Python environment and runs SCRIPT with one rank per task.")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=1,
+                   help="ranks per node; a multiple of --stages keeps each pipeline on one node")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages S")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches M")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs (and threads) per rank")
+    p.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS (default 01:00:00)")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--job-name", help="default: the script's name")
+    p.add_argument("--template", help="single (one node, the default), hybrid (several nodes, "
+                   "the default for --nodes > 1), array (with --array), or a template file")
+    p.add_argument("--launcher", choices=slurm.LAUNCHERS, default="srun",
+                   help="srun --mpi=pmi2 (default) or the MPI's mpiexec")
+    p.add_argument("--array", help="job array spec for a sweep, e.g. 0-7 or 0-15%%4; the task "
+                   f"index is appended to the script's arguments, or replaces {slurm.TASK_TOKEN} in them")
+    p.add_argument("--log", help="the job's output file (default JOBNAME-%%j.out, "
+                   "arrays JOBNAME-%%A_%%a.out)")
+    p.add_argument("--overcommit", action="store_true",
+                   help="allow more ranks than CPUs (#SBATCH --overcommit)")
+    p.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
+                   help="extra #SBATCH line, e.g. --sbatch-option=--qos=long (repeatable)")
+    p.add_argument("--output", "-o", help="write the script to this file instead of printing it")
+    p.add_argument("--submit", action="store_true", help="sbatch it and print the job id")
+    p.add_argument("script", help="the Python script the job runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    p.set_defaults(func=_slurm)
+
+
+def _slurm(args):
+    from . import slurm
+    spec = slurm.JobSpec(
+        script=args.script, script_args=list(args.args), nodes=args.nodes,
+        tasks_per_node=args.tasks_per_node, stages=args.stages, microbatches=args.microbatches,
+        time=args.time, partition=args.partition, account=args.account,
+        cpus_per_task=args.cpus_per_task, job_name=args.job_name, template=args.template,
+        launcher=args.launcher, array=args.array, log=args.log, overcommit=args.overcommit,
+        sbatch_options=args.sbatch_option,
+        rendered_by="Rendered by: " + shlex.join(["hyparflow", *sys.argv[1:]]))
+    text, warnings = slurm.render(spec)
+    for warning in warnings:
+        print(f"hyparflow slurm: warning: {warning}", file=sys.stderr)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        os.chmod(args.output, 0o755)
+        print(f"hyparflow slurm: wrote {args.output}", file=sys.stderr)
+    if args.submit:
+        job = slurm.submit(text, path=args.output)
+        print(f"hyparflow slurm: submitted job {job}", file=sys.stderr)
+        print(job)
+    elif not args.output:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
+                                      "an sbatch script.")
+    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm}")
+    sub.required = True
+    _add_run(sub)
+    _add_info(sub)
+    _add_slurm(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except launch.LaunchError as error:
+        print(f"hyparflow {args.command}: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,274 @@
+"""Pick a launcher (srun or mpiexec) and build the command and environment of a run."""
+
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
+           "layout", "run_environment", "plan", "describe", "execute", "report"]
+
+
+class LaunchError(ValueError):
+    """A run that cannot start: bad counts, a missing script or launcher."""
+
+
+@dataclass
+class Plan:
+    """What `hyparflow run` executes: argv and the variables it adds to the environment."""
+
+    launcher: str                      # "srun" or "mpiexec"
+    argv: list
+    env: dict = field(default_factory=dict)   # only the variables set or changed
+    reason: str = ""                   # why this launcher
+
+
+def in_slurm_allocation(environ=None):
+    """True inside an sbatch/salloc job with srun on PATH."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun", path=environ.get("PATH")) is not None
+
+
+def find_mpiexec(environ=None):
+    """The mpiexec beside this Python (the venv's, from the mpich wheel), else on PATH."""
+    environ = os.environ if environ is None else environ
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec", path=environ.get("PATH"))
+
+
+def usable_cores():
+    """Cores this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _positive(name, value):
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(f"{name} must be a positive integer. Received: {value!r}") from None
+    if number < 1:
+        raise LaunchError(f"{name} must be a positive integer. Received: {value!r}")
+    return number
+
+
+def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None):
+    """Check and complete (ranks, stages, replicas, microbatches).
+
+    Unset values come from HYPARFLOW_NUM_* in `environ`, then the defaults of `fit`
+    (1 stage, ranks // stages replicas, 1 microbatch).
+    """
+    environ = os.environ if environ is None else environ
+    ranks = _positive("the number of ranks (-n)", ranks)
+    stages = _positive("--stages", stages if stages is not None
+                       else environ.get("HYPARFLOW_NUM_STAGES") or 1)
+    microbatches = _positive("--microbatches", microbatches if microbatches is not None
+                             else environ.get("HYPARFLOW_NUM_MICROBATCHES") or 1)
+    if ranks % stages:
+        lower = ranks - ranks % stages
+        options = " or ".join(f"-n {n}" for n in (lower, lower + stages) if n)
+        raise LaunchError(
+            f"{ranks} ranks cannot be split into pipelines of {stages} stages: the number of "
+            f"ranks must be a multiple of --stages (e.g. {options}).")
+    replicas = _positive("--replicas", replicas if replicas is not None
+                         else environ.get("HYPARFLOW_NUM_REPLICAS") or ranks // stages)
+    if stages * replicas != ranks:
+        raise LaunchError(f"--stages {stages} x --replicas {replicas} = {stages * replicas} "
+                          f"ranks, but -n is {ranks}; give -n {stages * replicas} or leave "
+                          f"--replicas out (it defaults to -n // --stages).")
+    return ranks, stages, replicas, microbatches
+
+
+def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=None,
+                    environ=None):
+    """The variables a run sets: S, R, M for `fit`, threads per rank, quiet unbuffered Python.
+
+    Threads: `threads` if given, else an HYPARFLOW_THREADS already set, else Slurm's
+    SLURM_CPUS_PER_TASK, else cores // ranks_on_node when that is known (all ranks on
+    this node); otherwise left unset and each rank works it out at start-up.
+    """
+    environ = os.environ if environ is None else environ
+    env = {
+        "HYPARFLOW_NUM_STAGES": str(stages),
+        "HYPARFLOW_NUM_REPLICAS": str(replicas),
+        "HYPARFLOW_NUM_MICROBATCHES": str(microbatches),
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+    }
+    threads = _positive("--threads", threads)
+    if threads is None and environ.get("HYPARFLOW_THREADS"):
+        threads = _positive("HYPARFLOW_THREADS", environ["HYPARFLOW_THREADS"])
+    if threads is None and (environ.get("SLURM_CPUS_PER_TASK") or "").isdigit():
+        threads = max(1, int(environ["SLURM_CPUS_PER_TASK"]))
+    if threads is None and ranks_on_node:
+        threads = max(1, usable_cores() // ranks_on_node)
+    if threads is not None:
+        env["HYPARFLOW_THREADS"] = str(threads)
+        if "OMP_NUM_THREADS" not in environ:
+            env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
+         threads=None, launcher="auto", environ=None, python=None):
+    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix."""
+    environ = os.environ if environ is None else environ
+    python = python or sys.executable
+    if ranks is None and (environ.get("SLURM_NTASKS") or "").isdigit() and in_slurm_allocation(environ):
+        ranks = int(environ["SLURM_NTASKS"])
+    if ranks is None:
+        raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
+    ranks, stages, replicas, microbatches = layout(ranks, stages, replicas, microbatches, environ)
+    if not script:
+        raise LaunchError("give the script to run, e.g. `hyparflow run -n 4 train.py`.")
+    if not os.path.isfile(script):
+        raise LaunchError(f"script not found: {script!r} (from {os.getcwd()})")
+
+    if launcher == "auto":
+        launcher = "srun" if in_slurm_allocation(environ) else "mpiexec"
+        reason = (f"inside Slurm job {environ.get('SLURM_JOB_ID')}" if launcher == "srun"
+                  else "no Slurm allocation: SLURM_JOB_ID unset or no srun")
+    else:
+        reason = "--launcher"
+    command = [python, script, *script_args]
+    if launcher == "srun":
+        srun = shutil.which("srun", path=environ.get("PATH"))
+        if srun is None:
+            raise LaunchError("srun not found on PATH.")
+        argv = [srun, "--mpi=pmi2", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
+        ranks_on_node = None  # srun may spread the ranks over several nodes
+    elif launcher == "mpiexec":
+        mpiexec = find_mpiexec(environ)
+        if mpiexec is None:
+            raise LaunchError("mpiexec not found beside Python or on PATH; install the `mpich` "
+                              "wheel (pip install mpich) or load your cluster's MPI.")
+        argv = [mpiexec, "-n", str(ranks), *command]
+        # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
+        ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
+    else:
+        raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
+    env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ)
+    return Plan(launcher, argv, env, reason)
+
+
+def describe(run_plan):
+    """Shell text for --dry-run: the exports, then the command."""
+    lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
+    lines.append(shlex.join(run_plan.argv))
+    return "\n".join(lines)
+
+
+def execute(run_plan, environ=None):
+    """Replace this process by the launcher (its exit code and signals are the run's)."""
+    environ = dict(os.environ if environ is None else environ)
+    environ.update(run_plan.env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(run_plan.argv[0], run_plan.argv, environ)
+
+
+def _version(module):
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - a report must not fail
+        return "not installed"
+
+
+def _slurm_query(argv):
+    """A Slurm command's one-line answer, or why there is none (no config, no controller)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unavailable ({type(error).__name__})"
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"unavailable ({last})"
+    return out.stdout.strip() or "(empty)"
+
+
+def report(environ=None):
+    """The `hyparflow info` text: what a bug report needs about this machine and setup.
+
+    Imports hyparflow (hence TensorFlow, quietly) and mpi4py without initialising MPI.
+    """
+    environ = os.environ if environ is None else environ
+    import platform
+
+    lines = []
+
+    def add(key, value):
+        lines.append(f"{key + ':':<22}{value}")
+
+    import hyparflow  # first: TensorFlow starts quietly, with hyparflow's threads
+    from . import _env
+
+    add("hyparflow", f"{hyparflow.__version__} ({os.path.dirname(hyparflow.__file__)})")
+    add("python", f"{platform.python_version()} ({sys.executable})")
+    add("platform", platform.platform())
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # the library version needs no MPI_Init
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        text = MPI.Get_library_version().strip().splitlines()
+        add("MPI library", " ".join(text[0].split()) if text else "?")
+        for line in text[1:]:
+            if line.startswith("MPICH Device"):  # ch4:ofi, ch4:ucx, ...
+                add("MPI device", line.split(":", 1)[1].strip())
+        add("MPI standard", "%d.%d" % MPI.Get_version())
+        add("mpi4py", f"{mpi4py.__version__} ({os.path.dirname(mpi4py.__file__)})")
+    except Exception as error:  # noqa: BLE001
+        add("MPI library", f"unavailable ({type(error).__name__}: {error})")
+        add("mpi4py", _version("mpi4py"))
+    import keras
+    import numpy
+    import tensorflow as tf
+
+    add("tensorflow", tf.__version__)
+    add("keras", keras.__version__)
+    add("numpy", numpy.__version__)
+    add("mpiexec", find_mpiexec(environ) or "not found")
+    add("cores", f"{os.cpu_count()} on this machine, {usable_cores()} usable by this process")
+    add("ranks per node", f"{_env.local_ranks()} (from the launcher's environment; 1 outside a launch)")
+    source = ("HYPARFLOW_THREADS" if environ.get("HYPARFLOW_THREADS")
+              else "usable cores // ranks per node")
+    add("threads per rank", f"{_env.threads_per_rank()} ({source})")
+    try:
+        threads = tf.config.threading.get_intra_op_parallelism_threads()
+        add("TF intra-op threads", f"{threads} (this process)")
+    except Exception:  # noqa: BLE001
+        pass
+    sbatch, srun = shutil.which("sbatch"), shutil.which("srun")
+    if sbatch or srun:
+        add("slurm", f"sbatch {sbatch or 'not found'}, srun {srun or 'not found'}")
+        add("slurm version", _slurm_query([sbatch or srun, "--version"]))
+        add("slurm partitions", _slurm_query(
+            [shutil.which("sinfo") or "sinfo", "-h", "-o", "%P %a %D nodes %T"]).replace("\n", "; "))
+    else:
+        add("slurm", "not found (no sbatch or srun on PATH)")
+    add("in Slurm allocation", "yes" if in_slurm_allocation(environ) else "no")
+    for name in sorted(environ):
+        if name.startswith("HYPARFLOW_") or name == "OMP_NUM_THREADS":
+            add(name, environ[name])
+    for name in ("SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST",
+                 "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+                 "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE",
+                 "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                 "SLURM_MPI_TYPE"):
+        if name in environ:
+            add(name, environ[name])
+    return "\n".join(lines)
