@@ -9,7 +9,7 @@ from . import _env
 _env.quiet_tensorflow()
 _env.start_tensorflow()
 
-from .api import fit, is_main, rank, size  # noqa: E402
+from .api import evaluate, fit, is_main, predict, rank, size  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["fit", "rank", "size", "is_main", "__version__"]
+__all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main", "__version__"]

@@ -2,10 +2,10 @@
 
 import os
 
-from . import trainer
+from . import inference, trainer
 from .comm import wrap
 
-__all__ = ["fit", "rank", "size", "is_main"]
+__all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
 
 
 def _from_env(value, name, default):
@@ -24,7 +24,9 @@ def _from_env(value, name, default):
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
-        run_eagerly=None, recompute=False, trace=None):
+        run_eagerly=None, recompute=False, trace=None, validation_data=None,
+        validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
+        validation_batch_size=None, validation_steps=None):
     """Train a compiled Keras model with S stages x R replicas x M microbatches.
 
     Call it on every rank with the same arguments, as `model.fit` on one
@@ -67,6 +69,14 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             its forward in the backward (less memory, one more forward).
         trace: a path; every action on every rank is recorded and written there
             by rank 0 as Chrome-trace JSON (see `hyparflow trace`).
+        validation_data, validation_split, validation_freq, validation_batch_size,
+        validation_steps, initial_epoch, steps_per_epoch: as in `model.fit`;
+            validation runs pipeline-parallel with the same partition.
+
+    `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
+    sample_weight): each element is one global batch (`batch_size` is then
+    not used); every rank iterates it (seed its shuffling) and keeps only the
+    current batch.
 
     Returns:
         A `keras.callbacks.History` with the global loss and metrics per
@@ -82,7 +92,47 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             num_microbatches=_from_env(num_microbatches, "num_microbatches", 1), shuffle=shuffle, seed=seed, verbose=verbose,
             callbacks=callbacks, balance=balance, sample_weight=sample_weight,
             class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly,
-            recompute=recompute, trace=trace)
+            recompute=recompute, trace=trace, validation_data=validation_data,
+            validation_split=validation_split, validation_freq=validation_freq,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_batch_size=validation_batch_size, validation_steps=validation_steps)
+    finally:
+        if owned:
+            communicator.free()
+
+
+def evaluate(model, x, y=None, *, batch_size=32, num_stages=None, num_replicas=None,
+             num_microbatches=None, sample_weight=None, steps=None, return_dict=False,
+             balance=None, comm=None):
+    """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
+    sharing the data. Returns what `model.evaluate` returns (the loss, or a list
+    with the metrics, or a dict with `return_dict=True`), the same on every rank."""
+    communicator, owned = wrap(comm)
+    try:
+        return inference.evaluate(
+            model, x, y, comm=communicator, batch_size=batch_size,
+            num_stages=_from_env(num_stages, "num_stages", 1),
+            num_replicas=_from_env(num_replicas, "num_replicas", None),
+            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
+            balance=balance, sample_weight=sample_weight, steps=steps, return_dict=return_dict)
+    finally:
+        if owned:
+            communicator.free()
+
+
+def predict(model, x, *, batch_size=32, num_stages=None, num_replicas=None,
+            num_microbatches=None, steps=None, gather="all", balance=None, comm=None):
+    """`model.predict`, pipeline-parallel. Predictions come back in input order, in
+    the structure `model.predict` gives, on every rank (`gather="all"`) or only on
+    rank 0 (`gather="main"`, None elsewhere) for big outputs."""
+    communicator, owned = wrap(comm)
+    try:
+        return inference.predict(
+            model, x, comm=communicator, batch_size=batch_size,
+            num_stages=_from_env(num_stages, "num_stages", 1),
+            num_replicas=_from_env(num_replicas, "num_replicas", None),
+            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
+            balance=balance, steps=steps, gather=gather)
     finally:
         if owned:
             communicator.free()

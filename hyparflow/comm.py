@@ -90,6 +90,11 @@ class Communicator:
     def bcast(self, buf, root): raise NotImplementedError
     def bcast_obj(self, obj, root): raise NotImplementedError
     def allgather_obj(self, obj): raise NotImplementedError
+
+    def gather_obj(self, obj, root):
+        """`obj` of every rank as a list on `root`, None elsewhere."""
+        everyone = self.allgather_obj(obj)
+        return everyone if self.rank == root else None
     def split(self, color, key): raise NotImplementedError
     def abort(self, code=1): raise NotImplementedError
     def free(self): pass
@@ -162,6 +167,9 @@ class MPICommunicator(Communicator):
 
     def allgather_obj(self, obj):
         return self.comm.allgather(obj) if self.size > 1 else [obj]
+
+    def gather_obj(self, obj, root):
+        return self.comm.gather(obj, root=root) if self.size > 1 else [obj]
 
     def split(self, color, key):
         sub = self.comm.Split(self._MPI.UNDEFINED if color is None else color, key)

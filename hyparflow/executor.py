@@ -51,13 +51,17 @@ class Executor:
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
 
-    def lowered(self, m):
-        if m not in self._lowered:
-            compute = sched.build(self.schedule, self.topo.num_stages, m)
+    def lowered(self, m, training=True):
+        key = (m, training)
+        if key not in self._lowered:
+            if training:
+                compute = sched.build(self.schedule, self.topo.num_stages, m)
+            else:
+                compute = sched.forward_only(self.topo.num_stages, m)
             lowered = sched.lower(compute, self._sources, self._dests)
-            sched.validate(lowered, m)
-            self._lowered[m] = lowered[self.s]
-        return self._lowered[m]
+            sched.validate(lowered, m, backward=training)
+            self._lowered[key] = lowered[self.s]
+        return self._lowered[key]
 
     def _tag(self, micro, edge, kind):
         return (micro * self.num_edges + edge.index) * 2 + kind
@@ -81,7 +85,15 @@ class Executor:
         self._record("step", "step", start, step=step_id)
         return contribution
 
-    def _post_receives(self, micro_indices):
+    def infer(self, kind, micro_indices, batch_size, data):
+        """Forward-only pass ("evaluate" or "predict") over this rank's microbatches.
+        Returns the summed loss contribution and, on the last stage for "predict",
+        the predictions of each microbatch (lists of arrays, one per model output)."""
+        if not micro_indices:
+            return 0.0, []
+        return self._pipeline(micro_indices, batch_size, data, 0, None, kind)
+
+    def _post_receives(self, micro_indices, training=True):
         g, plan = self.graph, self.plan
         recv_act, recv_grad = {}, {}
         for i, idx in enumerate(micro_indices):
@@ -92,20 +104,21 @@ class Executor:
                                                                self._tag(i, e, _ACT)))
             for e in plan.send:
                 t = g.tensors[e.tensor]
-                if not t.floating:
+                if not t.floating or not training:
                     continue
                 buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
                 recv_grad[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.dst),
                                                                 self._tag(i, e, _GRAD)))
         return recv_act, recv_grad
 
-    def _pipeline(self, micro_indices, batch_size, data, first_id, seed):
+    def _pipeline(self, micro_indices, batch_size, data, first_id, seed, kind="train"):
         g, plan, stage = self.graph, self.plan, self.stage
+        training = kind == "train"
         timeout = timeout_seconds()
-        recv_act, recv_grad = self._post_receives(micro_indices)
-        sends, outs, grads_in = [], {}, {}
+        recv_act, recv_grad = self._post_receives(micro_indices, training)
+        sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
-        for a in self.lowered(len(micro_indices)):
+        for a in self.lowered(len(micro_indices), training):
             i = a.microbatch
             self.position = str(a)
             start = time.perf_counter()
@@ -117,11 +130,16 @@ class Executor:
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
                 inputs += [recv_act.pop((i, e.index))[0] for e in plan.recv]
                 y, sw = (), ()
-                if stage.is_last:
+                if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
-                out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size,
-                                       seed=(seed, first_id + i))
+                if training:
+                    out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size,
+                                           seed=(seed, first_id + i))
+                else:
+                    out, c, pred = stage.infer(kind, inputs, y, sw, share=len(idx) / batch_size)
+                    if pred:
+                        predictions.append([p.numpy() for p in pred])
                 outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
                 total += float(c)
                 self._record(str(a), "forward", start, microbatch=i)
@@ -158,7 +176,7 @@ class Executor:
         start = time.perf_counter()
         self._wait(sends, timeout)
         self._record("send wait", "wait", start)
-        return total
+        return total if training else (total, predictions)
 
     def _wait(self, reqs, timeout):
         where = f"rank {self.comm.rank} (stage {self.s}, replica {self.r})"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Action", "F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
-    "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "build", "lower", "validate",
+    "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "forward_only", "build", "lower", "validate",
     "simulate", "Simulation", "parse", "format_actions", "SCHEDULES",
 ]
 
@@ -97,6 +97,12 @@ def one_f_one_b(num_stages, num_microbatches):
     return lists
 
 
+def forward_only(num_stages, num_microbatches):
+    """Inference: every stage forwards each microbatch in order, no backward."""
+    _check_sizes(num_stages, num_microbatches)
+    return [[Action(F, i) for i in range(num_microbatches)] for _ in range(num_stages)]
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
@@ -138,9 +144,10 @@ def lower(compute, sources, dests):
     return lowered
 
 
-def validate(lowered, num_microbatches):
-    """Raise ValueError unless every stage forwards and backwards each microbatch
-    once, backward after forward, and every receive has a matching send."""
+def validate(lowered, num_microbatches, backward=True):
+    """Raise ValueError unless every stage forwards and (with `backward`) backwards
+    each microbatch once, backward after forward, and every receive has a
+    matching send."""
     sends, recvs = {}, {}
     for s, actions in enumerate(lowered):
         done_f, done_b = set(), set()
@@ -164,7 +171,7 @@ def validate(lowered, num_microbatches):
                 recvs.setdefault((kind, a.peer, s, a.microbatch), 0)
                 recvs[(kind, a.peer, s, a.microbatch)] += 1
         expected = set(range(num_microbatches))
-        if done_f != expected or done_b != expected:
+        if done_f != expected or done_b != (expected if backward else set()):
             raise ValueError(
                 f"stage {s}: forwards {sorted(done_f)} and backwards {sorted(done_b)} "
                 f"must each be {sorted(expected)}"

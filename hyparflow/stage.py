@@ -70,16 +70,28 @@ class Stage:
         self._saved = {}
         self.grads = [None] * len(self.trainable)
         self.touched = np.zeros(len(self.trainable), dtype=bool)
-        if not is_last:
-            y_specs, has_sample_weight = (), False
-        in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
-        y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
-        sw_specs = [tf.TensorSpec((None,), tf.float32)] if has_sample_weight else []
-        signature = [in_specs, y_specs, sw_specs, tf.TensorSpec((), tf.float32)]
-        body = self._body
+        self._in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
+        self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
-        self._forward = body if run_eagerly else tf.function(
-            body, input_signature=signature, reduce_retracing=True)
+        self._functions = {}
+        self._forward = self._function("train", has_sample_weight)
+
+    def _function(self, kind, has_sample_weight):
+        """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
+        once per kind with a `None` batch dimension (or eager when asked)."""
+        key = (kind, bool(has_sample_weight) and kind != "predict")
+        if key not in self._functions:
+            with_y = self.is_last and kind != "predict"
+            y_specs = self._y_specs if with_y else []
+            sw_specs = [tf.TensorSpec((None,), tf.float32)] if with_y and key[1] else []
+            signature = [self._in_specs, y_specs, sw_specs, tf.TensorSpec((), tf.float32)]
+
+            def body(inputs, y, sample_weight, share):
+                return self._body(inputs, y, sample_weight, share, kind)
+
+            self._functions[key] = body if self._eager else tf.function(
+                body, input_signature=signature, reduce_retracing=True)
+        return self._functions[key]
 
     # -- the computation ------------------------------------------------------
     def _run_nodes(self, inputs, training):
@@ -100,8 +112,8 @@ class Stage:
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
 
-    def _body(self, inputs, y, sample_weight, share):
-        values = self._run_nodes(inputs, training=True)
+    def _body(self, inputs, y, sample_weight, share, kind="train"):
+        values = self._run_nodes(inputs, training=(kind == "train"))
         extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
         total = tf.add_n(extra) if extra else tf.zeros((), tf.float32)
         if self.graph.functional is None:
@@ -110,6 +122,8 @@ class Stage:
         else:
             outs = [self._value(values, t) for t in self.output_ids]
             flat_pred = [self._value(values, t) for t in self.plan.outputs]
+        if self.is_last and kind == "predict":
+            return outs, share * total, list(flat_pred)
         if self.is_last:
             y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
             y_true = y[0] if len(y) == 1 else list(y)
@@ -120,7 +134,20 @@ class Stage:
             if metrics is not None:
                 metrics.update_state(y_true, y_pred, sample_weight=sw)
             total = total + tf.cast(loss, tf.float32)
-        return outs, share * total
+        if kind == "train":
+            return outs, share * total
+        return outs, share * total, []
+
+    def infer(self, kind, inputs, y=(), sample_weight=(), share=1.0):
+        """Forward only, in inference mode ("evaluate": loss and metrics on the last
+        stage; "predict": the model's outputs there). Returns (outputs, loss
+        contribution, predictions)."""
+        fn = self._function(kind, bool(sample_weight))
+        if kind == "predict":
+            y, sample_weight = (), ()
+        return fn([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
+                  [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
+                  tf.constant(share, tf.float32))
 
     def reseed(self, seed, microbatch_id):
         """Set every random layer's generator from (seed, global microbatch id, its number)."""

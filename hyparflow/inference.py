@@ -1,0 +1,112 @@
+"""Pipeline-parallel inference: evaluate (loss and metrics) and predict, forward only."""
+
+import numpy as np
+
+from . import _compat
+from . import data as _data
+from .logs import GlobalLogs
+from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph, x_shapes
+
+__all__ = ["run_evaluation", "evaluate", "predict"]
+
+
+def run_evaluation(model, runtime, source, logs=None):
+    """Loss and metrics over `source` with `runtime`'s partition; global logs dict."""
+    logs = logs or GlobalLogs(model, runtime.comm)
+    logs.reset()
+    for data, batch in source.epoch(0):
+        contribution, _ = runtime.executor.infer("evaluate", runtime.microbatches(batch),
+                                                 len(batch), data)
+        logs.add(contribution, len(batch))
+    return logs.result()
+
+
+def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_microbatches,
+             balance, sample_weight, steps, kind):
+    check_positive(batch_size=batch_size)
+    graph = read_graph(model, num_stages, x_shapes(x))
+    source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
+                                  steps_per_epoch=steps, need_y=(kind == "evaluate"))
+    runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
+                      num_replicas=num_replicas, num_microbatches=num_microbatches,
+                      balance=balance, training=False,
+                      facts={"samples": len(sample), "steps": source.steps, "kind": kind})
+    return runtime, source
+
+
+def _run(comm, build, body):
+    error, runtime = None, None
+    try:
+        runtime, source = build()
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    agree_on_error(comm, error)
+    runtime.connect()
+    try:
+        return body(runtime, source)
+    except BaseException as exc:
+        fail(comm, runtime, exc)
+        raise
+
+
+def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
+             balance=None, sample_weight=None, steps=None, return_dict=False):
+    """The body of `hyparflow.evaluate` for one rank."""
+    if not _compat.is_compiled(model):
+        raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
+                         "hyparflow.evaluate, as before model.evaluate.")
+
+    def body(runtime, source):
+        logs = run_evaluation(model, runtime, source)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    return _run(comm, lambda: _runtime(
+        model, x, y, comm, batch_size=batch_size, num_stages=num_stages,
+        num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
+        sample_weight=sample_weight, steps=steps, kind="evaluate"), body)
+
+
+def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
+            balance=None, steps=None, gather="all"):
+    """The body of `hyparflow.predict` for one rank."""
+    if gather not in ("all", "main"):
+        raise ValueError(f"`gather` must be 'all' or 'main'. Received: gather={gather!r}")
+
+    def body(runtime, source):
+        pieces = []  # (global sample positions, [one array per output])
+        offset = 0
+        for data, batch in source.epoch(0):
+            micro = runtime.microbatches(batch)
+            _, preds = runtime.executor.infer("predict", micro, len(batch), data)
+            for idx, outs in zip(micro, preds):
+                pieces.append((offset + np.asarray(idx), outs))
+            offset += len(batch)
+        if gather == "all":
+            everyone = runtime.comm.allgather_obj(pieces)
+        else:
+            everyone = runtime.comm.gather_obj(pieces, 0)
+            if runtime.comm.rank != 0:
+                return None
+        return _assemble([p for rank_pieces in everyone for p in rank_pieces], offset,
+                         runtime.graph)
+
+    return _run(comm, lambda: _runtime(
+        model, x, None, comm, batch_size=batch_size, num_stages=num_stages,
+        num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
+        sample_weight=None, steps=steps, kind="predict"), body)
+
+
+def _assemble(pieces, total, graph):
+    """Predictions back in input order, in the structure `model.predict` returns."""
+    outputs = len(pieces[0][1])
+    arrays = []
+    for k in range(outputs):
+        first = pieces[0][1][k]
+        out = np.empty((total,) + first.shape[1:], first.dtype)
+        for positions, outs in pieces:
+            out[positions] = outs[k]
+        arrays.append(out)
+    return _compat.pack_outputs(graph.functional, arrays)

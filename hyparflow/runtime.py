@@ -1,0 +1,249 @@
+"""One rank's set-up for a run: checks, graph, partition, stage, executor; failure handling."""
+
+import sys
+import traceback
+
+import keras
+import numpy as np
+
+from . import _compat
+from . import graph as _graph
+from . import partition as _partition
+from . import weights
+from .executor import Executor, split_batch
+from .schedule import SCHEDULES
+from .stage import Stage
+from .timeline import Timeline
+from .topology import Topology
+
+__all__ = ["Runtime", "check_positive", "agree_on_error", "fail", "x_shapes", "read_graph"]
+
+
+def check_positive(**values):
+    for name, value in values.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+
+
+def agree_on_error(comm, error):
+    """Raise on every rank if set-up failed on any rank (so none waits for the others)."""
+    errors = comm.allgather_obj(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise RuntimeError(f"hyparflow set-up failed on rank {r}: {e[0]}: {e[1]}")
+
+
+def fail(comm, runtime, exc):
+    """End every rank with this rank's error: print it once, here, then abort."""
+    if comm.size == 1:
+        return
+    if runtime is not None:
+        topo = runtime.topo
+        where = (f"rank {comm.rank} (stage {topo.stage(comm.rank)}, replica "
+                 f"{topo.replica(comm.rank)}) failed at {runtime.executor.position}")
+    else:
+        where = f"rank {comm.rank} failed"
+    sys.stderr.write(
+        f"hyparflow: {where}: {type(exc).__name__}: {exc}\n"
+        + "".join(traceback.format_exception(exc)) + "hyparflow: aborting all ranks.\n"
+    )
+    sys.stderr.flush()
+    comm.abort(1)
+
+
+def x_shapes(x):
+    """Shapes of the input arrays (or a dataset's first batch), for reading a
+    subclassed model."""
+    from .data import is_dataset
+
+    if is_dataset(x):
+        import keras as _keras
+
+        x = _keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
+    if isinstance(x, dict):
+        leaves = list(x.values())
+    elif isinstance(x, (list, tuple)):
+        leaves = list(x)
+    else:
+        leaves = [x]
+    return [np.shape(a) for a in leaves]
+
+
+def read_graph(model, num_stages, shapes):
+    """The model's LayerGraph; a subclassed model only with one stage."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
+    check_positive(num_stages=num_stages)
+    graph = _graph.from_model(model, shapes)
+    if graph.functional is None and num_stages > 1:
+        raise ValueError(
+            f"Model {model.name!r} is a subclassed keras.Model whose `call` hyparflow cannot "
+            f"read, so it cannot be cut into stages (num_stages={num_stages}). Train it with "
+            "num_stages=1 (data parallel, any num_replicas), or build it with the Functional "
+            "API (keras.Model(inputs, outputs)) or keras.Sequential to pipeline it."
+        )
+    return graph
+
+
+def _check_agreement(comm, facts):
+    """All ranks must run the same model on the same data shape with the same
+    settings; a mismatch would otherwise hang or silently mix models."""
+    everyone = comm.allgather_obj(facts)
+    for r, other in enumerate(everyone):
+        if other != facts:
+            diff = {k: (facts[k], other.get(k)) for k in facts if facts[k] != other.get(k)}
+            raise ValueError(
+                f"Ranks disagree on the set-up: rank {comm.rank} vs rank {r}: {diff} "
+                "(values as (this rank, that rank)). Every rank must build the same model and "
+                "pass the same data and arguments to hyparflow."
+            )
+
+
+def _build_compiled(model, graph, data):
+    """Create the compiled loss's and metrics' state on every rank, symbolically
+    (as Keras's own fit does), without building the optimizer for all variables."""
+    if data.y is None:
+        return
+    x_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.x]
+    y_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.y]
+    sw_sym = _compat.symbolic((None,), "float32") if data.sample_weight is not None else None
+    if graph.functional is not None:
+        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
+    else:
+        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
+    y_pred = _compat.compute_output_spec(model, x_arg, training=False)
+    y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
+        y_sym[0] if len(y_sym) == 1 else y_sym)
+    loss = _compat.compile_loss(model)
+    if loss is not None and not loss.built:
+        _compat.compute_output_spec(lambda a, b, c: loss(a, b, c), y_true, y_pred, sw_sym)
+    metrics = _compat.compile_metrics(model)
+    if metrics is not None and not metrics.built:
+        _compat.compute_output_spec(lambda a, b, c: metrics.update_state(a, b, sample_weight=c),
+                                    y_true, y_pred, sw_sym)
+
+
+def _make_groups(comm, topo, part, stage, model_variables):
+    """One communicator per set of stages sharing variables (normally one stage):
+    every rank joins each split, in the same sorted order. Returns
+    {stage set: (communicator or None, positions in stage.trainable)}."""
+    s = topo.stage(comm.rank)
+    index_of = {id(v): k for k, v in enumerate(stage.trainable)}
+    # Pack variables in the model's order, which every stage of a group shares.
+    order = {id(v): k for k, v in enumerate(model_variables)}
+    groups = {}
+    for key in sorted(set(part.users.values())):
+        color = 0 if s in key else None
+        sub = comm.split(color, comm.rank) if topo.size > 1 else None
+        if color is None:
+            continue
+        positions = sorted((index_of[vid] for vid, users in part.users.items()
+                            if users == key and vid in index_of),
+                           key=lambda k: order[id(stage.trainable[k])])
+        groups[key] = (sub, positions)
+    return groups
+
+
+class Runtime:
+    """Everything one rank needs to run stage s of replica r of `model`."""
+
+    def __init__(self, model, comm, *, graph, sample, num_stages, num_replicas, num_microbatches,
+                 balance=None, schedule="gpipe", run_eagerly=None, recompute=False,
+                 trace=None, training=True, facts=None):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
+        if sample.y is not None and not _compat.is_compiled(model):
+            raise ValueError(
+                f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
+                "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
+            )
+        check_positive(num_stages=num_stages, num_microbatches=num_microbatches)
+        if num_replicas is None:
+            if comm.size % num_stages:
+                raise ValueError(
+                    f"The world has {comm.size} ranks, which num_stages={num_stages} does not "
+                    f"divide. Launch a multiple of {num_stages} ranks (e.g. mpiexec -n "
+                    f"{num_stages * max(1, comm.size // num_stages)}) or change num_stages."
+                )
+            num_replicas = comm.size // num_stages
+        if num_stages * num_replicas != comm.size:
+            hint = (f", or pass num_replicas={comm.size // num_stages} (or None)"
+                    if comm.size % num_stages == 0 else "")
+            raise ValueError(
+                f"num_stages x num_replicas = {num_stages} x {num_replicas} = "
+                f"{num_stages * num_replicas} ranks, but {comm.size} were launched. Launch "
+                f"mpiexec -n {num_stages * num_replicas}{hint}."
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
+                             f"Received: schedule={schedule!r}")
+        self.model, self.comm = model, comm
+        self.graph = graph
+        self.part = part = _partition.partition(graph, num_stages, balance)
+        for e in part.edges:
+            t = graph.tensors[e.tensor]
+            if any(d is None for d in t.shape[1:]):
+                raise ValueError(
+                    f"Tensor {t.keras_tensor.name!r} crosses from stage {e.src} to stage {e.dst} "
+                    f"but its shape {t.shape} has unknown dimensions besides the batch. Give the "
+                    "model's Input a full shape, or choose a `balance` that cuts elsewhere."
+                )
+        self.topo = topo = Topology(num_stages, num_replicas)
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.training = training
+        self.facts = dict(facts or {}, **{
+            "x_shapes": [a.shape[1:] for a in sample.x],
+            "weights": [tuple(v.shape) for v in model.weights], "num_stages": num_stages,
+            "num_replicas": num_replicas, "num_microbatches": num_microbatches,
+            "counts": part.counts, "schedule": schedule,
+        })
+        _build_compiled(model, graph, sample)
+        s = topo.stage(comm.rank)
+        eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
+        y_specs = [((None,) + a.shape[1:], a.dtype) for a in sample.y] if sample.y is not None else []
+        self.stage = stage = Stage(graph, part.stages[s], model, part, is_last=(s == num_stages - 1),
+                                   run_eagerly=eager, y_specs=y_specs,
+                                   has_sample_weight=training and sample.sample_weight is not None,
+                                   recompute=recompute)
+        self.timeline = Timeline(comm.rank) if trace else None
+        self.trace = trace
+        self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
+                                 schedule=schedule, num_microbatches=num_microbatches,
+                                 timeline=self.timeline)
+        self.executor.lowered(num_microbatches, training)  # validate the schedule up front
+        self.stage_comm = None
+        self.owners = [topo.rank(part.owner.get(id(v), 0), 0) for v in model.weights]
+        self.non_trainable = [v for v in graph.variables_of(part.stages[s].nodes, trainable=False)
+                              if part.owner.get(id(v)) == s]
+
+    def connect(self):
+        """The collective part of set-up, once every rank's local set-up succeeded:
+        check that all ranks agree, make the gradient communicators, start every
+        replica from rank 0's weights. Disagreement raises the same error everywhere."""
+        _check_agreement(self.comm, self.facts)
+        if self.training:
+            optimizer = self.model.optimizer
+            if not optimizer.built:
+                # Only this stage's variables: optimizer state is split like the weights.
+                optimizer.build(self.stage.trainable)
+            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
+            self.executor.groups = [g for g in groups.values() if g[1]]
+            self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
+        weights.broadcast(self.comm, self.model.weights, 0)
+
+    @property
+    def replica(self):
+        return self.topo.replica(self.comm.rank)
+
+    def microbatches(self, indices):
+        """This rank's microbatches of a global batch (index arrays)."""
+        return split_batch(indices, self.topo.num_replicas, self.num_microbatches)[self.replica]
+
+    def sync_weights(self):
+        """Average this stage's state (e.g. BatchNorm statistics) over its replicas,
+        then give every rank every variable from the stage that owns it (replica 0)."""
+        weights.average(self.stage_comm, self.non_trainable)
+        weights.gather(self.comm, self.model.weights, self.owners)
