@@ -77,12 +77,14 @@ def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microba
 
     def body(runtime, source):
         pieces = []  # (global sample positions, [one array per output])
+        # Array batches index the whole data; a dataset's batches count from zero.
+        relative = isinstance(source, _data.DatasetSource)
         offset = 0
         for data, batch in source.epoch(0):
             micro = runtime.microbatches(batch)
             _, preds = runtime.executor.infer("predict", micro, len(batch), data)
             for idx, outs in zip(micro, preds):
-                pieces.append((offset + np.asarray(idx), outs))
+                pieces.append(((offset if relative else 0) + np.asarray(idx), outs))
             offset += len(batch)
         if gather == "all":
             everyone = runtime.comm.allgather_obj(pieces)
