@@ -14,6 +14,11 @@
 #
 # leaves sinfo/sbatch/srun pointed at this cluster. Ports: $HYPARFLOW_SLURM_PORT (slurmctld,
 # default 6817) and the next one (slurmd).
+#
+# The node is declared with this machine's CPUs and memory. HYPARFLOW_SLURM_CPUS=N declares
+# N CPUs instead when N is larger (slurmd then trusts the config: SlurmdParameters=
+# config_overrides): Slurm 22.05 refuses --ntasks-per-node above a node's CPUs even with
+# --overcommit, so a 2-core machine needs it to run a 4-ranks-per-node job.
 set -euo pipefail
 
 DIR="${HYPARFLOW_SLURM_DIR:-/tmp/hyparflow-slurm}"
@@ -57,6 +62,20 @@ hardware() {
     fi
 }
 
+# The node's line: the hardware, or HYPARFLOW_SLURM_CPUS CPUs when that is more.
+node_resources() {
+    local hw cpus want="${HYPARFLOW_SLURM_CPUS:-}"
+    hw="$(hardware)"
+    cpus="$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<< "$hw")"
+    if [[ "$want" =~ ^[0-9]+$ ]] && [ "$want" -gt "${cpus:-0}" ]; then
+        say "declaring $want CPUs (the hardware has ${cpus:-?}): HYPARFLOW_SLURM_CPUS"
+        echo "CPUs=$want Boards=1 SocketsPerBoard=1 CoresPerSocket=$want ThreadsPerCore=1" \
+             "$(grep -o 'RealMemory=[0-9]*' <<< "$hw")"
+    else
+        echo "$hw"
+    fi
+}
+
 plugin_dir() {
     local d
     for d in /usr/lib/*/slurm-wlm /usr/lib/slurm-wlm /usr/lib64/slurm /usr/lib/slurm \
@@ -67,8 +86,12 @@ plugin_dir() {
 }
 
 write_conf() {
-    local user mpi=none plugins
+    local user mpi=none plugins resources extra="# node: this machine's CPUs and memory"
     user="$(id -un)"
+    resources="$(node_resources)"
+    if [ "$resources" != "$(hardware)" ]; then
+        extra="SlurmdParameters=config_overrides   # node: more CPUs than the hardware"
+    fi
     if plugins="$(plugin_dir)" && [ -e "$plugins/mpi_pmi2.so" ]; then mpi=pmi2; fi
     cat > "$CONF" <<EOF
 # Written by hyparflow's scripts/slurm-cluster.sh: a one-node test cluster on loopback.
@@ -90,7 +113,7 @@ SlurmdLogFile=$DIR/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters=CR_CPU
 MpiDefault=$mpi
 SwitchType=switch/none
 SchedulerType=sched/backfill
@@ -103,7 +126,8 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=10
 MinJobAge=300
-NodeName=$NODE NodeAddr=127.0.0.1 $(hardware) State=UNKNOWN
+$extra
+NodeName=$NODE NodeAddr=127.0.0.1 $resources State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
