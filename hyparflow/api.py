@@ -26,7 +26,8 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
         run_eagerly=None, recompute=False, trace=None, validation_data=None,
         validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
-        validation_batch_size=None, validation_steps=None):
+        validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
+        checkpoint_every="epoch", keep=3, resume=False, check_finite=True):
     """Train a compiled Keras model with S stages x R replicas x M microbatches.
 
     Call it on every rank with the same arguments, as `model.fit` on one
@@ -73,6 +74,15 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         validation_steps, initial_epoch, steps_per_epoch: as in `model.fit`;
             validation runs pipeline-parallel with the same partition.
 
+        checkpoint_dir, checkpoint_every, keep: write a distributed checkpoint
+            every `checkpoint_every` steps (or "epoch") into `checkpoint_dir`,
+            keeping the newest `keep`; SIGTERM / SIGUSR1 then make every rank
+            finish its step, write one, and raise `Preempted` (exit code 75).
+        resume: continue from the newest valid checkpoint in `checkpoint_dir`
+            (any number of stages and replicas may load it); none there means
+            starting from the beginning.
+        check_finite: refuse numpy inputs or targets with NaN or infinity.
+
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
     not used); every rank iterates it (seed its shuffling) and keeps only the
@@ -95,7 +105,9 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             recompute=recompute, trace=trace, validation_data=validation_data,
             validation_split=validation_split, validation_freq=validation_freq,
             initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_batch_size=validation_batch_size, validation_steps=validation_steps)
+            validation_batch_size=validation_batch_size, validation_steps=validation_steps,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
+            resume=resume, check_finite=check_finite)
     finally:
         if owned:
             communicator.free()

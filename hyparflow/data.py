@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 
-__all__ = ["Data", "prepare_data", "ArraySource", "DatasetSource", "source", "validation_split"]
+__all__ = ["Data", "prepare_data", "ArraySource", "DatasetSource", "source", "validation_split",
+           "check_finite", "is_dataset"]
 
 
 class Data:
@@ -87,6 +88,22 @@ def prepare_data(graph, x, y, sample_weight=None, class_weight=None, need_y=True
     if len(xs[0]) == 0:
         raise ValueError("No samples: `x` is empty.")
     return Data(xs, ys, sw)
+
+
+def check_finite(data):
+    """Refuse inputs or targets with NaN or infinity: they would silently poison
+    the weights. Names the array and the first bad sample."""
+    arrays = [(f"x[{i}]", a) for i, a in enumerate(data.x)]
+    arrays += [(f"y[{i}]", a) for i, a in enumerate(data.y or [])]
+    if data.sample_weight is not None:
+        arrays.append(("sample_weight", data.sample_weight))
+    for name, a in arrays:
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            bad = np.argwhere(~np.isfinite(a.reshape(len(a), -1)))[0][0]
+            raise ValueError(
+                f"{name} has NaN or infinite values (first at sample {bad}). Clean the data, or "
+                "pass check_finite=False to train anyway (keras.callbacks.TerminateOnNaN then "
+                "stops when the loss turns NaN).")
 
 
 def validation_split(x, y, sample_weight, fraction):

@@ -242,8 +242,12 @@ class Runtime:
         """This rank's microbatches of a global batch (index arrays)."""
         return split_batch(indices, self.topo.num_replicas, self.num_microbatches)[self.replica]
 
-    def sync_weights(self):
-        """Average this stage's state (e.g. BatchNorm statistics) over its replicas,
-        then give every rank every variable from the stage that owns it (replica 0)."""
+    def average_state(self):
+        """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""
         weights.average(self.stage_comm, self.non_trainable)
+
+    def sync_weights(self):
+        """Average the state, then give every rank every variable from the stage that
+        owns it (replica 0)."""
+        self.average_state()
         weights.gather(self.comm, self.model.weights, self.owners)

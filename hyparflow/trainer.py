@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 
+from . import checkpoint as _ckpt
 from . import data as _data
 from .inference import run_evaluation
 from .logs import GlobalLogs
@@ -39,11 +40,16 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
           sample_weight=None, class_weight=None, schedule="gpipe", run_eagerly=None,
           recompute=False, trace=None, validation_data=None, validation_split=0.0,
           validation_freq=1, initial_epoch=0, steps_per_epoch=None,
-          validation_batch_size=None, validation_steps=None):
+          validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
+          checkpoint_every="epoch", keep=3, resume=False, check_finite=True):
     """The body of `hyparflow.fit` for one rank (see its docstring)."""
     error, runtime, state = None, None, {}
     try:
         check_positive(batch_size=batch_size, epochs=epochs)
+        if resume and not checkpoint_dir:
+            raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
+        if checkpoint_dir:
+            state["checkpointer"] = _ckpt.Checkpointer(checkpoint_dir, checkpoint_every, keep)
         state["verbose"] = resolve_verbose(verbose)
         if validation_split and validation_data is None:
             if _data.is_dataset(x):
@@ -55,6 +61,8 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
         source, sample = _data.source(graph, x, y, batch_size=batch_size,
                                       sample_weight=sample_weight, class_weight=class_weight,
                                       shuffle=shuffle, seed=0, steps_per_epoch=steps_per_epoch)
+        if check_finite and isinstance(source, _data.ArraySource):
+            _data.check_finite(source.data)
         replicas = num_replicas or max(1, comm.size // num_stages)
         effective = len(sample) if _data.is_dataset(x) else batch_size
         if effective < replicas * num_microbatches:
@@ -84,16 +92,49 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
     # epoch and the random layers' masks derive from it.
     state["seed"] = seed if seed is not None else comm.bcast_obj(
         int(np.random.SeedSequence().entropy % (2 ** 31)), 0)
+    state["start"] = (initial_epoch, 0, initial_epoch * (source.steps or 0))
+    if resume:
+        _resume(runtime, state)
     if isinstance(source, _data.ArraySource):
         source.seed = state["seed"]
+    stop_flag = _ckpt.StopFlag() if checkpoint_dir else None
+    state["stop_flag"] = stop_flag
     try:
-        return _loop(model, runtime, source, state, epochs, initial_epoch, callbacks)
+        return _loop(model, runtime, source, state, epochs, callbacks)
+    except (_ckpt.Preempted, _ckpt.CheckpointError):
+        raise  # every rank raises these together: nothing to abort
     except BaseException as exc:
         fail(comm, runtime, exc)
         raise
+    finally:
+        if stop_flag is not None:
+            stop_flag.restore()
 
 
-def _loop(model, runtime, source, state, epochs, initial_epoch, callbacks):
+def _resume(runtime, state):
+    """Continue from the newest checkpoint that verifies (or start afresh if none)."""
+    comm = runtime.comm
+    directory = state["checkpointer"].directory
+    path = comm.bcast_obj(_ckpt.latest_valid(directory)[0] if comm.rank == 0 else None, 0)
+    if path is None:
+        if comm.rank == 0:
+            print(f"hyparflow: no checkpoint in {directory}; starting from the beginning.",
+                  flush=True)
+        return
+    manifest = _ckpt.restore_model(runtime.model, path)
+    state["seed"] = manifest["seed"]
+    state["start"] = (manifest["epoch"], manifest["step"], manifest["global_step"])
+    if comm.rank == 0:
+        print(f"hyparflow: resuming from {path} (epoch {manifest['epoch'] + 1}, step "
+              f"{manifest['step']}).", flush=True)
+
+
+def _checkpoint(runtime, state, epoch, step, global_step):
+    state["checkpointer"].write(runtime, {
+        "epoch": epoch, "step": step, "global_step": global_step, "seed": state["seed"]})
+
+
+def _loop(model, runtime, source, state, epochs, callbacks):
     comm, executor = runtime.comm, runtime.executor
     verbose = state["verbose"]
     main = comm.rank == 0
@@ -111,11 +152,14 @@ def _loop(model, runtime, source, state, epochs, initial_epoch, callbacks):
         runtime.timeline.start(comm)
     cbs.on_train_begin()
     epoch_logs = {}
-    global_step = initial_epoch * (source.steps or 0)
-    for epoch in range(initial_epoch, epochs):
+    first_epoch, skip, global_step = state["start"]
+    checkpointer, flag = state.get("checkpointer"), state.get("stop_flag")
+    for epoch in range(first_epoch, epochs):
         logs.reset()
         cbs.on_epoch_begin(epoch)
         for step, (data, batch) in enumerate(source.epoch(epoch)):
+            if epoch == first_epoch and step < skip:
+                continue  # done before the checkpoint this run resumed from
             cbs.on_train_batch_begin(step)
             contribution = executor.step(runtime.microbatches(batch), len(batch), data,
                                          global_step, state["seed"])
@@ -126,7 +170,17 @@ def _loop(model, runtime, source, state, epochs, initial_epoch, callbacks):
                 if comm.bcast_obj(bool(model.stop_training), 0):
                     model.stop_training = True
                     break
+            if checkpointer is not None:
+                signalled = [s for s in comm.allgather_obj(flag.raised) if s]
+                if signalled or checkpointer.due(global_step, epoch_end=False):
+                    _checkpoint(runtime, state, epoch, step + 1, global_step)
+                if signalled:
+                    raise _ckpt.Preempted(
+                        f"hyparflow: stopped by {signalled[0]} after step {global_step}; "
+                        f"checkpoint written to {checkpointer.directory}. Resume with resume=True.")
         runtime.sync_weights()
+        if checkpointer is not None and checkpointer.due(global_step, epoch_end=True):
+            _checkpoint(runtime, state, epoch + 1, 0, global_step)
         epoch_logs = logs.result()
         if "validation" in state and epoch in state["validation_epochs"]:
             val = run_evaluation(model, runtime, state["validation"], logs)
