@@ -198,10 +198,41 @@ def _slurm_query(argv):
     return out.stdout.strip() or "(empty)"
 
 
+_MPI_QUERY = """
+import os, mpi4py
+mpi4py.rc.initialize = False   # the library version needs no MPI_Init
+mpi4py.rc.finalize = False
+from mpi4py import MPI
+print("MPI library\t" + " ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
+for line in MPI.Get_library_version().splitlines()[1:]:
+    if line.startswith("MPICH Device"):
+        print("MPI device\t" + line.split(":", 1)[1].strip())
+print("MPI standard\t%d.%d" % MPI.Get_version())
+print("mpi4py\t%s (%s)" % (mpi4py.__version__, os.path.dirname(mpi4py.__file__)))
+"""
+
+
+def _mpi_facts():
+    """(key, value) pairs about the MPI library and mpi4py, from a child Python."""
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _MPI_QUERY], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return [("MPI library", f"unavailable ({type(error).__name__})"),
+                ("mpi4py", _version("mpi4py"))]
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return [("MPI library", f"unavailable ({last})"), ("mpi4py", _version("mpi4py"))]
+    return [tuple(line.split("\t", 1)) for line in out.stdout.splitlines() if "\t" in line]
+
+
 def report(environ=None):
     """The `hyparflow info` text: what a bug report needs about this machine and setup.
 
-    Imports hyparflow (hence TensorFlow, quietly) and mpi4py without initialising MPI.
+    Imports hyparflow (hence TensorFlow, quietly); asks a child process about MPI, so
+    that this one neither initialises MPI nor stops others from doing it.
     """
     environ = os.environ if environ is None else environ
     import platform
@@ -217,23 +248,8 @@ def report(environ=None):
     add("hyparflow", f"{hyparflow.__version__} ({os.path.dirname(hyparflow.__file__)})")
     add("python", f"{platform.python_version()} ({sys.executable})")
     add("platform", platform.platform())
-    try:
-        import mpi4py
-
-        mpi4py.rc.initialize = False  # the library version needs no MPI_Init
-        mpi4py.rc.finalize = False
-        from mpi4py import MPI
-
-        text = MPI.Get_library_version().strip().splitlines()
-        add("MPI library", " ".join(text[0].split()) if text else "?")
-        for line in text[1:]:
-            if line.startswith("MPICH Device"):  # ch4:ofi, ch4:ucx, ...
-                add("MPI device", line.split(":", 1)[1].strip())
-        add("MPI standard", "%d.%d" % MPI.Get_version())
-        add("mpi4py", f"{mpi4py.__version__} ({os.path.dirname(mpi4py.__file__)})")
-    except Exception as error:  # noqa: BLE001
-        add("MPI library", f"unavailable ({type(error).__name__}: {error})")
-        add("mpi4py", _version("mpi4py"))
+    for key, value in _mpi_facts():
+        add(key, value)
     import keras
     import numpy
     import tensorflow as tf

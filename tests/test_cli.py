@@ -1,0 +1,280 @@
+"""The `hyparflow` command: run (dry run, errors, exit code), info, slurm rendering."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hyparflow import cli, launch, slurm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "digits_resnet.py")
+MPIEXEC = launch.find_mpiexec()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No Slurm job, no HYPARFLOW_* settings inherited from the caller's shell."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "HYPARFLOW_NUM_")) or name in ("HYPARFLOW_THREADS",
+                                                                      "OMP_NUM_THREADS"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def dry_run(capsys, *argv):
+    code = cli.main(["run", "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    exports = dict(re.findall(r"^export (\w+)=(.*)$", out, re.M))
+    command = out.strip().splitlines()[-1]
+    return exports, command, out
+
+
+def test_run_dry_run_local(clean_env, capsys):
+    exports, command, out = dry_run(capsys, "-n", "4", "--stages", "2", "--microbatches", "3",
+                                    EXAMPLE, "--epochs", "2", "--stages", "2")
+    assert "# launcher: mpiexec" in out
+    assert exports["HYPARFLOW_NUM_STAGES"] == "2"
+    assert exports["HYPARFLOW_NUM_REPLICAS"] == "2"
+    assert exports["HYPARFLOW_NUM_MICROBATCHES"] == "3"
+    assert exports["HYPARFLOW_THREADS"] == str(max(1, launch.usable_cores() // 4))
+    assert exports["PYTHONUNBUFFERED"] == "1"
+    assert exports["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    # The script's own arguments, even those named like ours, are passed through.
+    assert command.endswith(f"-n 4 {sys.executable} {EXAMPLE} --epochs 2 --stages 2")
+    assert command.split()[0] == MPIEXEC
+
+
+def test_run_dry_run_threads_and_defaults(clean_env, capsys):
+    exports, _, _ = dry_run(capsys, "-n", "3", "--threads", "5", EXAMPLE)
+    assert exports["HYPARFLOW_THREADS"] == "5"
+    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"],
+            exports["HYPARFLOW_NUM_MICROBATCHES"]) == ("1", "3", "1")
+    clean_env.setenv("HYPARFLOW_NUM_STAGES", "3")  # the shell's setting is the default
+    exports, _, _ = dry_run(capsys, "-n", "6", EXAMPLE)
+    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"]) == ("3", "2")
+
+
+def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    clean_env.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    clean_env.setenv("SLURM_JOB_ID", "1234")
+    clean_env.setenv("SLURM_NTASKS", "4")
+    clean_env.setenv("SLURM_CPUS_PER_TASK", "3")
+    exports, command, out = dry_run(capsys, "--stages", "2", EXAMPLE)   # -n from SLURM_NTASKS
+    assert "# launcher: srun (inside Slurm job 1234)" in out
+    assert command.startswith(f"{fake} --mpi=pmi2 -n 4 ")
+    assert exports["HYPARFLOW_THREADS"] == "3"
+    assert exports["HYPARFLOW_NUM_REPLICAS"] == "2"
+    exports, command, _ = dry_run(capsys, "-n", "2", "--launcher", "mpiexec", EXAMPLE)
+    assert command.split()[:3] == [MPIEXEC, "-n", "2"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-n", "3", "--stages", "2"], "must be a multiple of --stages"),
+    (["-n", "4", "--stages", "2", "--replicas", "3"], "--stages 2 x --replicas 3 = 6"),
+    (["-n", "0"], "positive integer"),
+    ([], "give the number of ranks"),
+])
+def test_run_bad_counts(clean_env, capsys, argv, message):
+    assert cli.main(["run", "--dry-run", *argv, EXAMPLE]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_missing_script(clean_env, capsys):
+    assert cli.main(["run", "-n", "2", "no/such/train.py"]) == 2
+    assert "script not found: 'no/such/train.py'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside python or on PATH")
+@pytest.mark.timeout(120)
+def test_run_propagates_the_exit_code(tmp_path):
+    script = tmp_path / "exit3.py"
+    script.write_text("import os, sys\n"
+                      "from mpi4py import MPI\n"
+                      "assert MPI.COMM_WORLD.Get_size() == 2\n"
+                      "assert os.environ['HYPARFLOW_NUM_REPLICAS'] == '2'\n"
+                      "sys.exit(3 if MPI.COMM_WORLD.Get_rank() == 0 else 0)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "hyparflow", "run", "-n", "2", str(script)],
+                         capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode == 3, out.stdout + out.stderr
+
+
+def test_info_has_the_fields(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for field in ("hyparflow:", "python:", "MPI library:", "mpi4py:", "tensorflow:", "keras:",
+                  "numpy:", "mpiexec:", "cores:", "ranks per node:", "threads per rank:",
+                  "slurm", "in Slurm allocation:"):
+        assert re.search(rf"^{re.escape(field)}", out, re.M), f"no {field!r} in\n{out}"
+    import keras
+    import tensorflow as tf
+    assert f"tensorflow:           {tf.__version__}" in out
+    assert f"keras:                {keras.__version__}" in out
+
+
+@pytest.mark.timeout(120)
+def test_info_command_is_quiet():
+    out = subprocess.run([sys.executable, "-m", "hyparflow", "info"], capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "MPI library:" in out.stdout
+    assert out.stderr == "", out.stderr
+
+
+def test_launch_and_slurm_modules_do_not_import_tensorflow():
+    code = (
+        "import importlib.util, os, sys, types\n"
+        "spec = importlib.util.find_spec('hyparflow')\n"
+        "pkg = types.ModuleType('hyparflow'); pkg.__path__ = [os.path.dirname(spec.origin)]\n"
+        "sys.modules['hyparflow'] = pkg\n"
+        "import hyparflow.launch, hyparflow.slurm\n"
+        "print(sorted(m for m in ('tensorflow', 'keras', 'mpi4py') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# --- hyparflow slurm ---------------------------------------------------------------------
+
+def render(capsys, *argv):
+    code = cli.main(["slurm", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+def sbatch_lines(text):
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def assert_common(text, stages, replicas, microbatches):
+    assert text.startswith("#!/bin/bash\n")
+    assert f"source {sys.prefix}/bin/activate" in text or f"export PATH={os.path.dirname(sys.executable)}" in text
+    assert "#SBATCH --signal=B:USR1@120" in text
+    assert "#SBATCH --requeue" in text
+    assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert ('export OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK" '
+            'HYPARFLOW_THREADS="$SLURM_CPUS_PER_TASK"') in text
+    assert (f"export HYPARFLOW_NUM_STAGES={stages} HYPARFLOW_NUM_REPLICAS={replicas} "
+            f"HYPARFLOW_NUM_MICROBATCHES={microbatches}") in text
+    assert not re.search(r"\$\{[a-z_]+\}", text), "a placeholder was left"
+    # The shell accepts it.
+    check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_slurm_single(capsys):
+    text, _ = render(capsys, "--tasks-per-node", "4", "--stages", "2", "--microbatches", "4",
+                     "--time", "00:30:00", "--partition", "debug", "--cpus-per-task", "2",
+                     "--job-name", "digits", EXAMPLE, "--epochs", "2")
+    lines = sbatch_lines(text)
+    for expected in ("#SBATCH --job-name=digits", "#SBATCH --nodes=1", "#SBATCH --ntasks=4",
+                     "#SBATCH --time=00:30:00", "#SBATCH --output=digits-%j.out",
+                     "#SBATCH --partition=debug", "#SBATCH --cpus-per-task=2",
+                     f"#SBATCH --chdir={os.getcwd()}"):
+        assert expected in lines, (expected, lines)
+    assert not any("--ntasks-per-node" in line for line in lines)
+    assert_common(text, 2, 2, 4)
+    launch_line = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert launch_line == [f"srun --mpi=pmi2 --kill-on-bad-exit=1 --distribution=block:block "
+                           f"python {EXAMPLE} --epochs 2 &"]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
+def test_slurm_hybrid(capsys, launcher):
+    text, _ = render(capsys, "--nodes", "3", "--tasks-per-node", "4", "--stages", "2",
+                     "--launcher", launcher, "--overcommit", "--sbatch-option=--qos=long",
+                     EXAMPLE, "--save", "my model.keras")
+    lines = sbatch_lines(text)
+    for expected in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=4",
+                     "#SBATCH --distribution=block:block", "#SBATCH --overcommit",
+                     "#SBATCH --qos=long", "#SBATCH --time=01:00:00"):
+        assert expected in lines, (expected, lines)
+    assert "rank = replica * 2 + stage" in text
+    assert "gradient allreduce" in text
+    assert_common(text, 2, 6, 1)
+    command = f"python {EXAMPLE} --save 'my model.keras' &"
+    launch_lines = [line for line in text.splitlines() if line.endswith(" &")]
+    if launcher == "srun":
+        assert launch_lines == [f"srun --mpi=pmi2 --kill-on-bad-exit=1 "
+                                f"--distribution=block:block {command}"]
+    else:
+        assert launch_lines == [f'mpiexec -n "$SLURM_NTASKS" {command}']
+
+
+def test_slurm_array(capsys):
+    text, _ = render(capsys, "--array", "0-7%2", "--tasks-per-node", "2", "--time", "2:00:00",
+                     EXAMPLE, "--seed={task}")
+    lines = sbatch_lines(text)
+    assert "#SBATCH --array=0-7%2" in lines
+    assert f"#SBATCH --output={os.path.splitext(os.path.basename(EXAMPLE))[0]}-%A_%a.out" in lines
+    assert_common(text, 1, 2, 1)
+    assert f'python {EXAMPLE} --seed="$SLURM_ARRAY_TASK_ID" &' in text
+    # Without {task}, the index is the last argument.
+    text, _ = render(capsys, "--array", "1,3", EXAMPLE, "--epochs", "2")
+    assert f'python {EXAMPLE} --epochs 2 "$SLURM_ARRAY_TASK_ID" &' in text
+
+
+def test_slurm_output_file_and_warnings(capsys, tmp_path):
+    path = tmp_path / "job.sbatch"
+    code = cli.main(["slurm", "--nodes", "2", "--tasks-per-node", "3", "--stages", "2",
+                     "--output", str(path), EXAMPLE])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == ""
+    assert "is not a multiple of --stages 2" in err
+    text = path.read_text()
+    assert "#SBATCH --nodes=2" in text and os.access(path, os.X_OK)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nodes", "2", "--tasks-per-node", "3", "--stages", "4"], "must be a multiple of --stages"),
+    (["--nodes", "2", "--template", "single"], "the single template is for one node"),
+    (["--template", "array"], "needs --array"),
+    (["--array", "0-3", "--template", "hybrid"], "--array needs the array template"),
+    (["--time", "soon"], "is not a Slurm time limit"),
+    (["--template", "nonesuch"], "unknown template 'nonesuch'"),
+])
+def test_slurm_bad_options(capsys, argv, message):
+    assert cli.main(["slurm", *argv, EXAMPLE]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_slurm_time_limits_and_signal():
+    assert slurm.parse_time("90") == 5400
+    assert slurm.parse_time("10:30") == 630
+    assert slurm.parse_time("01:00:00") == 3600
+    assert slurm.parse_time("1-12") == 86400 + 12 * 3600
+    assert slurm.parse_time("2-00:30:15") == 2 * 86400 + 30 * 60 + 15
+    assert slurm.signal_lead(3600) == 120
+    assert slurm.signal_lead(60) == 12   # a short limit must not be signalled at once
+
+
+def test_slurm_custom_template_placeholders(capsys, tmp_path):
+    good = tmp_path / "mine.sbatch"
+    good.write_text("#!/bin/bash\n#SBATCH --ntasks=${ntasks}\necho $HOME ${HOME:-x}\n${launch}\n")
+    text, _ = render(capsys, "--template", str(good), "--tasks-per-node", "2", EXAMPLE)
+    assert "#SBATCH --ntasks=2\necho $HOME ${HOME:-x}\nsrun --mpi=pmi2" in text
+    bad = tmp_path / "bad.sbatch"
+    bad.write_text("#!/bin/bash\n#SBATCH --ntasks=${ntask}\n")
+    assert cli.main(["slurm", "--template", str(bad), EXAMPLE]) == 2
+    assert "unknown placeholders: ntask" in capsys.readouterr().err
+
+
+def test_every_template_is_in_the_repository():
+    for name in slurm.TEMPLATES:
+        assert slurm.template_path(name).is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_cluster_script_usage():
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm-cluster.sh")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "usage" in out.stderr
