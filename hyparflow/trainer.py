@@ -1,5 +1,7 @@
 """The training loop: epochs, global metrics, validation, callbacks and history."""
 
+import sys
+
 import keras
 import numpy as np
 
@@ -175,9 +177,12 @@ def _loop(model, runtime, source, state, epochs, callbacks):
                 if signalled or checkpointer.due(global_step, epoch_end=False):
                     _checkpoint(runtime, state, epoch, step + 1, global_step)
                 if signalled:
-                    raise _ckpt.Preempted(
-                        f"hyparflow: stopped by {signalled[0]} after step {global_step}; "
-                        f"checkpoint written to {checkpointer.directory}. Resume with resume=True.")
+                    message = (f"hyparflow: stopped by {signalled[0]} after step {global_step}; "
+                               f"checkpoint written to {checkpointer.directory}. Resume with "
+                               f"resume=True (exit code {_ckpt.PREEMPTED_EXIT_CODE}).")
+                    if comm.rank == 0:
+                        print(message, file=sys.stderr, flush=True)
+                    raise _ckpt.Preempted(message)
         runtime.sync_weights()
         if checkpointer is not None and checkpointer.due(global_step, epoch_end=True):
             _checkpoint(runtime, state, epoch + 1, 0, global_step)
