@@ -79,9 +79,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_loses_little(tmp_path):
     assert proc.returncode != 0
     assert seconds < 30, f"{seconds:.1f} s to stop after SIGKILL"
     both = stdout + stderr
-    # mpiexec names the dead process (its PID is rank 2's) and the signal.
+    # mpiexec reports the dead process and the signal, and ends the others.
     assert "BAD TERMINATION" in both and "signal 9" in both, both[-2000:]
-    assert f"PID {pid(tmp_path, 'k', 2)} " in both
     from hyparflow import checkpoint as C
 
     _, manifest = C.latest_valid(str(tmp_path / "ckpt"))
