@@ -34,6 +34,7 @@ def dry_run(capsys, *argv):
     return exports, command, out
 
 
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside python or on PATH")
 def test_run_dry_run_local(clean_env, capsys):
     exports, command, out = dry_run(capsys, "-n", "4", "--stages", "2", "--microbatches", "3",
                                     EXAMPLE, "--epochs", "2", "--stages", "2")
