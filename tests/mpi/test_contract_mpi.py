@@ -85,3 +85,46 @@ def test_shuffle_is_agreed_and_seeded():
         results.append(model.get_weights())
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keras_loop_over_mpi(tmp_path_factory):
+    """Validation, a writer callback on rank 0, evaluate, predict and tf.data, over MPI."""
+    import tensorflow as tf
+
+    import zoo
+
+    model, (x, y) = zoo.multi_io()
+    start = model.get_weights()
+    val = ({k: v[:20] for k, v in x.items()}, {k: v[:20] for k, v in y.items()})
+    expected = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         validation_data=val).history
+    expected_eval = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    expected_pred = model.predict(x, batch_size=8, verbose=0)
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("cb")) if hf.is_main() else None)
+    mine = zoo.multi_io()[0]
+    mine.set_weights(start)
+    history = hf.fit(mine, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                     validation_data=val, num_stages=2, num_microbatches=2,
+                     callbacks=[keras.callbacks.CSVLogger(os.path.join(directory, "log.csv"))])
+    for key, values in expected.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=1e-6)
+    MPI.COMM_WORLD.Barrier()
+    assert os.path.exists(os.path.join(directory, "log.csv"))
+    ev = hf.evaluate(mine, x, y, batch_size=8, num_stages=2, return_dict=True)
+    for key, value in expected_eval.items():
+        np.testing.assert_allclose(ev[key], value, rtol=1e-5, atol=1e-6)
+    pred = hf.predict(mine, x, batch_size=8, num_stages=2)
+    for key in expected_pred:
+        np.testing.assert_allclose(pred[key], expected_pred[key], rtol=1e-5, atol=1e-6)
+    # tf.data: each element one global batch, the same weights as numpy input.
+    again = zoo.multi_io()[0]
+    again.set_weights(start)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    hf.fit(again, dataset, epochs=2, verbose=0, num_stages=2, num_microbatches=2)
+    fresh = zoo.multi_io()[0]
+    fresh.set_weights(start)
+    hf.fit(fresh, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, num_stages=2,
+           num_microbatches=2)
+    for a, b in zip(again.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
