@@ -245,46 +245,50 @@ class Checkpointer:
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
         everyone = comm.allgather_obj((files, error))
-        errors = [e for _, e in everyone if e]
+        errors = [e for _, e in everyone if e]  # the same list on every rank
         if not errors and comm.rank == 0:
             try:
-                all_files = {k: v for f, _ in everyone for k, v in f.items()}
-                with open(os.path.join(tmp, "model.json"), "w") as f:
-                    f.write(model.to_json())
-                all_files["model.json"] = _sha256(os.path.join(tmp, "model.json"))
-                manifest = {"format": FORMAT, "version": VERSION, "files": all_files,
-                            "variables": [{"path": v.path, "shape": list(v.shape),
-                                           "dtype": str(v.dtype)} for v in model.weights],
-                            "plan": {"num_stages": runtime.topo.num_stages,
-                                     "num_replicas": runtime.topo.num_replicas,
-                                     "num_microbatches": runtime.num_microbatches,
-                                     "schedule": runtime.schedule,
-                                     "counts": runtime.part.counts},
-                            **position}
-                with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                    json.dump(manifest, f, indent=1)
-                    f.flush()
-                    os.fsync(f.fileno())
-                if os.path.exists(final):
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                latest = os.path.join(self.directory, "LATEST")
-                with open(latest + ".tmp", "w") as f:
-                    f.write(name + "\n")
-                os.replace(latest + ".tmp", latest)
-                self._rotate()
+                self._finish(runtime, tmp, final, name, position,
+                             {k: v for f, _ in everyone for k, v in f.items()})
             except OSError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
+        if errors and comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # before telling the others
         errors = comm.bcast_obj(errors, 0)
         if errors:
-            if comm.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
             previous = list_checkpoints(self.directory)
             raise CheckpointError(
                 f"Writing checkpoint {final} failed: {errors[0]}. Nothing was replaced: "
                 + (f"the previous checkpoint {previous[-1]} is intact." if previous else
                    "there is no earlier checkpoint."))
         return final
+
+    def _finish(self, runtime, tmp, final, name, position, files):
+        """Rank 0: architecture and manifest (last), rename into place, LATEST, rotate."""
+        model = runtime.model
+        with open(os.path.join(tmp, "model.json"), "w") as f:
+            f.write(model.to_json())
+        files["model.json"] = _sha256(os.path.join(tmp, "model.json"))
+        manifest = {"format": FORMAT, "version": VERSION, "files": files,
+                    "variables": [{"path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
+                                  for v in model.weights],
+                    "plan": {"num_stages": runtime.topo.num_stages,
+                             "num_replicas": runtime.topo.num_replicas,
+                             "num_microbatches": runtime.num_microbatches,
+                             "schedule": runtime.schedule, "counts": runtime.part.counts},
+                    **position}
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest = os.path.join(self.directory, "LATEST")
+        with open(latest + ".tmp", "w") as f:
+            f.write(name + "\n")
+        os.replace(latest + ".tmp", latest)
+        self._rotate()
 
     def _rotate(self):
         if self.keep is None:
