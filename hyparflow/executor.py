@@ -55,7 +55,10 @@ class Executor:
         key = (m, training)
         if key not in self._lowered:
             if training:
-                compute = sched.build(self.schedule, self.topo.num_stages, m)
+                # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
+                # the same order as GPipe's, and lets each backward fuse with its forward.
+                name = "1f1b" if self.topo.num_stages == 1 else self.schedule
+                compute = sched.build(name, self.topo.num_stages, m)
             else:
                 compute = sched.forward_only(self.topo.num_stages, m)
             lowered = sched.lower(compute, self._sources, self._dests)
@@ -118,8 +121,12 @@ class Executor:
         recv_act, recv_grad = self._post_receives(micro_indices, training)
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
-        for a in self.lowered(len(micro_indices), training):
+        actions = self.lowered(len(micro_indices), training)
+        fused = set()
+        for position, a in enumerate(actions):
             i = a.microbatch
+            if a.kind == sched.B and i in fused:
+                continue  # done together with its forward
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
@@ -133,16 +140,26 @@ class Executor:
                 if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
-                if training:
-                    out, c = stage.forward(i, inputs, y, sw, share=len(idx) / batch_size,
+                share = len(idx) / batch_size
+                follows = actions[position + 1] if position + 1 < len(actions) else None
+                if (training and stage.is_last and not stage.recompute and follows is not None
+                        and follows.kind == sched.B and follows.microbatch == i):
+                    grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i))
+                    grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
+                    fused.add(i)
+                    out = []
+                    self._record(str(a) + "+B", "backward", start, microbatch=i)
+                elif training:
+                    out, c = stage.forward(i, inputs, y, sw, share=share,
                                            seed=(seed, first_id + i))
                 else:
-                    out, c, pred = stage.infer(kind, inputs, y, sw, share=len(idx) / batch_size)
+                    out, c, pred = stage.infer(kind, inputs, y, sw, share=share)
                     if pred:
                         predictions.append([p.numpy() for p in pred])
                 outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
                 total += float(c)
-                self._record(str(a), "forward", start, microbatch=i)
+                if i not in fused:
+                    self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
                 for e in plan.send:
                     if e.dst == a.peer:

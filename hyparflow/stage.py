@@ -211,6 +211,41 @@ class Stage:
         sources = list(self.trainable) + diff_inputs
         result = tape.gradient(targets, sources, output_gradients=seeds,
                                unconnected_gradients=tf.UnconnectedGradients.NONE)
+        return self._accumulate(result, diff_inputs)
+
+    def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None):
+        """Forward and backward of microbatch `i` in one compiled call, for a stage
+        whose backward can follow its forward at once (the last stage, under 1F1B or
+        with one stage): no tape crosses calls. Returns (gradients of the received
+        inputs by tensor id, loss contribution)."""
+        if seed is not None:
+            self.reseed(*seed)
+        key = ("fused", bool(sample_weight))
+        if key not in self._functions:
+            diff, variables = self._diff, self.trainable
+
+            def fused(inputs, y, sample_weight, share):
+                with tf.GradientTape() as tape:
+                    for k in diff:
+                        tape.watch(inputs[k])
+                    _, contribution = self._body(inputs, y, sample_weight, share, "train")
+                grads = tape.gradient(contribution, list(variables) + [inputs[k] for k in diff],
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+                return contribution, grads
+
+            signature = [self._in_specs, self._y_specs,
+                         [tf.TensorSpec((None,), tf.float32)] if sample_weight else [],
+                         tf.TensorSpec((), tf.float32)]
+            self._functions[key] = fused if self._eager else tf.function(
+                fused, input_signature=signature, reduce_retracing=True)
+        inputs = [tf.convert_to_tensor(a) for a in inputs]
+        contribution, result = self._functions[key](
+            inputs, [tf.convert_to_tensor(a) for a in y],
+            [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32))
+        return self._accumulate(result, [inputs[k] for k in self._diff]), contribution
+
+    def _accumulate(self, result, diff_inputs):
+        """Add the variables' part of `result` to `self.grads`; return the inputs' part."""
         n = len(self.trainable)
         for k, g in enumerate(result[:n]):
             if g is None:
