@@ -1,4 +1,4 @@
-"""The `hyparflow` command: run, info, slurm."""
+"""The `hyparflow` command: run, info, slurm, export."""
 
 import argparse
 import os
@@ -118,15 +118,38 @@ def _slurm(args):
     return 0
 
 
+def _add_export(sub):
+    p = sub.add_parser("export", help="write the newest valid checkpoint as a .keras file",
+                       description="Write the newest valid checkpoint in CHECKPOINT_DIR (or "
+                                   "one checkpoint's directory) as a normal .keras model. "
+                                   "Custom layers must be importable, as for "
+                                   "keras.saving.load_model.")
+    p.add_argument("checkpoint_dir")
+    p.add_argument("-o", "--output", required=True, help="the .keras file to write")
+    p.set_defaults(func=_export)
+
+
+def _export(args):
+    from . import checkpoint
+
+    try:
+        used = checkpoint.export(args.checkpoint_dir, args.output)
+    except checkpoint.CheckpointError as error:
+        raise launch.LaunchError(str(error)) from None
+    print(f"hyparflow export: wrote {args.output} from {used}", file=sys.stderr)
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
     _add_slurm(sub)
+    _add_export(sub)
     return parser
 
 

@@ -161,7 +161,10 @@ def assert_common(text, stages, replicas, microbatches):
     assert f"source {sys.prefix}/bin/activate" in text or f"export PATH={os.path.dirname(sys.executable)}" in text
     assert "#SBATCH --signal=B:USR1@120" in text
     assert "#SBATCH --requeue" in text
-    assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # USR1 before the limit goes on to the ranks; a checkpointed stop (exit 75) is requeued.
+    assert "trap on_time_limit USR1" in text and 'kill -USR1 "$PID"' in text
+    assert 'if [ "$STATUS" -eq "$PREEMPTED" ]; then' in text and "PREEMPTED=75" in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert ('export OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK" '
             'HYPARFLOW_THREADS="$SLURM_CPUS_PER_TASK"') in text
     assert (f"export HYPARFLOW_NUM_STAGES={stages} HYPARFLOW_NUM_REPLICAS={replicas} "
@@ -279,3 +282,32 @@ def test_cluster_script_usage():
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm-cluster.sh")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+# --- hyparflow export ----------------------------------------------------------------------
+
+def test_export_writes_the_newest_checkpoint(tmp_path, capsys):
+    import keras
+    import numpy as np
+
+    import models
+    from hyparflow.local import run_ranks
+
+    x, y = models.mlp_data(32)
+    directory = str(tmp_path / "ckpt")
+
+    def body(comm):
+        model = models.mlp()
+        import hyparflow as hf
+        hf.fit(model, x, y, batch_size=8, epochs=1, num_stages=2, comm=comm, verbose=0,
+               checkpoint_dir=directory)
+        return model.get_weights()
+
+    trained = run_ranks(2, body, timeout=120)[0]
+    output = tmp_path / "model.keras"
+    assert cli.main(["export", directory, "-o", str(output)]) == 0
+    assert "wrote" in capsys.readouterr().err
+    exported = keras.saving.load_model(output)
+    assert all(np.array_equal(a, b) for a, b in zip(exported.get_weights(), trained))
+    assert cli.main(["export", str(tmp_path / "nowhere"), "-o", str(output)]) == 2
+    assert "No such checkpoint directory" in capsys.readouterr().err
