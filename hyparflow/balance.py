@@ -1,6 +1,6 @@
 """Stage sizes from per-layer costs: an exact contiguous partition solver; pure Python."""
 
-__all__ = ["solve", "check_counts", "stage_costs"]
+__all__ = ["solve", "solve_limited", "check_counts", "stage_costs"]
 
 
 def check_counts(counts, num_items, num_stages):
@@ -80,3 +80,84 @@ def solve(costs, num_stages):
         counts.append(j - i)
         j = i
     return counts[::-1]
+
+
+def solve_limited(costs, num_stages, speeds=None, memory=None, limit=None):
+    """Contiguous cut into `num_stages` runs minimising the slowest stage's time,
+    where stage s takes `sum(costs) / speeds[s]`, and (with `limit`) keeping each
+    stage's `sum(memory)` within `limit`. Speeds let a rank twice as fast take about
+    twice the work (heterogeneous ranks).
+
+    Exact up to float resolution: a binary search on the stage time with an exact
+    O(S N) feasibility test.
+    Raises ValueError when no cut fits the memory limit."""
+    n = len(costs)
+    if n < num_stages:
+        raise ValueError(
+            f"Cannot cut {n} layer calls into {num_stages} stages: each stage needs at "
+            f"least one. Use num_stages <= {n}. Received: num_stages={num_stages}")
+    speeds = list(speeds) if speeds is not None else [1.0] * num_stages
+    if len(speeds) != num_stages or min(speeds) <= 0:
+        raise ValueError(f"`speeds` must give one positive speed per stage. Received: {speeds}")
+    memory = list(memory) if memory is not None else [0.0] * n
+    if limit is not None and max(memory) > limit:
+        worst = max(range(n), key=lambda i: memory[i])
+        raise ValueError(f"Layer call {worst} alone needs {memory[worst]:.4g} bytes, more than the "
+                         f"per-rank limit {limit:.4g}: no cut fits.")
+
+    prefix_cost, prefix_mem = [0.0], [0.0]
+    for c, m in zip(costs, memory):
+        prefix_cost.append(prefix_cost[-1] + c)
+        prefix_mem.append(prefix_mem[-1] + m)
+
+    def cut(t):
+        """Stage counts with every stage within time t (and memory), or None.
+
+        reachable[i]: stages 0..s-1 can cover exactly items 0..i-1. For stage s,
+        furthest[i] is the largest j such that items i..j-1 fit; it never
+        decreases with i, so for each j the latest reachable i < j is the one to
+        try. O(S N) per test."""
+        reachable = [False] * (n + 1)
+        reachable[0] = True
+        back = []
+        for s in range(num_stages):
+            cap = t * speeds[s]
+            furthest, j = [0] * n, 0
+            for i in range(n):
+                j = max(j, i)
+                while (j < n and prefix_cost[j + 1] - prefix_cost[i] <= cap + 1e-12
+                       and (limit is None or prefix_mem[j + 1] - prefix_mem[i] <= limit)):
+                    j += 1
+                furthest[i] = j
+            nxt, frm, last = [False] * (n + 1), [-1] * (n + 1), -1
+            for k in range(1, n + 1):
+                if reachable[k - 1]:
+                    last = k - 1
+                if last >= 0 and furthest[last] >= k:
+                    nxt[k], frm[k] = True, last
+            reachable = nxt
+            back.append(frm)
+        if not reachable[n]:
+            return None
+        counts, j = [], n
+        for s in range(num_stages - 1, -1, -1):
+            i = back[s][j]
+            counts.append(j - i)
+            j = i
+        return counts[::-1]
+
+    lo, hi = 0.0, sum(costs) / min(speeds) + 1e-12
+    best = cut(hi)
+    if best is None:
+        raise ValueError(f"No cut into {num_stages} stages keeps every stage within the memory "
+                         f"limit {limit:.4g}; use more stages or ranks with more memory.")
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        counts = cut(mid)
+        if counts is None:
+            lo = mid
+        else:
+            hi, best = mid, counts
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+    return best

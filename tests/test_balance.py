@@ -45,3 +45,50 @@ def test_topology_places_a_replica_on_consecutive_ranks():
     assert all(topo.rank(topo.stage(r), topo.replica(r)) == r for r in range(6))
     with pytest.raises(ValueError):
         Topology(0, 1)
+
+
+def brute_limited(costs, stages, speeds, memory, limit):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = [0, *cuts, n]
+        if any(sum(memory[b[i]:b[i + 1]]) > limit for i in range(stages)):
+            continue
+        worst = max(sum(costs[b[i]:b[i + 1]]) / speeds[i] for i in range(stages))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_limited_solver_with_speeds_and_memory_is_optimal():
+    from hyparflow.balance import solve_limited
+
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(1500):
+        n = rng.randint(1, 8)
+        stages = rng.randint(1, n)
+        costs = [rng.randint(0, 9) for _ in range(n)]
+        memory = [rng.randint(0, 5) for _ in range(n)]
+        speeds = [rng.choice([1.0, 2.0, 0.5]) for _ in range(stages)]
+        limit = rng.randint(5, 20)
+        want = brute_limited(costs, stages, speeds, memory, limit)
+        if want is None:
+            with pytest.raises(ValueError):
+                solve_limited(costs, stages, speeds, memory, limit)
+            continue
+        counts = solve_limited(costs, stages, speeds, memory, limit)
+        b = [0]
+        for c in counts:
+            b.append(b[-1] + c)
+        assert len(counts) == stages and min(counts) >= 1
+        assert all(sum(memory[b[i]:b[i + 1]]) <= limit for i in range(stages))
+        got = max(sum(costs[b[i]:b[i + 1]]) / speeds[i] for i in range(stages))
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
+        checked += 1
+    assert checked > 500
+
+
+def test_a_rank_twice_as_fast_gets_twice_the_work():
+    from hyparflow.balance import solve_limited
+
+    assert solve_limited([1.0] * 30, 2, speeds=[2.0, 1.0]) == [20, 10]
