@@ -27,7 +27,8 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         run_eagerly=None, recompute=False, trace=None, validation_data=None,
         validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
         validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
-        checkpoint_every="epoch", keep=3, resume=False, check_finite=True):
+        checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
+        memory_limit=None, plan=None):
     """Train a compiled Keras model with S stages x R replicas x M microbatches.
 
     Call it on every rank with the same arguments, as `model.fit` on one
@@ -58,8 +59,15 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         verbose: 0, 1, 2 or "auto" (= 1), as in `model.fit`; the progress bar is
             printed by rank 0 only, with global values.
         callbacks: Keras callbacks; they run on every rank with the global logs.
-        balance: None (cut by estimated compute, see docs/concepts.md) or a
-            list with the number of layer calls of each stage.
+        balance: how to cut the layer calls into stages: None or "estimate"
+            (estimated compute, no measuring), "time" (each call profiled here),
+            "params", "memory" (weights + optimizer state + activations in
+            flight), or a list with the number of layer calls of each stage.
+        speeds: relative speed of each stage's ranks ("measure": a short
+            calibration on every rank), so a faster rank gets more work.
+        memory_limit: bytes per rank that no stage may exceed (with `balance`).
+        plan: a plan file (see `hyparflow plan`): stages, replicas,
+            microbatches and schedule from it.
         comm: an mpi4py communicator (default MPI.COMM_WORLD) or a
             `hyparflow.comm.Communicator`.
         sample_weight, class_weight: as in `model.fit`.
@@ -107,7 +115,8 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
-            resume=resume, check_finite=check_finite)
+            resume=resume, check_finite=check_finite, speeds=speeds,
+            memory_limit=memory_limit, plan=plan)
     finally:
         if owned:
             communicator.free()

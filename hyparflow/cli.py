@@ -1,4 +1,4 @@
-"""The `hyparflow` command: run, info, slurm, export."""
+"""The `hyparflow` command: run, info, slurm, export, trace."""
 
 import argparse
 import os
@@ -140,16 +140,50 @@ def _export(args):
     return 0
 
 
+def _add_trace(sub):
+    p = sub.add_parser("trace", help="draw a fit(trace=...) timeline and measure its bubble",
+                       description="Draw the timeline written by hyparflow.fit(trace=RUN.json): "
+                                   "one row per rank, actions coloured by kind, idle time "
+                                   "blank. Prints the measured bubble fraction next to the "
+                                   "theoretical (S-1)/(M+S-1).")
+    p.add_argument("trace", help="the JSON file fit(trace=...) wrote")
+    p.add_argument("-o", "--output", help="the picture to write (PNG)")
+    p.add_argument("--steps", type=int, default=2, help="how many of the last steps to draw")
+    p.set_defaults(func=_trace)
+
+
+def _trace(args):
+    from . import timeline
+
+    try:
+        data = timeline.load(args.trace)
+    except (OSError, ValueError) as error:
+        raise launch.LaunchError(f"cannot read {args.trace}: {error}") from None
+    meta = data.get("otherData", {})
+    measured = timeline.bubble(data)
+    line = f"measured bubble {measured:.3f}"
+    if meta.get("num_stages") and meta.get("num_microbatches"):
+        theory = timeline.theoretical_bubble(meta["num_stages"], meta["num_microbatches"])
+        line += (f", theoretical (S-1)/(M+S-1) = {theory:.3f} (S={meta['num_stages']}, "
+                 f"M={meta['num_microbatches']}, {meta.get('schedule')})")
+    print(line)
+    if args.output:
+        timeline.draw(data, args.output, steps=args.steps)
+        print(f"wrote {args.output}")
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
     _add_slurm(sub)
     _add_export(sub)
+    _add_trace(sub)
     return parser
 
 

@@ -250,6 +250,7 @@ def report(environ=None):
     add("platform", platform.platform())
     for key, value in _mpi_facts():
         add(key, value)
+    _env.start_tensorflow()  # quietly, as a training process would
     import keras
     import numpy
     import tensorflow as tf

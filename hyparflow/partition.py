@@ -57,10 +57,15 @@ def _counts(graph, num_stages, balance):
         )
     if balance is None:
         return _balance.solve([node.cost for node in graph.nodes], num_stages)
+    if isinstance(balance, dict):  # resolved costs (see hyparflow.costs)
+        if balance.get("speeds") is None and balance.get("limit") is None:
+            return _balance.solve(balance["costs"], num_stages)
+        return _balance.solve_limited(balance["costs"], num_stages, balance.get("speeds"),
+                                      balance.get("memory"), balance.get("limit"))
     if isinstance(balance, str):
         raise ValueError(
-            "`balance` must be None (automatic, by estimated compute) or a list of layer-call "
-            f"counts per stage. Received: balance={balance!r}"
+            "`balance` must be None, 'estimate', 'params', 'time', 'memory' or a list of "
+            f"layer-call counts per stage. Received: balance={balance!r}"
         )
     return _balance.check_counts(balance, n, num_stages)
 

@@ -47,11 +47,15 @@ class JobSpec:
 
 
 def template_dir():
-    """$HYPARFLOW_SLURM_TEMPLATES, else the repository's slurm/ beside the package."""
+    """$HYPARFLOW_SLURM_TEMPLATES, else the repository's slurm/ beside the package (an
+    editable install), else <prefix>/share/hyparflow/slurm (where a wheel puts them)."""
     configured = os.environ.get("HYPARFLOW_SLURM_TEMPLATES")
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parent.parent / "slurm"
+    beside = Path(__file__).resolve().parent.parent / "slurm"
+    if beside.is_dir():
+        return beside
+    return Path(sys.prefix) / "share" / "hyparflow" / "slurm"
 
 
 def template_path(name):

@@ -7,10 +7,13 @@ the backward as compiled code too, so there is neither recomputation nor
 per-layer Python in the backward.
 """
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from .profile import slowdown
 
 __all__ = ["Stage"]
 
@@ -75,6 +78,13 @@ class Stage:
         self._eager = run_eagerly
         self._functions = {}
         self._forward = self._function("train", has_sample_weight)
+        self._slowdown = slowdown()
+
+    def _lag(self, start):
+        """HYPARFLOW_SLOWDOWN: act as a rank that many times slower (for tests of
+        heterogeneous balancing)."""
+        if self._slowdown > 1:
+            time.sleep((self._slowdown - 1) * (time.perf_counter() - start))
 
     def _function(self, kind, has_sample_weight):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
@@ -161,6 +171,7 @@ class Stage:
         loss contribution. Keeps what `backward(i, ...)` needs: the tape, or with
         `recompute` only the stage's inputs. `seed`: (seed, global microbatch id)
         for the random layers."""
+        start = time.perf_counter()
         if seed is not None:
             self.reseed(*seed)
         args = ([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
@@ -169,9 +180,10 @@ class Stage:
         if self.recompute:
             outs, contribution = self._forward(*args)
             self._saved[i] = (args, seed)
-            return outs, contribution
-        tape, outs, contribution = self._taped(args)
-        self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution)
+        else:
+            tape, outs, contribution = self._taped(args)
+            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution)
+        self._lag(start)
         return outs, contribution
 
     def _taped(self, args):
@@ -198,6 +210,7 @@ class Stage:
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
         array, or missing when no later stage used it); adds the variables' gradients
         to `self.grads` and returns the gradients of the received inputs by tensor id."""
+        start = time.perf_counter()
         if self.recompute:
             tape, diff_inputs, outs, contribution = self._replay(i)
         else:
@@ -211,13 +224,16 @@ class Stage:
         sources = list(self.trainable) + diff_inputs
         result = tape.gradient(targets, sources, output_gradients=seeds,
                                unconnected_gradients=tf.UnconnectedGradients.NONE)
-        return self._accumulate(result, diff_inputs)
+        grads = self._accumulate(result, diff_inputs)
+        self._lag(start)
+        return grads
 
     def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None):
         """Forward and backward of microbatch `i` in one compiled call, for a stage
         whose backward can follow its forward at once (the last stage, under 1F1B or
         with one stage): no tape crosses calls. Returns (gradients of the received
         inputs by tensor id, loss contribution)."""
+        start = time.perf_counter()
         if seed is not None:
             self.reseed(*seed)
         key = ("fused", bool(sample_weight))
@@ -242,7 +258,9 @@ class Stage:
         contribution, result = self._functions[key](
             inputs, [tf.convert_to_tensor(a) for a in y],
             [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32))
-        return self._accumulate(result, [inputs[k] for k in self._diff]), contribution
+        grads = self._accumulate(result, [inputs[k] for k in self._diff])
+        self._lag(start)
+        return grads, contribution
 
     def _accumulate(self, result, diff_inputs):
         """Add the variables' part of `result` to `self.grads`; return the inputs' part."""

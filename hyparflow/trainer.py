@@ -6,6 +6,8 @@ import keras
 import numpy as np
 
 from . import checkpoint as _ckpt
+from . import costs as _costs
+from . import plan as _plan
 from . import data as _data
 from .inference import run_evaluation
 from .logs import GlobalLogs
@@ -43,10 +45,16 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
           recompute=False, trace=None, validation_data=None, validation_split=0.0,
           validation_freq=1, initial_epoch=0, steps_per_epoch=None,
           validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
-          checkpoint_every="epoch", keep=3, resume=False, check_finite=True):
+          checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
+          memory_limit=None, plan=None):
     """The body of `hyparflow.fit` for one rank (see its docstring)."""
     error, runtime, state = None, None, {}
     try:
+        if plan is not None:
+            plan = _plan.read(plan)
+            num_stages, num_microbatches = plan["num_stages"], plan["num_microbatches"]
+            num_replicas = plan.get("num_replicas", num_replicas)
+            schedule = plan.get("schedule", schedule)
         check_positive(batch_size=batch_size, epochs=epochs)
         if resume and not checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
@@ -60,6 +68,8 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
             (x, y, sample_weight), validation_data = _data.validation_split(
                 x, y, sample_weight, validation_split)
         graph = read_graph(model, num_stages, x_shapes(x))
+        if plan is not None:
+            balance = _plan.counts_for(plan, graph)
         source, sample = _data.source(graph, x, y, batch_size=batch_size,
                                       sample_weight=sample_weight, class_weight=class_weight,
                                       shuffle=shuffle, seed=0, steps_per_epoch=steps_per_epoch)
@@ -80,6 +90,14 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                 graph, vx, vy, batch_size=validation_batch_size or batch_size, sample_weight=vsw,
                 steps_per_epoch=validation_steps)[0]
         state["validation_epochs"] = _validation_epochs(validation_freq, epochs)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    agree_on_error(comm, error)
+    try:
+        # Collective (profiling, calibration): every rank reaches it, or none does.
+        balance = _costs.resolve(graph, model, comm, balance, num_stages, speeds=speeds,
+                                 memory_limit=memory_limit,
+                                 microbatch=max(1, batch_size // (replicas * num_microbatches)))
         runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
                           num_replicas=num_replicas, num_microbatches=num_microbatches,
                           balance=balance, schedule=schedule, run_eagerly=run_eagerly,

@@ -8,8 +8,9 @@ def mlp(optimizer="sgd"):
     keras.utils.set_random_seed(1)
     inp = keras.Input((12,), name="features")
     h = inp
-    for width in (32, 32, 24, 16):
-        h = keras.layers.Dense(width, activation="relu")(h)
+    for k, width in enumerate((32, 32, 24, 16)):
+        # Named: plan files name layer calls, and automatic names change per build.
+        h = keras.layers.Dense(width, activation="relu", name=f"hidden_{k}")(h)
     out = keras.layers.Dense(4, name="logits")(h)
     model = keras.Model(inp, out)
     model.compile(optimizer=optimizer,

@@ -73,3 +73,17 @@ def test_trace_records_every_action_on_every_rank(tmp_path):
     picture = tmp_path / "run.png"
     T.draw(trace, str(picture))
     assert picture.stat().st_size > 1000
+
+
+def test_trace_command_prints_the_bubble_and_draws(tmp_path, capsys):
+    from hyparflow import cli
+
+    x, y = models.mlp_data(64)
+    start, _ = reference(models.mlp, x, y)
+    path = tmp_path / "run.json"
+    train_ranks(models.mlp, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
+                weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))
+    assert cli.main(["trace", str(path), "-o", str(tmp_path / "run.png")]) == 0
+    out = capsys.readouterr().out
+    assert "measured bubble" in out and "theoretical (S-1)/(M+S-1) = 0.200 (S=2, M=4" in out
+    assert (tmp_path / "run.png").stat().st_size > 1000

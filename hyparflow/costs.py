@@ -1,0 +1,48 @@
+"""Per-layer-call costs for a balance mode, and stage speeds, agreed by every rank."""
+
+from . import profile as _profile
+
+__all__ = ["MODES", "resolve"]
+
+MODES = ("estimate", "params", "time", "memory")
+
+
+def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limit=None,
+            microbatch=32):
+    """Turn `balance` (None, a mode, or counts) and `speeds` (None, "measure" or one
+    number per stage) into what `partition` takes. Collective: profiling and
+    calibration run on this machine's ranks and their results are shared, so every
+    rank cuts the model the same way."""
+    if balance is not None and not isinstance(balance, str) and speeds is None and memory_limit is None:
+        return balance  # explicit counts
+    mode = balance or "estimate"
+    if mode not in MODES:
+        raise ValueError(f"`balance` must be one of {MODES}, None or a list of counts. "
+                         f"Received: balance={balance!r}")
+    profiles = None
+    if mode in ("time", "memory") or memory_limit is not None:
+        profiles = comm.bcast_obj(_profile.profile(graph, model, batch=microbatch)
+                                  if comm.rank == 0 else None, 0)
+    if mode == "estimate":
+        costs = [n.cost for n in graph.nodes]
+    elif mode == "params":
+        costs = [max(n.params, 1) for n in graph.nodes]  # weightless calls still count a little
+    elif mode == "time":
+        costs = [p.seconds for p in profiles]
+    else:
+        costs = [_memory(p, microbatch, num_stages) for p in profiles]
+    if speeds == "measure":
+        rates = comm.allgather_obj(_profile.calibrate())
+        # A stage is as fast as its slowest replica (rank = replica * S + stage).
+        speeds = [min(rates[r] for r in range(s, len(rates), num_stages)) for s in range(num_stages)]
+    elif speeds is not None and len(speeds) != num_stages:
+        raise ValueError(f"`speeds` needs one value per stage ({num_stages}). Received: {speeds}")
+    memory = [_memory(p, microbatch, num_stages) for p in profiles] if memory_limit else None
+    return {"costs": costs, "speeds": list(speeds) if speeds is not None else None,
+            "memory": memory, "limit": memory_limit}
+
+
+def _memory(p, microbatch, num_stages):
+    """Bytes a layer call holds on its rank: weights, optimizer state, and the
+    activations of the microbatches in flight (at most S with 1F1B)."""
+    return p.param_bytes + p.optimizer_bytes + p.activation_bytes * microbatch * num_stages
