@@ -173,17 +173,25 @@ def _trace(args):
     return 0
 
 
+def _add_plan(sub):
+    p = sub.add_parser("plan", help="profile a model and rank (stages, replicas, microbatches) plans",
+                       add_help=False, description="See `hyparflow plan --help`.")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: __import__("hyparflow.planner", fromlist=["main"]).main(args.rest))
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace,plan}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
     _add_slurm(sub)
     _add_export(sub)
     _add_trace(sub)
+    _add_plan(sub)
     return parser
 
 

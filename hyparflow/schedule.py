@@ -199,10 +199,13 @@ class Simulation:
 def simulate(lowered, forward_time=1.0, backward_time=2.0):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
-    Raises RuntimeError on deadlock (no stage can move). Communication is
-    free; ALLREDUCE and STEP take no time.
+    `forward_time` / `backward_time`: one number for every stage, or a list
+    with one per stage. Raises RuntimeError on deadlock (no stage can move).
+    Communication is free; ALLREDUCE and STEP take no time.
     """
     n = len(lowered)
+    f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
+    b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -224,7 +227,7 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0):
                     kind = "act" if a.kind == SEND_ACT else "grad"
                     sent[(kind, s, a.peer, a.microbatch)] = clock[s]
                 elif a.kind in (F, B):
-                    cost = forward_time if a.kind == F else backward_time
+                    cost = f_times[s] if a.kind == F else b_times[s]
                     clock[s] += cost
                     busy[s] += cost
                     alive[s] += 1 if a.kind == F else -1

@@ -1,0 +1,59 @@
+"""The planner: units, the cost model's shape, and `hyparflow plan` end to end."""
+
+import json
+
+import pytest
+
+import hyparflow as hf
+import models
+from hyparflow import graph as G, planner
+from hyparflow.local import run_ranks
+
+
+def test_units():
+    assert planner.parse_bytes("12.5GB/s") == 12.5e9
+    assert planner.parse_bytes("4GiB") == 4 * 2 ** 30
+    assert planner.parse_seconds("2us") == pytest.approx(2e-6)
+    with pytest.raises(ValueError, match="Cannot read"):
+        planner.parse_bytes("lots")
+
+
+def test_cost_model_behaves_like_a_pipeline():
+    graph = G.from_model(models.mlp())
+    # Four equal layer calls of 1 ms per sample-batch, no overhead, a free network.
+    rows = [(0.0, 1e-3, 1000, 0, 100)] * len(graph.nodes)
+    free = planner.Network(0.0, 0.0)
+    one = planner.predict(graph, rows, 0.0, free, [5], 64, 1, 1, "1f1b")
+    two = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 8, "1f1b")
+    # Stages of 2 and 3 calls: the slower one sets the pace, so more idle than (S-1)/(M+S-1).
+    assert 1 / 9 < two["bubble"] < 0.3
+    assert one["step_s"] / two["step_s"] > 1.3   # pipelining pays off
+    slow = planner.Network(1e-3, 1e-9)
+    dp = planner.predict(graph, rows, 0.0, slow, [5], 64, 2, 1, "1f1b")
+    assert dp["comm_s"] > 0
+    plans = planner.search(graph, rows, 0.0, free, 64, 4, memory_limit=10 ** 9)
+    assert plans[0]["step_s"] == min(p["step_s"] for p in plans)
+    assert {(p["stages"], p["replicas"]) for p in plans} >= {(1, 4), (2, 2), (4, 1)}
+
+
+def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
+    source = tmp_path / "model.py"
+    source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
+    out = tmp_path / "plan.json"
+    assert planner.main([str(source), "--batch-size", "32", "--ranks", "2", "--latency", "5us",
+                         "--bandwidth", "5GB/s", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "samples/s" in text and "wrote" in text
+    plan = json.loads(out.read_text())
+    assert plan["num_stages"] * plan["num_replicas"] == 2 and "predicted" in plan
+    x, y = models.mlp_data(64)
+    run_ranks(2, lambda comm: hf.fit(models.mlp(), x, y, batch_size=32, verbose=0,
+                                     plan=str(out), comm=comm))
+
+
+def test_projection_to_a_cluster(tmp_path, capsys):
+    source = tmp_path / "model.py"
+    source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
+    assert planner.main([str(source), "--batch-size", "1024", "--nodes", "4", "--ranks-per-node", "2",
+                         "--latency", "2us", "--bandwidth", "12.5GB/s", "--top", "3"]) == 0
+    assert "(8 ranks)" in capsys.readouterr().out
