@@ -270,7 +270,12 @@ class Stage:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            self.grads[k] = g if self.grads[k] is None else self.grads[k] + g
+            # Kept per microbatch and summed once at the step's end (one pass over
+            # memory instead of M - 1).
+            if self.grads[k] is None:
+                self.grads[k] = [g]
+            else:
+                self.grads[k].append(g)
             self.touched[k] = True
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
@@ -291,7 +296,11 @@ class Stage:
         for k in positions:
             g = self.grads[k]
             n = int(np.prod(self.trainable[k].shape))
-            parts.append(tf.zeros([n], tf.float32) if g is None else tf.reshape(tf.cast(g, tf.float32), [-1]))
+            if g is None:
+                parts.append(tf.zeros([n], tf.float32))
+            else:
+                total = g[0] if len(g) == 1 else tf.add_n(g)
+                parts.append(tf.reshape(tf.cast(total, tf.float32), [-1]))
         parts.append(tf.constant(self.touched[positions].astype(np.float32)))
         return np.array(tf.concat(parts, 0))
 
