@@ -168,16 +168,22 @@ def _calibrate(graph, model, rows, batch):
 
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
-            ranks_per_node=None):
-    """Predicted step time and its parts, and peak memory per stage, for one plan."""
+            ranks_per_node=None, cores=None):
+    """Predicted step time and its parts, and peak memory per stage, for one plan.
+
+    `cores`: cores per node; when a node runs more ranks than it has cores, every
+    computation takes that many times longer (the ranks share the cores)."""
     from . import schedule as sched
     from .partition import partition
 
     stages = len(counts)
     part = partition(graph, stages, counts)
     m = batch / (replicas * micro)
+    on_node = ranks_per_node or stages * replicas
+    share = max(1.0, on_node / cores) if cores else 1.0
     starts = [sum(counts[:s]) for s in range(stages)]
-    compute = [sum(rows[i][0] + rows[i][1] * m for i in range(a, a + c)) for a, c in zip(starts, counts)]
+    compute = [share * sum(rows[i][0] + rows[i][1] * m for i in range(a, a + c))
+               for a, c in zip(starts, counts)]
     elements = lambda t: 1 if not graph.tensors[t].shape[1:] else int(  # noqa: E731
         __import__("numpy").prod([d or 1 for d in graph.tensors[t].shape[1:]]))
     send = [0.0] * stages
@@ -190,7 +196,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     sim = sched.simulate(lowered, per_stage_f, per_stage_b)
     params = [sum(rows[i][2] for i in range(a, a + c)) for a, c in zip(starts, counts)]
     across = ranks_per_node is not None and ranks_per_node < stages * replicas
-    reduce = [network.allreduce(p, replicas, across) + p * opt_per_byte for p in params]
+    reduce = [network.allreduce(p, replicas, across) + share * p * opt_per_byte for p in params]
     step = sim.makespan + max(reduce)
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
@@ -203,7 +209,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
-           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None):
+           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
+           cores=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last)."""
     from . import balance as B
@@ -219,7 +226,7 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             counts = B.solve(costs, stages)
             for schedule in (schedules if stages > 1 else ("1f1b",)):
                 p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                            schedule, ranks_per_node)
+                            schedule, ranks_per_node, cores)
                 p.update(stages=stages, replicas=replicas, microbatches=micro,
                          schedule=schedule, counts=counts,
                          fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
@@ -252,7 +259,13 @@ def main(argv=None):
     parser.add_argument("--ranks-per-node", type=int)
     parser.add_argument("--bandwidth", help="e.g. 12.5GB/s (default: measured with MPI here)")
     parser.add_argument("--latency", help="e.g. 2us (default: measured with MPI here)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(),
+                        help="cores per node (ranks beyond them share cores)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
+                        choices=["gpipe", "1f1b"])
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--output", help="write the best plan that fits here (JSON)")
     args = parser.parse_args(argv)
     from . import _env
@@ -275,8 +288,13 @@ def main(argv=None):
     rows, opt_per_byte = profile_model(graph, model)
     limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
-                   ranks_per_node=args.ranks_per_node if args.nodes > 1 else None)
+                   microbatches=args.microbatches, schedules=args.schedules,
+                   ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
+                   cores=args.cores if args.nodes == 1 else None)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1)][0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"plans": plans, "one_rank": one}, f, indent=1)
     print(f"\n{'rank':>4} {'S':>3} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
