@@ -1,0 +1,54 @@
+"""Every example in examples/ runs under `hyparflow run -n 2 --stages 2` with its shortest
+settings, exits 0 and prints its final line on rank 0."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hyparflow import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+# script -> (its shortest settings, a regex the last line of stdout must match)
+CASES = {
+    "digits_resnet.py": (["--epochs", "1"],
+                         r"^test accuracy [0-9.]+ \(loss [0-9.]+\) on 360 held-out digits, "
+                         r"2 stages x 1 replicas$"),
+    "wide_mlp.py": (["--samples", "256", "--epochs", "1"],
+                    r"^wide_mlp: with 2 stage\(s\) every rank fits the 80 MiB budget \(largest "
+                    r"[0-9.]+ MiB\); one rank without stages would need [0-9.]+ MiB \(over budget\)$"),
+    "resnet110.py": (["--samples", "64", "--epochs", "1"],
+                     r"^resnet110: [0-9.]+ samples/s \(.* over 1 steps after the first\), "
+                     r"schedule 1f1b, 2 ranks$"),
+    "transformer_text.py": (["--samples", "256", "--epochs", "1"],
+                            r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
+                            r"held-out sequences$"),
+}
+
+
+def test_every_example_is_tested():
+    assert sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")) == sorted(CASES)
+
+
+@pytest.mark.skipif(launch.find_mpiexec() is None, reason="no mpiexec beside python or on PATH")
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_example_runs(script):
+    args, last_line = CASES[script]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HYPARFLOW_NUM_", "SLURM_"))}  # mpiexec here, our layout only
+    command = [sys.executable, "-m", "hyparflow", "run", "-n", "2", "--stages", "2",
+               "--microbatches", "2", os.path.join(EXAMPLES, script), *args]
+    try:
+        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} did not finish in 300 s; stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+    report = f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, report
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert lines and re.match(last_line, lines[-1]), report
