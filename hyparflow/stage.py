@@ -18,6 +18,27 @@ from .profile import slowdown
 __all__ = ["Stage"]
 
 
+def _aligned_copy(tensor):
+    """A writable float32 numpy copy of `tensor` on 64-byte-aligned memory, so that
+    TensorFlow can later take it back without a copy (`_as_tensor`)."""
+    n = int(tensor.shape[0])
+    raw = np.empty(n + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    out = raw[start:start + n]
+    out[...] = tensor.numpy()
+    return out
+
+
+def _as_tensor(array):
+    """The numpy buffer as a tensor, zero-copy when it is aligned (dlpack)."""
+    if array.ctypes.data % 64 == 0 and array.flags.c_contiguous:
+        try:
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except Exception:  # noqa: BLE001 - an older TensorFlow or numpy: copy instead
+            pass
+    return tf.convert_to_tensor(array)
+
+
 def _spec(tensor, batch=None):
     return tf.TensorSpec((batch,) + tuple(tensor.shape[1:]), tf.as_dtype(tensor.dtype))
 
@@ -302,7 +323,7 @@ class Stage:
                 total = g[0] if len(g) == 1 else tf.add_n(g)
                 parts.append(tf.reshape(tf.cast(total, tf.float32), [-1]))
         parts.append(tf.constant(self.touched[positions].astype(np.float32)))
-        return np.array(tf.concat(parts, 0))
+        return _aligned_copy(tf.concat(parts, 0))
 
     def reset_grads(self):
         self.grads = [None] * len(self.trainable)
@@ -330,7 +351,7 @@ class Stage:
             if getattr(self, "_apply_layout", None) != layout:
                 self._apply_layout = layout
                 self._apply_fn = self._compile_apply(optimizer, layout)
-            self._apply_fn([tf.convert_to_tensor(flat) for _, flat in buckets])
+            self._apply_fn([_as_tensor(flat) for _, flat in buckets])
             return
         pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
         if pairs:
