@@ -71,6 +71,21 @@ def x_shapes(x):
     return [np.shape(a) for a in leaves]
 
 
+def _check_optimizer(optimizer, num_stages):
+    """Optimizer features that would silently train differently when each stage steps
+    its own variables are refused with the reason."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
+            "would have to be agreed by every stage each step. Use the 'mixed_bfloat16' "
+            "policy, which needs no loss scaling.")
+    if num_stages > 1 and getattr(optimizer, "global_clipnorm", None):
+        raise NotImplementedError(
+            f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
+            f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
+            "clipvalue, or num_stages=1.")
+
+
 def read_graph(model, num_stages, shapes):
     """The model's LayerGraph; a subclassed model only with one stage."""
     if not isinstance(model, keras.Model):
@@ -179,6 +194,8 @@ class Runtime:
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
                              f"Received: schedule={schedule!r}")
+        if training:
+            _check_optimizer(model.optimizer, num_stages)
         self.model, self.comm = model, comm
         self.graph = graph
         self.part = part = _partition.partition(graph, num_stages, balance)

@@ -138,3 +138,26 @@ def test_stage_and_microbatch_defaults_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "two")
     with pytest.raises(ValueError, match=r"HYPARFLOW_NUM_STAGES must be an integer"):
         fit_on(1, models.mlp, x, y)
+
+
+def test_optimizers_that_would_train_differently_are_refused():
+    x, y = models.mlp_data(32)
+
+    def clipped():
+        model = models.mlp()
+        model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(NotImplementedError, match="global_clipnorm=1.0 needs the norm of all gradients"):
+        fit_on(2, clipped, x, y, num_stages=2)
+    fit_on(1, clipped, x, y)  # one stage sees every gradient: fine
+
+    def scaled():
+        model = models.mlp()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(NotImplementedError, match="LossScaleOptimizer"):
+        fit_on(1, scaled, x, y)
