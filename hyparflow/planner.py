@@ -266,6 +266,8 @@ def main(argv=None):
                         choices=["gpipe", "1f1b"])
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", help="write every ranked plan here")
+    parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
+                                                "profile once, plan for many clusters")
     parser.add_argument("--output", help="write the best plan that fits here (JSON)")
     args = parser.parse_args(argv)
     from . import _env
@@ -284,8 +286,18 @@ def main(argv=None):
         network = measure_network()
     print(f"network: alpha {network.alpha * 1e6:.2f} us, bandwidth {1 / network.beta / 1e9:.2f} GB/s",
           flush=True)
-    print(f"profiling {len(graph.nodes)} layer calls of {model.name} ...", flush=True)
-    rows, opt_per_byte = profile_model(graph, model)
+    if args.profile_cache and os.path.exists(args.profile_cache):
+        with open(args.profile_cache) as f:
+            cached = json.load(f)
+        if len(cached["rows"]) != len(graph.nodes):
+            raise ValueError(f"{args.profile_cache} profiles another model.")
+        rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
+    else:
+        print(f"profiling {len(graph.nodes)} layer calls of {model.name} ...", flush=True)
+        rows, opt_per_byte = profile_model(graph, model)
+        if args.profile_cache:
+            with open(args.profile_cache, "w") as f:
+                json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte}, f)
     limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
