@@ -123,6 +123,56 @@ class _MPIRequest:
         return self.req.Test()
 
 
+RING_BYTES = 1 << 20  # allreduces of at least this many bytes use the ring below
+
+
+class _RingAllreduce:
+    """An in-place sum over a communicator by a ring of point-to-point messages:
+    reduce-scatter then allgather, R - 1 steps each, advanced by `test()`.
+
+    For large buffers on one node this is several times faster than MPICH's
+    shared-memory allreduce here (point-to-point messages of megabytes go
+    single-copy; the collective copies them through shared cells). Each chunk is
+    summed on one rank and copied to the others, so every rank gets the same bits."""
+
+    def __init__(self, comm, buf, tag):
+        self.comm, self.tag = comm, tag
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.chunks = np.array_split(buf.reshape(-1), self.size)
+        self.tmp = np.empty(max(len(c) for c in self.chunks), buf.dtype)
+        self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        self.step, self.done = 0, False
+        self._post()
+
+    def _indices(self):
+        r, n, s = self.rank, self.size, self.step
+        if s < n - 1:
+            return (r - s) % n, (r - s - 1) % n, True      # reduce-scatter
+        t = s - (n - 1)
+        return (r + 1 - t) % n, (r - t) % n, False         # allgather
+
+    def _post(self):
+        send, recv, reducing = self._indices()
+        self.recv, self.reducing = recv, reducing
+        target = self.tmp[:len(self.chunks[recv])] if reducing else self.chunks[recv]
+        self.reqs = [self.comm.Isend(self.chunks[send], self.right, self.tag),
+                     self.comm.Irecv(target, self.left, self.tag)]
+
+    def test(self):
+        while not self.done:
+            if not all(r.Test() for r in self.reqs):
+                return False
+            if self.reducing:
+                chunk = self.chunks[self.recv]
+                chunk += self.tmp[:len(chunk)]
+            self.step += 1
+            if self.step == 2 * (self.size - 1):
+                self.done = True
+            else:
+                self._post()
+        return True
+
+
 class MPICommunicator(Communicator):
     """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
 
@@ -153,6 +203,9 @@ class MPICommunicator(Communicator):
     def iallreduce(self, buf):
         if self.size == 1:
             return _Done()
+        if buf.nbytes >= RING_BYTES and buf.size >= self.size:
+            self._rings = (getattr(self, "_rings", 0) + 1) % 4096
+            return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
 
     def bcast(self, buf, root, timeout=None):
