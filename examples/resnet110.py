@@ -3,6 +3,8 @@
     hyparflow run -n 2 --stages 2 --microbatches 4 examples/resnet110.py
     hyparflow run -n 4 --stages 2 --microbatches 4 examples/resnet110.py     # 2 x 2
     hyparflow run -n 2 --stages 2 examples/resnet110.py --samples 64 --epochs 1   # quick
+    hyparflow run -n 2 --stages 2 --microbatches 4 examples/resnet110.py --trace run.json
+    hyparflow trace run.json -o run.png                                            # the timeline
 
 The network of He et al. (2016) for CIFAR-10: a 3x3 convolution, then 3 groups
 of 18 basic blocks (two 3x3 convolutions with BatchNorm and a skip connection)
@@ -73,10 +75,17 @@ def main():
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per replica (default: hyparflow run --microbatches, else 1)")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--balance", choices=("estimate", "time", "params", "memory"),
+                        default="estimate", help="how to cut the layers into stages (see docs/planning.md)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="keep only each stage's inputs and recompute its forward in the backward")
     parser.add_argument("--depth", type=int, default=110, help="6n+2: 110, 56, 20 ...")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--trace", default=None,
+                        help="write a timeline of every rank's actions here (JSON; draw it with "
+                             "`hyparflow trace FILE -o FILE.png`)")
     parser.add_argument("--save", default="", help="path of a .keras file to write on rank 0")
     args = parser.parse_args()
 
@@ -89,7 +98,7 @@ def main():
     timer = Throughput()
     history = hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs,
                      num_stages=args.stages, num_microbatches=args.microbatches,
-                     schedule=args.schedule, seed=0, callbacks=[timer],
+                     schedule=args.schedule, balance=args.balance, recompute=args.recompute, seed=0, callbacks=[timer], trace=args.trace,
                      verbose=2 if hf.is_main() else 0)
 
     if hf.is_main():
