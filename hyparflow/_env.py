@@ -106,5 +106,11 @@ def configure_threads():
     except RuntimeError:
         # The runtime is already initialised (the user ran TF ops before importing
         # hyparflow); TensorFlow refuses changes then, and its defaults stay.
+        import warnings
+
+        warnings.warn(
+            "hyparflow could not set TensorFlow's threads per rank: TensorFlow already ran "
+            "operations. Import hyparflow before building models (first line of the script).",
+            RuntimeWarning, stacklevel=3)
         return False
     return True

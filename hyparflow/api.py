@@ -78,8 +78,9 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             its forward in the backward (less memory, one more forward).
         trace: a path; every action on every rank is recorded and written there
             by rank 0 as Chrome-trace JSON (see `hyparflow trace`).
-        validation_data, validation_split, validation_freq, validation_batch_size,
-        validation_steps, initial_epoch, steps_per_epoch: as in `model.fit`;
+        validation_data: as in `model.fit`; so are validation_split,
+            validation_freq, validation_batch_size, validation_steps,
+            initial_epoch and steps_per_epoch;
             validation runs pipeline-parallel with the same partition.
 
         checkpoint_dir, checkpoint_every, keep: write a distributed checkpoint

@@ -7,6 +7,7 @@ and gives up after a timeout instead of hanging.
 """
 
 import os
+import pickle
 import time
 
 import numpy as np
@@ -180,7 +181,17 @@ class MPICommunicator(Communicator):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self.comm = comm.Dup() if dup else comm
+        if dup and comm.Get_size() > 1:
+            # Non-blocking, so a rank alone in a call every rank must make (say
+            # `if hf.is_main(): hf.evaluate(...)`) is told so instead of hanging.
+            new, req = comm.Idup()
+            _poll(req.Test, timeout_seconds(),
+                  "the other ranks to enter the same hyparflow call (fit, evaluate and "
+                  "predict are collective: every rank must call them)")
+            comm = new
+        elif dup:
+            comm = comm.Dup()
+        self.comm = comm
         self._owned = dup
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -215,14 +226,37 @@ class MPICommunicator(Communicator):
         _poll(req.Test, timeout, f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
         return buf
 
+    # Small metadata travels pickled (between our own ranks only), through
+    # non-blocking buffer collectives so the watchdog covers these waits too.
+    def _wait(self, req, what):
+        _poll(req.Test, timeout_seconds(), what, self.spin)
+
     def bcast_obj(self, obj, root):
-        return self.comm.bcast(obj, root=root) if self.size > 1 else obj
+        if self.size == 1:
+            return obj
+        data = np.frombuffer(pickle.dumps(obj), np.uint8) if self.rank == root else None
+        size = np.array([0 if data is None else data.size], np.int64)
+        self._wait(self.comm.Ibcast(size, root=root), f"set-up data from rank {root}")
+        buf = data.copy() if data is not None else np.empty(int(size[0]), np.uint8)
+        self._wait(self.comm.Ibcast(buf, root=root), f"set-up data from rank {root}")
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
 
     def allgather_obj(self, obj):
-        return self.comm.allgather(obj) if self.size > 1 else [obj]
+        if self.size == 1:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        self._wait(self.comm.Iallgather(np.array([data.size], np.int64), sizes),
+                   "the other ranks' set-up data")
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._wait(self.comm.Iallgatherv(data, [out, sizes.tolist()]),
+                   "the other ranks' set-up data")
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(out[a:b].tobytes()) for a, b in zip(starts[:-1], starts[1:])]
 
     def gather_obj(self, obj, root):
-        return self.comm.gather(obj, root=root) if self.size > 1 else [obj]
+        everyone = self.allgather_obj(obj)
+        return everyone if self.rank == root else None
 
     def split(self, color, key):
         sub = self.comm.Split(self._MPI.UNDEFINED if color is None else color, key)

@@ -117,9 +117,10 @@ def draw(trace, path, steps=2):
     title = f"measured bubble {bubble(trace):.3f}"
     if s and m:
         title += f", theoretical (S-1)/(M+S-1) = {theoretical_bubble(s, m):.3f}  (S={s}, M={m}, {meta.get('schedule')})"
-    ax.set_title(title)
+    ax.set_title(title, pad=28)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(COLOURS), fontsize=8)
+              loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=len(COLOURS), fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
