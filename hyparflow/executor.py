@@ -213,6 +213,11 @@ class Executor:
         variable that got no gradient anywhere is skipped as Keras skips it."""
         self.position = "ALLREDUCE"
         start = time.perf_counter()
+        if all(comm is None or comm.size == 1 for comm, _ in self.groups):
+            self.position = "STEP"
+            self.stage.apply_local(self.optimizer)  # nothing to share: no buffers
+            self._record("optimizer", "optimizer", start)
+            return
         variables = self.stage.trainable
         pending = []
         for comm, positions in self.groups:

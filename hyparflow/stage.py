@@ -325,6 +325,24 @@ class Stage:
         parts.append(tf.constant(self.touched[positions].astype(np.float32)))
         return _aligned_copy(tf.concat(parts, 0))
 
+    def apply_local(self, optimizer):
+        """Step `optimizer` with the summed gradients when no other rank shares them
+        (one replica): no packing into buffers at all."""
+        grads = [None if g is None else (g[0] if len(g) == 1 else tf.add_n(g)) for g in self.grads]
+        self.reset_grads()
+        if all(g is not None for g in grads) and grads:
+            if "direct" not in self._functions:
+                variables = self.trainable
+                step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
+                signature = [[tf.TensorSpec(v.shape, v.dtype) for v in variables]]
+                self._functions["direct"] = step if self._eager else tf.function(
+                    step, input_signature=signature)
+            self._functions["direct"]([tf.cast(g, v.dtype) for g, v in zip(grads, self.trainable)])
+            return
+        pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
+        if pairs:
+            optimizer.apply_gradients(pairs)
+
     def reset_grads(self):
         self.grads = [None] * len(self.trainable)
         self.touched[:] = False
