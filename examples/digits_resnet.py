@@ -10,7 +10,6 @@ import argparse
 
 import hyparflow as hf  # first: quiets TensorFlow and sets threads per rank
 import keras
-import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 

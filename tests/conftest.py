@@ -5,7 +5,6 @@ import os
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

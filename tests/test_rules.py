@@ -4,9 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-import hyparflow as hf
 from conftest import max_diff, train_ranks
-from hyparflow.local import run_ranks
 
 L = keras.layers
 
