@@ -142,16 +142,20 @@ def test_reduce_lr_on_plateau_changes_every_stage():
 
 def test_terminate_on_nan_stops_all_ranks():
     x, y = models.mlp_data(64)
+    weights = np.ones(64, "float32")
+    weights[20] = np.nan  # the second batch's loss is NaN (ReLU would swallow a NaN input)
     start = models.mlp().get_weights()
 
     def fit(model, comm):
-        model.optimizer.learning_rate.assign(1e12)
-        history = hf.fit(model, x * 1e6, y, batch_size=16, epochs=5, verbose=0, num_stages=2,
+        history = hf.fit(model, x, y, batch_size=16, epochs=5, verbose=0, num_stages=2,
+                         shuffle=False, check_finite=False, sample_weight=weights,
                          callbacks=[keras.callbacks.TerminateOnNaN()], comm=comm)
-        return len(history.history["loss"]), model.stop_training
+        return len(history.history["loss"]), bool(model.stop_training), int(
+            model.optimizer.iterations.numpy())
 
     results = run(2, models.mlp, start, fit)
-    assert results[0] == results[1] and results[0][1] is True
+    # Both ranks stop after the second step of the first epoch, as Keras would.
+    assert results[0] == results[1] == (1, True, 2)
 
 
 @pytest.mark.parametrize("config", [(1, 1, 1), (2, 2, 2), (3, 1, 3)])
