@@ -18,11 +18,6 @@ class Data:
     def __len__(self):
         return len(self.x[0])
 
-    def take(self, indices):
-        pick = lambda a: None if a is None else a[indices]  # noqa: E731
-        return Data([a[indices] for a in self.x], None if self.y is None else [a[indices] for a in self.y],
-                    pick(self.sample_weight))
-
 
 def _leaves(value, names, what):
     if isinstance(value, dict):

@@ -306,10 +306,6 @@ class Stage:
             grads_in[t] = g
         return grads_in
 
-    def drop(self, i):
-        """Forget microbatch `i`'s tape (forward-only use)."""
-        self._saved.pop(i, None)
-
     def flat_grads(self, positions):
         """The summed gradients of variables `positions` in one writable float32 buffer
         (zeros where none), followed by one flag per variable: 1 if it got a gradient."""
