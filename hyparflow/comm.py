@@ -205,10 +205,11 @@ class MPICommunicator(Communicator):
         return _MPIRequest(self.comm.Irecv([_bytes(buf), self._MPI.BYTE], source, tag % self.tag_ub), buf)
 
     def allreduce(self, buf, timeout=None):
-        if self.size == 1:
-            return buf
-        req = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
-        _poll(req.Test, timeout, f"an allreduce of {buf.size} values", self.spin)
+        # One implementation: the blocking sum is the non-blocking one, waited for
+        # under the watchdog (large sums take the ring too).
+        req = self.iallreduce(buf)
+        _poll(req.test, timeout or timeout_seconds(), f"an allreduce of {buf.size} values",
+              self.spin)
         return buf
 
     def iallreduce(self, buf):
@@ -223,7 +224,8 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             return buf
         req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
-        _poll(req.Test, timeout, f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
+        _poll(req.Test, timeout or timeout_seconds(),
+              f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
         return buf
 
     # Small metadata travels pickled (between our own ranks only), through
