@@ -107,15 +107,18 @@ class Stage:
         if self._slowdown > 1:
             time.sleep((self._slowdown - 1) * (time.perf_counter() - start))
 
+    def _signature(self, with_y, with_sample_weight):
+        """(inputs, targets, sample weights, share), batch dimension None."""
+        return [self._in_specs, self._y_specs if with_y else [],
+                [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
+                tf.TensorSpec((), tf.float32)]
+
     def _function(self, kind, has_sample_weight):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
         once per kind with a `None` batch dimension (or eager when asked)."""
         key = (kind, bool(has_sample_weight) and kind != "predict")
         if key not in self._functions:
-            with_y = self.is_last and kind != "predict"
-            y_specs = self._y_specs if with_y else []
-            sw_specs = [tf.TensorSpec((None,), tf.float32)] if with_y and key[1] else []
-            signature = [self._in_specs, y_specs, sw_specs, tf.TensorSpec((), tf.float32)]
+            signature = self._signature(self.is_last and kind != "predict", key[1])
 
             def body(inputs, y, sample_weight, share):
                 return self._body(inputs, y, sample_weight, share, kind)
@@ -270,9 +273,7 @@ class Stage:
                                       unconnected_gradients=tf.UnconnectedGradients.NONE)
                 return contribution, grads
 
-            signature = [self._in_specs, self._y_specs,
-                         [tf.TensorSpec((None,), tf.float32)] if sample_weight else [],
-                         tf.TensorSpec((), tf.float32)]
+            signature = self._signature(True, bool(sample_weight))
             self._functions[key] = fused if self._eager else tf.function(
                 fused, input_signature=signature, reduce_retracing=True)
         inputs = [tf.convert_to_tensor(a) for a in inputs]
