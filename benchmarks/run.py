@@ -20,11 +20,12 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
-# workload -> (global batch, list of (S, R, M, schedule, extra))
+# workload -> (global batch, list of (S, R, M, schedule[, T]))
 PLANS = {
     "mlp": (256, [(1, 2, 1, "gpipe"), (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
     "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
+    "wide": (64, [(2, 1, 4, "1f1b"), (1, 1, 1, "gpipe", 2), (1, 1, 4, "gpipe", 2)]),
 }
 
 
@@ -42,7 +43,8 @@ def worker_cmd(*args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["mlp", "resnet110", "resnet1001", "transfer"])
+    parser.add_argument("--only", nargs="*",
+                        default=["mlp", "wide", "resnet110", "resnet1001", "transfer"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", default=os.path.join(HERE, "results.json"))
     parser.add_argument("--trace-dir", default=None, help="keep the traces (and pictures) here")
@@ -57,12 +59,14 @@ def main():
         results[workload] = {"baseline": base, "runs": []}
         rows.append((workload, "baseline 1 proc x 1 thread", base["step_s"], base["samples_s"], 1.0,
                      "", "", f"{base['peak_mb']:.0f}", f"{base['state_mb']:.1f}"))
-        for s, r, m, schedule in configs:
-            trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}.json")
-            res = run([MPIEXEC, "-n", str(s * r), *worker_cmd(
-                "hf", workload, batch, args.steps, s, r, m, schedule, trace)], env)
+        for s, r, m, schedule, *tensor in configs:
+            t = tensor[0] if tensor else 1
+            name = f"S={s} R={r} M={m} {schedule}" + (f" T={t}" if t > 1 else "")
+            trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}.json")
+            res = run([MPIEXEC, "-n", str(s * r * t), *worker_cmd(
+                "hf", workload, batch, args.steps, s, r, m, schedule, trace, t)], env)
             results[workload]["runs"].append(res)
-            rows.append((workload, f"S={s} R={r} M={m} {schedule}", res["step_s"], res["samples_s"],
+            rows.append((workload, name, res["step_s"], res["samples_s"],
                          res["samples_s"] / base["samples_s"], f"{res['bubble']:.3f}",
                          f"{res['theory_bubble']:.3f}",
                          "/".join(f"{v:.0f}" for v in res["peak_mb"]),

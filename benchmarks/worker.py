@@ -1,7 +1,7 @@
 """One benchmark measurement (run by benchmarks/run.py): prints `RESULT {json}`.
 
     worker.py baseline WORKLOAD BATCH STEPS
-    worker.py hf WORKLOAD BATCH STEPS S R M SCHEDULE TRACE.json      (under mpiexec)
+    worker.py hf WORKLOAD BATCH STEPS S R M SCHEDULE TRACE.json [T]  (under mpiexec)
     worker.py transfer                                                (under mpiexec -n 2)
 """
 
@@ -46,19 +46,19 @@ def baseline(workload, batch, steps):
     return {"step_s": step, "samples_s": batch / step, "peak_mb": peak_mb(), "state_mb": state}
 
 
-def hybrid(workload, batch, steps, s, r, m, schedule, trace):
+def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
     from hyparflow import timeline
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
     hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
-           num_microbatches=m, schedule=schedule, verbose=0, shuffle=False, trace=trace)
+           num_microbatches=m, schedule=schedule, verbose=0, shuffle=False, trace=trace,
+           num_tensor=t)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    # This rank's parameters + optimizer state: the stage's trainable variables and the
-    # optimizer slots built for them (the optimizer only knows its stage's variables).
-    mine = state_mb([v for v in model.optimizer.variables]) + state_mb(
-        [v for v in model.trainable_weights if any(v is w for w in _stage_vars(model))])
+    # This rank's parameters + optimizer state: the variables its optimizer steps (its
+    # stage's, and only its parts of split layers) and the slots built for them.
+    mine = state_mb(model.optimizer.variables) + state_mb(_stage_vars(model))
     peaks = comm.gather(peak_mb(), 0)
     states = comm.gather(mine, 0)
     if comm.rank == 0:
@@ -70,7 +70,7 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace):
         per_step = [max(v) for k, v in sorted(rank_steps.items())][1:]  # skip the traced first
         step = statistics.median(per_step)
         print("RESULT " + json.dumps({
-            "stages": s, "replicas": r, "microbatches": m, "schedule": schedule,
+            "stages": s, "replicas": r, "microbatches": m, "schedule": schedule, "tensor": t,
             "step_s": step, "samples_s": batch / step, "bubble": timeline.bubble(data),
             "theory_bubble": timeline.theoretical_bubble(s, m), "peak_mb": peaks,
             "state_mb": states}), flush=True)
@@ -131,6 +131,7 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps(baseline(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     elif kind == "hf":
         w, b, n, s, r, m, sched, trace = sys.argv[2:10]
-        hybrid(w, int(b), int(n), int(s), int(r), int(m), sched, trace)
+        hybrid(w, int(b), int(n), int(s), int(r), int(m), sched, trace,
+               int(sys.argv[10]) if len(sys.argv) > 10 else 1)
     elif kind == "transfer":
         transfer()

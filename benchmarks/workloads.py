@@ -17,6 +17,18 @@ def mlp():
     return model, (1024,), (1024,)
 
 
+def wide():
+    """A wide MLP: 1024 features, 4 Dense(4096) + ReLU layers (54M weights), MSE, Adam:
+    weights, gradients and Adam's two slots take 860 MB on one rank."""
+    inp = keras.Input((1024,))
+    x = inp
+    for k in range(4):
+        x = L.Dense(4096, activation="relu", name=f"wide_{k}")(x)
+    model = keras.Model(inp, L.Dense(16, name="out")(x), name="wide_mlp")
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return model, (1024,), (16,)
+
+
 def _basic_block(x, filters, stride):
     y = L.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
     y = L.BatchNormalization()(y)
@@ -73,7 +85,7 @@ def resnet1001():
 def make(name, samples):
     """(compiled model, x, y) with the same initial weights on every rank."""
     keras.utils.set_random_seed(0)
-    builders = {"mlp": mlp, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
+    builders = {"mlp": mlp, "wide": wide, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
     model, x_shape, y_shape = builders[name]()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(samples,) + x_shape).astype("float32")

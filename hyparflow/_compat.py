@@ -141,3 +141,14 @@ def seed_generators(layer):
     for sub in layer._flatten_layers(include_self=True) if hasattr(layer, "_flatten_layers") else ():
         out.extend(getattr(sub, "_seed_generators", ()))
     return out
+
+
+def check_optimizer_knows(optimizer, variables):
+    """An optimizer built before (by an earlier fit) steps only the variables it was
+    built for; the parts of split layers are new to one built with other settings."""
+    known = {id(v) for v in getattr(optimizer, "_trainable_variables", variables)}
+    if any(id(v) not in known for v in variables):
+        raise ValueError(
+            "The model's optimizer was built for other variables (an earlier fit with another "
+            "num_tensor or tensor_shares). Compile the model again (model.compile(...)) to "
+            "start a new optimizer, or keep the earlier settings.")

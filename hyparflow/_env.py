@@ -102,7 +102,11 @@ def configure_threads():
 
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads_per_rank())
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+        # One: a rank's ops run in order on its own core. Ranks run as threads of one
+        # process (tests) need one each, since a split layer's sum waits inside a
+        # compiled function for the other ranks' (HYPARFLOW_INTER_OP_THREADS).
+        tf.config.threading.set_inter_op_parallelism_threads(
+            int(os.environ.get("HYPARFLOW_INTER_OP_THREADS", "1")))
     except RuntimeError:
         # The runtime is already initialised (the user ran TF ops before importing
         # hyparflow); TensorFlow refuses changes then, and its defaults stay.

@@ -28,11 +28,12 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
         validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
         checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
-        memory_limit=None, plan=None):
-    """Train a compiled Keras model with S stages x R replicas x M microbatches.
+        memory_limit=None, plan=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
+    """Train a compiled Keras model with S stages x R replicas x M microbatches
+    (x T tensor ranks per stage).
 
     Call it on every rank with the same arguments, as `model.fit` on one
-    process; launch with `mpiexec -n S*R python script.py` (one process works
+    process; launch with `mpiexec -n S*T*R python script.py` (one process works
     too). The model's layer calls are cut into `num_stages` contiguous
     stages, one per rank; the pipeline is copied `num_replicas` times
     (default: world size // num_stages); each global batch of `batch_size`
@@ -54,6 +55,12 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             else world size // S.
         num_microbatches: microbatches per replica per step (M); None:
             $HYPARFLOW_NUM_MICROBATCHES, else 1.
+        num_tensor: ranks per stage (T) that split its widest layers between
+            them (tensor parallelism); None: $HYPARFLOW_NUM_TENSOR, else 1.
+        tensor_layers: names of the layers to split (Dense, Conv2D, Embedding);
+            None: every one with at least `hyparflow.tensor.MIN_PARAMS` weights.
+        tensor_shares: each tensor rank's share of a split layer (T numbers,
+            e.g. relative speeds; "measure": a short calibration); None: even.
         shuffle: one permutation per epoch, the same on every rank, from `seed`.
         seed: the shuffling seed; None draws one on rank 0 and shares it.
         verbose: 0, 1, 2 or "auto" (= 1), as in `model.fit`; the progress bar is
@@ -117,7 +124,8 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
             resume=resume, check_finite=check_finite, speeds=speeds,
-            memory_limit=memory_limit, plan=plan)
+            memory_limit=memory_limit, plan=plan, **_tensor_args(num_tensor, tensor_layers,
+                                                                 tensor_shares))
     finally:
         if owned:
             communicator.free()
@@ -125,7 +133,7 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
 
 def evaluate(model, x, y=None, *, batch_size=32, num_stages=None, num_replicas=None,
              num_microbatches=None, sample_weight=None, steps=None, return_dict=False,
-             balance=None, comm=None):
+             balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
     with the metrics, or a dict with `return_dict=True`), the same on every rank."""
@@ -136,14 +144,16 @@ def evaluate(model, x, y=None, *, batch_size=32, num_stages=None, num_replicas=N
             num_stages=_from_env(num_stages, "num_stages", 1),
             num_replicas=_from_env(num_replicas, "num_replicas", None),
             num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
-            balance=balance, sample_weight=sample_weight, steps=steps, return_dict=return_dict)
+            balance=balance, sample_weight=sample_weight, steps=steps, return_dict=return_dict,
+            tensor=_tensor_args(num_tensor, tensor_layers, tensor_shares))
     finally:
         if owned:
             communicator.free()
 
 
 def predict(model, x, *, batch_size=32, num_stages=None, num_replicas=None,
-            num_microbatches=None, steps=None, gather="all", balance=None, comm=None):
+            num_microbatches=None, steps=None, gather="all", balance=None, comm=None,
+            num_tensor=None, tensor_layers=None, tensor_shares=None):
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
     rank 0 (`gather="main"`, None elsewhere) for big outputs."""
@@ -154,10 +164,16 @@ def predict(model, x, *, batch_size=32, num_stages=None, num_replicas=None,
             num_stages=_from_env(num_stages, "num_stages", 1),
             num_replicas=_from_env(num_replicas, "num_replicas", None),
             num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
-            balance=balance, steps=steps, gather=gather)
+            balance=balance, steps=steps, gather=gather,
+            tensor=_tensor_args(num_tensor, tensor_layers, tensor_shares))
     finally:
         if owned:
             communicator.free()
+
+
+def _tensor_args(num_tensor, layers, shares):
+    return {"num_tensor": _from_env(num_tensor, "num_tensor", 1), "tensor_layers": layers,
+            "tensor_shares": shares}
 
 
 def _world():

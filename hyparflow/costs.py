@@ -8,7 +8,7 @@ MODES = ("estimate", "params", "time", "memory")
 
 
 def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limit=None,
-            microbatch=32):
+            microbatch=32, num_tensor=1):
     """Turn `balance` (None, a mode, or counts) and `speeds` (None, "measure" or one
     number per stage) into what `partition` takes. Collective: profiling and
     calibration run on this machine's ranks and their results are shared, so every
@@ -33,13 +33,26 @@ def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limi
         costs = [_memory(p, microbatch, num_stages) for p in profiles]
     if speeds == "measure":
         rates = comm.allgather_obj(_profile.calibrate())
-        # A stage is as fast as its slowest replica (rank = replica * S + stage).
-        speeds = [min(rates[r] for r in range(s, len(rates), num_stages)) for s in range(num_stages)]
+        # A stage is as fast as its slowest rank (its T tensor ranks share the work).
+        stage_of = [(r // num_tensor) % num_stages for r in range(len(rates))]
+        speeds = [min(rate for rate, st in zip(rates, stage_of) if st == s)
+                  for s in range(num_stages)]
     elif speeds is not None and len(speeds) != num_stages:
         raise ValueError(f"`speeds` needs one value per stage ({num_stages}). Received: {speeds}")
     memory = [_memory(p, microbatch, num_stages) for p in profiles] if memory_limit else None
     return {"costs": costs, "speeds": list(speeds) if speeds is not None else None,
             "memory": memory, "limit": memory_limit}
+
+
+def measured_shares(comm, num_stages, num_tensor):
+    """tensor_shares="measure": each rank's calibrated speed, shared by all; a tensor
+    rank's share is its speed (the slowest over replicas, whose parts must match),
+    per stage. Returns this rank's stage's shares (collective)."""
+    rates = comm.allgather_obj(_profile.calibrate())
+    per_replica = num_stages * num_tensor
+    stage = (comm.rank // num_tensor) % num_stages
+    return [min(rates[r * per_replica + stage * num_tensor + t]
+                for r in range(len(rates) // per_replica)) for t in range(num_tensor)]
 
 
 def _memory(p, microbatch, num_stages):

@@ -42,14 +42,21 @@ class Executor:
         self.schedule, self.num_microbatches = schedule, num_microbatches
         self.s = topology.stage(comm.rank)
         self.r = topology.replica(comm.rank)
+        self.t = topology.tensor(comm.rank)  # messages go to the same tensor rank
         self.plan = partition.stages[self.s]
-        self.groups = groups  # [(communicator, [variable positions in stage.trainable])]
+        self.set_groups(groups)
         self.num_edges = max(1, len(partition.edges))
         self.timeline = timeline
         self._lowered = {}
         self.position = None  # the action being run, for error messages
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
+
+    def set_groups(self, groups):
+        """[(communicator, [variable positions in stage.trainable])]: who sums what."""
+        self.groups = groups
+        self.stage.set_buckets([b for _, positions in groups
+                                for b in _buckets(positions, self.stage.trainable)])
 
     def lowered(self, m, training=True):
         key = (m, training)
@@ -70,7 +77,7 @@ class Executor:
         return (micro * self.num_edges + edge.index) * 2 + kind
 
     def _rank_of(self, stage):
-        return self.topo.rank(stage, self.r)
+        return self.topo.rank(stage, self.r, self.t)
 
     def _record(self, name, cat, start, **args):
         if self.timeline is not None:
@@ -221,7 +228,7 @@ class Executor:
         variables = self.stage.trainable
         pending = []
         for comm, positions in self.groups:
-            for bucket in _buckets(positions, variables):
+            for bucket in _buckets(positions, variables):  # as laid out by set_groups
                 flat = self.stage.flat_grads(bucket)
                 req = comm.iallreduce(flat) if comm is not None and comm.size > 1 else None
                 pending.append((bucket, flat, req))

@@ -12,7 +12,7 @@ __all__ = ["run_evaluation", "evaluate", "predict"]
 
 def run_evaluation(model, runtime, source, logs=None):
     """Loss and metrics over `source` with `runtime`'s partition; global logs dict."""
-    logs = logs or GlobalLogs(model, runtime.comm)
+    logs = logs or GlobalLogs(model, runtime.comm, runtime.counted)
     logs.reset()
     for data, batch in source.epoch(0):
         contribution, _ = runtime.executor.infer("evaluate", runtime.microbatches(batch),
@@ -22,14 +22,17 @@ def run_evaluation(model, runtime, source, logs=None):
 
 
 def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_microbatches,
-             balance, sample_weight, steps, kind):
+             balance, sample_weight, steps, kind, tensor):
     check_positive(batch_size=batch_size)
+    if tensor.get("tensor_shares") == "measure":
+        # Shares change only the speed of inference, never its results.
+        tensor = dict(tensor, tensor_shares=None)
     graph = read_graph(model, num_stages, x_shapes(x))
     source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
                                   steps_per_epoch=steps, need_y=(kind == "evaluate"))
     runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
                       num_replicas=num_replicas, num_microbatches=num_microbatches,
-                      balance=balance, training=False,
+                      balance=balance, training=False, **tensor,
                       facts={"samples": len(sample), "steps": source.steps, "kind": kind})
     return runtime, source
 
@@ -50,7 +53,7 @@ def _run(comm, build, body):
 
 
 def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-             balance=None, sample_weight=None, steps=None, return_dict=False):
+             balance=None, sample_weight=None, steps=None, return_dict=False, tensor=None):
     """The body of `hyparflow.evaluate` for one rank."""
     if not _compat.is_compiled(model):
         raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
@@ -66,11 +69,11 @@ def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, nu
     return _run(comm, lambda: _runtime(
         model, x, y, comm, batch_size=batch_size, num_stages=num_stages,
         num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
-        sample_weight=sample_weight, steps=steps, kind="evaluate"), body)
+        sample_weight=sample_weight, steps=steps, kind="evaluate", tensor=tensor or {}), body)
 
 
 def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-            balance=None, steps=None, gather="all"):
+            balance=None, steps=None, gather="all", tensor=None):
     """The body of `hyparflow.predict` for one rank."""
     if gather not in ("all", "main"):
         raise ValueError(f"`gather` must be 'all' or 'main'. Received: gather={gather!r}")
@@ -83,7 +86,7 @@ def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microba
         for data, batch in source.epoch(0):
             micro = runtime.microbatches(batch)
             _, preds = runtime.executor.infer("predict", micro, len(batch), data)
-            for idx, outs in zip(micro, preds):
+            for idx, outs in zip(micro, preds if runtime.counted else ()):
                 pieces.append(((offset if relative else 0) + np.asarray(idx), outs))
             offset += len(batch)
         if gather == "all":
@@ -98,7 +101,7 @@ def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microba
     return _run(comm, lambda: _runtime(
         model, x, None, comm, batch_size=batch_size, num_stages=num_stages,
         num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
-        sample_weight=None, steps=steps, kind="predict"), body)
+        sample_weight=None, steps=steps, kind="predict", tensor=tensor or {}), body)
 
 
 def _assemble(pieces, total, graph):

@@ -16,8 +16,10 @@ class GlobalLogs:
     mean of per-rank means. `loss` is the sample-weighted mean of the steps'
     global losses, as Keras's loss tracker computes it."""
 
-    def __init__(self, model, comm):
-        self.model, self.comm = model, comm
+    def __init__(self, model, comm, counted=True):
+        # `counted`: False on all but one of the ranks computing the same loss and
+        # metrics (the tensor ranks of the last stage), which add zeros.
+        self.model, self.comm, self.counted = model, comm, counted
         tracker = _compat.loss_tracker(model)
         self.metrics = [m for m in model.metrics if m is not tracker]
         self.variables = [v for m in self.metrics for v in m.variables]
@@ -37,6 +39,8 @@ class GlobalLogs:
         """The global logs dict, identical on every rank (a collective call)."""
         local = [np.asarray(v.numpy(), np.float64) for v in self.variables]
         flat = weights.pack(local + [np.array([self.loss_sum])], np.float64)
+        if not self.counted:
+            flat[:] = 0
         self.comm.allreduce(flat, timeout_seconds())
         for v, s in zip(self.variables, weights.unpack(flat, self.variables)):
             v.assign(s.astype(v.dtype))

@@ -5,7 +5,9 @@ writes it.
     {
       "format": "hyparflow-plan", "version": 1,
       "num_stages": 2, "num_replicas": 2, "num_microbatches": 8, "schedule": "1f1b",
-      "rank_mapping": "replica-major",          # rank = replica * num_stages + stage
+      "num_tensor": 1,                          # optional: ranks per stage splitting layers
+      "tensor_layers": ["dense_1", ...],        # optional: which layers they split
+      "rank_mapping": "replica-major",          # rank = (replica * S + stage) * T + tensor
       "stages": [{"layers": ["conv2d", "batch_normalization", ...]}, {"layers": [...]}],
       "predicted": {...}                        # optional: the planner's cost estimate
     }
@@ -29,7 +31,8 @@ class Plan(dict):
         return [len(s["layers"]) for s in self["stages"]]
 
 
-def write(path, graph, counts, num_replicas, num_microbatches, schedule, predicted=None):
+def write(path, graph, counts, num_replicas, num_microbatches, schedule, predicted=None,
+          num_tensor=1, tensor_layers=None):
     stages, start = [], 0
     for c in counts:
         stages.append({"layers": [n.name for n in graph.nodes[start:start + c]]})
@@ -37,6 +40,10 @@ def write(path, graph, counts, num_replicas, num_microbatches, schedule, predict
     plan = {"format": FORMAT, "version": VERSION, "num_stages": len(counts),
             "num_replicas": num_replicas, "num_microbatches": num_microbatches,
             "schedule": schedule, "rank_mapping": "replica-major", "stages": stages}
+    if num_tensor > 1:
+        plan["num_tensor"] = num_tensor
+        if tensor_layers:
+            plan["tensor_layers"] = list(tensor_layers)
     if predicted:
         plan["predicted"] = predicted
     with open(path, "w") as f:

@@ -11,7 +11,11 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
   2 (R-1) alpha, then the optimizer step (measured per parameter byte);
 - memory per rank: the stage's weights and optimizer state plus the activations of
-  the microbatches in flight (M with GPipe, S - s with 1F1B).
+  the microbatches in flight (M with GPipe, S - s with 1F1B);
+- tensor parallelism (T ranks per stage): a split layer's compute, weights and
+  optimizer state are divided by T; each split call adds, per microbatch, an exchange
+  between the T ranks forward and one backward ((T - 1) messages of its part, or of the
+  whole output for a sum).
 
 alpha and beta are measured with MPI (a ping-pong between two ranks) or given
 (`--latency`, `--bandwidth`), which also projects a plan onto a cluster this machine
@@ -167,8 +171,34 @@ def _calibrate(graph, model, rows, batch):
     return [(a * factor, b * factor, *rest) for a, b, *rest in rows]
 
 
+def _tensor_costs(graph, num_tensor, m, network):
+    """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
+    `num_tensor` ranks would split (the default choice: by size)."""
+    import numpy as np
+
+    from . import tensor as T
+
+    if num_tensor == 1:
+        return {}
+    out = {}
+    nbytes = lambda t: 4 * m * int(np.prod([d or 1 for d in graph.tensors[t].shape[1:]]))  # noqa: E731
+    for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
+        node = graph.nodes[i]
+        out_bytes, in_bytes = nbytes(node.outputs[0]), nbytes(node.inputs[0])
+        peers = num_tensor - 1
+        if split.kind in ("row", "rows"):
+            forward = peers * network.message(out_bytes)          # a sum of whole outputs
+        elif split.gather:
+            forward = peers * network.message(out_bytes / num_tensor)
+        else:
+            forward = 0.0                                       # its row partner sums
+        backward = peers * network.message(in_bytes) if split.kind in ("column", "filters") else 0.0
+        out[i] = (num_tensor, forward, backward)
+    return out
+
+
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
-            ranks_per_node=None, cores=None):
+            ranks_per_node=None, cores=None, num_tensor=1):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
 
     `cores`: cores per node; when a node runs more ranks than it has cores, every
@@ -179,45 +209,60 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     stages = len(counts)
     part = partition(graph, stages, counts)
     m = batch / (replicas * micro)
-    on_node = ranks_per_node or stages * replicas
+    on_node = ranks_per_node or stages * replicas * num_tensor
     share = max(1.0, on_node / cores) if cores else 1.0
     starts = [sum(counts[:s]) for s in range(stages)]
-    compute = [share * sum(rows[i][0] + rows[i][1] * m for i in range(a, a + c))
+    split = _tensor_costs(graph, num_tensor, m, network)
+    div = lambda i: split[i][0] if i in split else 1  # noqa: E731
+    compute = [share * sum((rows[i][0] + rows[i][1] * m) / div(i) for i in range(a, a + c))
                for a, c in zip(starts, counts)]
+    exchange_f = [sum(split[i][1] for i in range(a, a + c) if i in split)
+                  for a, c in zip(starts, counts)]
+    exchange_b = [sum(split[i][2] for i in range(a, a + c) if i in split)
+                  for a, c in zip(starts, counts)]
     elements = lambda t: 1 if not graph.tensors[t].shape[1:] else int(  # noqa: E731
         __import__("numpy").prod([d or 1 for d in graph.tensors[t].shape[1:]]))
     send = [0.0] * stages
     for e in part.edges:
         send[e.src] += network.message(elements(e.tensor) * 4 * m)
-    per_stage_f = [c / 3 + s for c, s in zip(compute, send)]
-    per_stage_b = [2 * c / 3 + s for c, s in zip(compute, send)]
+    per_stage_f = [c / 3 + s + x for c, s, x in zip(compute, send, exchange_f)]
+    per_stage_b = [2 * c / 3 + s + x for c, s, x in zip(compute, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),
                           [p.sources for p in part.stages], [p.dests for p in part.stages])
     sim = sched.simulate(lowered, per_stage_f, per_stage_b)
-    params = [sum(rows[i][2] for i in range(a, a + c)) for a, c in zip(starts, counts)]
-    across = ranks_per_node is not None and ranks_per_node < stages * replicas
+    params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
+    across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
     reduce = [network.allreduce(p, replicas, across) + share * p * opt_per_byte for p in params]
     step = sim.makespan + max(reduce)
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
         in_flight = micro if schedule == "gpipe" else min(stages - s, micro)
-        memory.append(sum(rows[i][2] + rows[i][3] for i in range(a, a + c)) +
+        memory.append(sum((rows[i][2] + rows[i][3]) / div(i) for i in range(a, a + c)) +
                       sum(rows[i][4] for i in range(a, a + c)) * m * in_flight)
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
-            "comm_s": max(send) * micro + max(network.allreduce(p, replicas, across) for p in params),
+            "comm_s": max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b)) * micro
+            + max(network.allreduce(p, replicas, across) for p in params),
+            "tensor_layers": sorted(graph.nodes[i].op.name for i in split),
             "memory_bytes": memory, "samples_s": batch / step}
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
-           cores=None):
+           cores=None, tensor=(1, 2, 4)):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
-    limit last)."""
+    limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
+    that split some layer)."""
     from . import balance as B
+    from . import tensor as T
 
+    shapes = []
+    for t in tensor:
+        if ranks % t == 0 and (t == 1 or T.choose(graph, range(len(graph.nodes)), t)):
+            shapes += [(s, t) for s in range(1, ranks // t + 1)
+                       if (ranks // t) % s == 0 and s <= len(graph.nodes)]
     plans = []
-    for stages in [s for s in range(1, ranks + 1) if ranks % s == 0 and s <= len(graph.nodes)]:
-        replicas = ranks // stages
+    for stages, num_tensor in shapes:
+        replicas = ranks // (stages * num_tensor)
         for micro in microbatches:
             if batch < replicas * micro:
                 continue
@@ -226,8 +271,8 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             counts = B.solve(costs, stages)
             for schedule in (schedules if stages > 1 else ("1f1b",)):
                 p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                            schedule, ranks_per_node, cores)
-                p.update(stages=stages, replicas=replicas, microbatches=micro,
+                            schedule, ranks_per_node, cores, num_tensor)
+                p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
                          schedule=schedule, counts=counts,
                          fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
                 plans.append(p)
@@ -303,14 +348,15 @@ def main(argv=None):
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
                    cores=args.cores if args.nodes == 1 else None)
-    one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1)][0]
+    one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
+                             tensor=(1,))][0]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plans": plans, "one_rank": one}, f, indent=1)
-    print(f"\n{'rank':>4} {'S':>3} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
+    print(f"\n{'rank':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
-        print(f"{k:>4} {p['stages']:>3} {p['replicas']:>4} {p['microbatches']:>3} {p['schedule']:>8} "
+        print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {p['schedule']:>8} "
               f"{p['step_s']:>9.4f} {p['samples_s']:>10.1f} {one['step_s'] / p['step_s']:>8.2f} "
               f"{p['bubble']:>6.3f} {p['comm_s']:>8.4f} {max(p['memory_bytes']) / 2**20:>12.1f} "
               f"{'yes' if p['fits'] else 'no'}")
@@ -320,7 +366,8 @@ def main(argv=None):
         best = next((p for p in plans if p["fits"]), plans[0])
         P.write(args.output, graph, best["counts"], best["replicas"], best["microbatches"],
                 best["schedule"], predicted={k: best[k] for k in ("step_s", "bubble", "comm_s",
-                                                                 "samples_s")})
+                                                                 "samples_s")},
+                num_tensor=best["tensor"], tensor_layers=best["tensor_layers"] or None)
         print(f"wrote {args.output}")
     return 0
 

@@ -9,6 +9,7 @@ import numpy as np
 from . import _compat
 from . import graph as _graph
 from . import partition as _partition
+from . import tensor as _tensor
 from . import weights
 from .executor import Executor, split_batch
 from .schedule import SCHEDULES
@@ -71,9 +72,10 @@ def x_shapes(x):
     return [np.shape(a) for a in leaves]
 
 
-def _check_optimizer(optimizer, num_stages):
+def _check_optimizer(optimizer, num_stages, num_tensor=1):
     """Optimizer features that would silently train differently when each stage steps
-    its own variables are refused with the reason."""
+    its own variables (or each tensor rank its part of a layer's) are refused with
+    the reason."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise NotImplementedError(
             "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
@@ -84,6 +86,18 @@ def _check_optimizer(optimizer, num_stages):
             f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
             f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
             "clipvalue, or num_stages=1.")
+    if num_tensor > 1:
+        if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+            raise NotImplementedError(
+                f"clipnorm / global_clipnorm need the norm of whole variables, which "
+                f"num_tensor={num_tensor} ranks each hold a part of. Use clipvalue, or "
+                "num_tensor=1.")
+        name = type(optimizer).__name__
+        if name in ("Adafactor", "Muon"):
+            raise NotImplementedError(
+                f"{name} updates a weight matrix as a whole (not element by element), so "
+                f"it cannot step the parts of a split layer separately. Use num_tensor=1, "
+                "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
 
 
 def read_graph(model, num_stages, shapes):
@@ -144,19 +158,22 @@ def _make_groups(comm, topo, part, stage, model_variables):
     """One communicator per set of stages sharing variables (normally one stage):
     every rank joins each split, in the same sorted order. Returns
     {stage set: (communicator or None, positions in stage.trainable)}."""
-    s = topo.stage(comm.rank)
-    index_of = {id(v): k for k, v in enumerate(stage.trainable)}
+    s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
+    index_of = {id(v): k for k, v in enumerate(stage.originals)}
     # Pack variables in the model's order, which every stage of a group shares.
     order = {id(v): k for k, v in enumerate(model_variables)}
     groups = {}
     for key in sorted(set(part.users.values())):
-        color = 0 if s in key else None
+        # Tensor rank t of each stage sums with tensor rank t of the others only:
+        # its split layers' parts are its own, and its unsplit weights' gradients
+        # are the same on every tensor rank.
+        color = t if s in key else None
         sub = comm.split(color, comm.rank) if topo.size > 1 else None
         if color is None:
             continue
         positions = sorted((index_of[vid] for vid, users in part.users.items()
                             if users == key and vid in index_of),
-                           key=lambda k: order[id(stage.trainable[k])])
+                           key=lambda k: order[id(stage.originals[k])])
         groups[key] = (sub, positions)
     return groups
 
@@ -166,7 +183,8 @@ class Runtime:
 
     def __init__(self, model, comm, *, graph, sample, num_stages, num_replicas, num_microbatches,
                  balance=None, schedule="gpipe", run_eagerly=None, recompute=False,
-                 trace=None, training=True, facts=None):
+                 trace=None, training=True, facts=None, num_tensor=1, tensor_layers=None,
+                 tensor_shares=None):
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
         if sample.y is not None and not _compat.is_compiled(model):
@@ -174,28 +192,36 @@ class Runtime:
                 f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
                 "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
             )
-        check_positive(num_stages=num_stages, num_microbatches=num_microbatches)
+        check_positive(num_stages=num_stages, num_microbatches=num_microbatches,
+                       num_tensor=num_tensor)
+        per_replica = num_stages * num_tensor
+        what = (f"num_stages={num_stages}" if num_tensor == 1 else
+                f"num_stages x num_tensor = {num_stages} x {num_tensor}")
         if num_replicas is None:
-            if comm.size % num_stages:
+            if comm.size % per_replica:
                 raise ValueError(
-                    f"The world has {comm.size} ranks, which num_stages={num_stages} does not "
-                    f"divide. Launch a multiple of {num_stages} ranks (e.g. mpiexec -n "
-                    f"{num_stages * max(1, comm.size // num_stages)}) or change num_stages."
+                    f"The world has {comm.size} ranks, which {what} does not "
+                    f"divide. Launch a multiple of {per_replica} ranks (e.g. mpiexec -n "
+                    f"{per_replica * max(1, comm.size // per_replica)}) or change num_stages"
+                    + (" or num_tensor." if num_tensor > 1 else ".")
                 )
-            num_replicas = comm.size // num_stages
-        if num_stages * num_replicas != comm.size:
-            hint = (f", or pass num_replicas={comm.size // num_stages} (or None)"
-                    if comm.size % num_stages == 0 else "")
+            num_replicas = comm.size // per_replica
+        if per_replica * num_replicas != comm.size:
+            hint = (f", or pass num_replicas={comm.size // per_replica} (or None)"
+                    if comm.size % per_replica == 0 else "")
+            product = (f"num_stages x num_replicas = {num_stages} x {num_replicas}"
+                       if num_tensor == 1 else
+                       f"num_stages x num_tensor x num_replicas = {num_stages} x {num_tensor} "
+                       f"x {num_replicas}")
             raise ValueError(
-                f"num_stages x num_replicas = {num_stages} x {num_replicas} = "
-                f"{num_stages * num_replicas} ranks, but {comm.size} were launched. Launch "
-                f"mpiexec -n {num_stages * num_replicas}{hint}."
+                f"{product} = {per_replica * num_replicas} ranks, but {comm.size} were "
+                f"launched. Launch mpiexec -n {per_replica * num_replicas}{hint}."
             )
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
                              f"Received: schedule={schedule!r}")
         if training:
-            _check_optimizer(model.optimizer, num_stages)
+            _check_optimizer(model.optimizer, num_stages, num_tensor)
         self.model, self.comm = model, comm
         self.graph = graph
         self.part = part = _partition.partition(graph, num_stages, balance)
@@ -207,7 +233,29 @@ class Runtime:
                     f"but its shape {t.shape} has unknown dimensions besides the batch. Give the "
                     "model's Input a full shape, or choose a `balance` that cuts elsewhere."
                 )
-        self.topo = topo = Topology(num_stages, num_replicas)
+        self.topo = topo = Topology(num_stages, num_replicas, num_tensor)
+        splits, split_names = {}, []
+        if num_tensor > 1:
+            if graph.functional is None:
+                raise ValueError(
+                    f"num_tensor={num_tensor} needs a Functional or Sequential model, whose "
+                    f"layers hyparflow can split; {model.name!r} is subclassed. Use num_tensor=1.")
+            if tensor_layers is not None:
+                missing = sorted(set(tensor_layers) - {n.op.name for n in graph.nodes})
+                if missing:
+                    raise ValueError(f"tensor_layers names layers the model does not have: "
+                                     f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
+            every = {i: sp for p in part.stages
+                     for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+            if not every:
+                raise ValueError(
+                    f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none is a "
+                    f"Dense, Conv2D or Embedding with at least {_tensor.MIN_PARAMS} weights that "
+                    "can be. Name the layers to split with tensor_layers=[...], or use "
+                    "num_tensor=1.")
+            splits = {i: sp for i, sp in every.items() if i in set(part.stages[topo.stage(comm.rank)].nodes)}
+            split_names = sorted(graph.nodes[i].op.name for i in every)
+        self.splits = splits
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.training = training
@@ -215,7 +263,8 @@ class Runtime:
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "num_stages": num_stages,
             "num_replicas": num_replicas, "num_microbatches": num_microbatches,
-            "counts": part.counts, "schedule": schedule,
+            "counts": part.counts, "schedule": schedule, "num_tensor": num_tensor,
+            "tensor_layers": split_names,
         })
         _build_compiled(model, graph, sample)
         s = topo.stage(comm.rank)
@@ -224,7 +273,7 @@ class Runtime:
         self.stage = stage = Stage(graph, part.stages[s], model, part, is_last=(s == num_stages - 1),
                                    run_eagerly=eager, y_specs=y_specs,
                                    has_sample_weight=training and sample.sample_weight is not None,
-                                   recompute=recompute)
+                                   recompute=recompute, shards=self._shards(tensor_shares))
         self.timeline = Timeline(comm.rank) if trace else None
         self.trace = trace
         self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
@@ -232,24 +281,47 @@ class Runtime:
                                  timeline=self.timeline)
         self.executor.lowered(num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
-        self.owners = [topo.rank(part.owner.get(id(v), 0), 0) for v in model.weights]
+        self.owners = [topo.rank(part.owner.get(id(v), 0), 0, 0) for v in model.weights]
         self.non_trainable = [v for v in graph.variables_of(part.stages[s].nodes, trainable=False)
                               if part.owner.get(id(v)) == s]
+
+    def _shards(self, shares):
+        """This rank's parts of the split layers of its stage (none without num_tensor)."""
+        self.collectives = _tensor.Collectives()
+        t, num = self.topo.tensor(self.comm.rank), self.topo.num_tensor
+        shares = _tensor.shares_of(shares, num)
+        return {i: _tensor.shard(self.graph.nodes[i].op, sp, t, shares, self.collectives)
+                for i, sp in self.splits.items()}
 
     def connect(self):
         """The collective part of set-up, once every rank's local set-up succeeded:
         check that all ranks agree, make the gradient communicators, start every
         replica from rank 0's weights. Disagreement raises the same error everywhere."""
         _check_agreement(self.comm, self.facts)
+        topo, rank = self.topo, self.comm.rank
+        if topo.num_tensor > 1:
+            # The T ranks of this stage and replica, which sum and gather inside split layers.
+            self.collectives.comm = self.comm.split(
+                topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.training:
             optimizer = self.model.optimizer
             if not optimizer.built:
                 # Only this stage's variables: optimizer state is split like the weights.
                 optimizer.build(self.stage.trainable)
+            elif self.stage.shards:
+                _compat.check_optimizer_knows(optimizer, self.stage.trainable)
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
-            self.executor.groups = [g for g in groups.values() if g[1]]
+            self.executor.set_groups([g for g in groups.values() if g[1]])
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
         weights.broadcast(self.comm, self.model.weights, 0)
+        for shard in self.stage.shards.values():
+            shard.load()
+
+    @property
+    def counted(self):
+        """Whether this rank's loss, metrics and predictions count (tensor rank 0;
+        the others compute the same)."""
+        return self.topo.tensor(self.comm.rank) == 0
 
     @property
     def replica(self):
@@ -263,8 +335,14 @@ class Runtime:
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""
         weights.average(self.stage_comm, self.non_trainable)
 
+    def gather_shards(self):
+        """The split layers' variables put back together on their stage's ranks."""
+        for shard in self.stage.shards.values():
+            shard.gather()
+
     def sync_weights(self):
         """Average the state, then give every rank every variable from the stage that
-        owns it (replica 0)."""
+        owns it (replica 0, tensor rank 0)."""
+        self.gather_shards()
         self.average_state()
         weights.gather(self.comm, self.model.weights, self.owners)

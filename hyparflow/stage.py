@@ -18,15 +18,12 @@ from .profile import slowdown
 __all__ = ["Stage"]
 
 
-def _aligned_copy(tensor):
-    """A writable float32 numpy copy of `tensor` on 64-byte-aligned memory, so that
-    TensorFlow can later take it back without a copy (`_as_tensor`)."""
-    n = int(tensor.shape[0])
+def _aligned_empty(n):
+    """A float32 numpy buffer of `n` values on 64-byte-aligned memory, so that
+    TensorFlow can take parts of it without a copy (`_as_tensor`)."""
     raw = np.empty(n + 16, np.float32)
     start = (-raw.ctypes.data % 64) // 4
-    out = raw[start:start + n]
-    out[...] = tensor.numpy()
-    return out
+    return raw[start:start + n]
 
 
 def _as_tensor(array):
@@ -37,6 +34,24 @@ def _as_tensor(array):
         except Exception:  # noqa: BLE001 - an older TensorFlow or numpy: copy instead
             pass
     return tf.convert_to_tensor(array)
+
+
+class _Packing:
+    """One float32 buffer holding several variables' gradients, each starting on a
+    64-byte boundary (so TensorFlow can take a part without copying), then one
+    flag per variable."""
+
+    def __init__(self, shapes):
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        starts, n = [], 0
+        for size in sizes:
+            starts.append(n)
+            n += size + (-size % 16)
+        self.flat = _aligned_empty(n + len(shapes))
+        self.flat[...] = 0  # the padding stays zero
+        self.views = [self.flat[a:a + size].reshape(shape)
+                      for a, size, shape in zip(starts, sizes, shapes)]
+        self.flags = self.flat[n:]
 
 
 def _spec(tensor, batch=None):
@@ -56,13 +71,18 @@ class Stage:
     """
 
     def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
-                 y_specs=(), has_sample_weight=False, recompute=False):
+                 y_specs=(), has_sample_weight=False, recompute=False, shards=None):
         self.graph, self.plan, self.model = graph, plan, model
         self.is_last = is_last
         self.recompute = recompute
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
         self.output_ids = sorted({e.tensor for e in plan.send})
-        self.trainable = graph.variables_of(plan.nodes, trainable=True)
+        # Split layers (tensor parallelism): this rank trains its parts in place of
+        # the layers' variables; `originals` are the model variables they stand for.
+        self.shards = dict(shards or {})
+        replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
+        self.originals = graph.variables_of(plan.nodes, trainable=True)
+        self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
         self._loss_ops = []
@@ -92,12 +112,12 @@ class Stage:
         self._diff = [k for k, t in enumerate(self.input_ids)
                       if k >= len(plan.data_inputs) and graph.tensors[t].floating]
         self._saved = {}
-        self.grads = [None] * len(self.trainable)
         self.touched = np.zeros(len(self.trainable), dtype=bool)
         self._in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
         self._functions = {}
+        self.set_buckets([])  # gradient buffers, until the executor lays them out
         self._forward = self._function("train", has_sample_weight)
         self._slowdown = slowdown()
 
@@ -138,7 +158,10 @@ class Stage:
         for i in self.plan.nodes:
             node = g.nodes[i]
             args, kwargs = _compat.fill_in(node.keras_node, values)
-            out = _compat.call_operation(node.op, args, kwargs, training)
+            if i in self.shards:
+                out = self.shards[i](args, kwargs)
+            else:
+                out = _compat.call_operation(node.op, args, kwargs, training)
             for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
                 values[id(kt)] = v
         return values
@@ -233,7 +256,7 @@ class Stage:
     def backward(self, i, out_grads):
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
         array, or missing when no later stage used it); adds the variables' gradients
-        to `self.grads` and returns the gradients of the received inputs by tensor id."""
+        to the gradient buffers and returns the gradients of the received inputs by tensor id."""
         start = time.perf_counter()
         if self.recompute:
             tape, diff_inputs, outs, contribution = self._replay(i)
@@ -285,19 +308,24 @@ class Stage:
         return grads, contribution
 
     def _accumulate(self, result, diff_inputs):
-        """Add the variables' part of `result` to `self.grads`; return the inputs' part."""
+        """Add the variables' part of `result` to the gradient buffers; return the inputs' part."""
         n = len(self.trainable)
+        if self._views is None:
+            self._make_buffers()
         for k, g in enumerate(result[:n]):
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            # Kept per microbatch and summed once at the step's end (one pass over
-            # memory instead of M - 1).
-            if self.grads[k] is None:
-                self.grads[k] = [g]
+            # Summed at once into the same memory every step: keeping a fresh
+            # tensor per microbatch doubled the backward's time here, faulting in
+            # new pages each step.
+            view = self._views[k]
+            g = np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32))
+            if self.touched[k]:
+                np.add(view, g, out=view)
             else:
-                self.grads[k].append(g)
+                np.copyto(view, g)
             self.touched[k] = True
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
@@ -307,27 +335,61 @@ class Stage:
             grads_in[t] = g
         return grads_in
 
+    def set_buckets(self, buckets):
+        """Lay the gradient buffers out as `buckets` (lists of positions in
+        `trainable`, each one allreduce); positions in none get a bucket of their own.
+        The buffers are made at the first backward (none for inference)."""
+        covered = {k for b in buckets for k in b}
+        rest = [k for k in range(len(self.trainable)) if k not in covered]
+        self._layout = [list(b) for b in buckets] + ([rest] if rest else [])
+        self._buffers, self._views = None, None
+
+    def _make_buffers(self):
+        self._buffers, self._views = {}, [None] * len(self.trainable)
+        for bucket in self._layout:
+            packing = _Packing([tuple(self.trainable[k].shape) for k in bucket])
+            self._buffers[tuple(bucket)] = packing
+            for k, view in zip(bucket, packing.views):
+                self._views[k] = view
+
     def flat_grads(self, positions):
-        """The summed gradients of variables `positions` in one writable float32 buffer
-        (zeros where none), followed by one flag per variable: 1 if it got a gradient."""
-        parts = []
-        for k in positions:
-            g = self.grads[k]
-            n = int(np.prod(self.trainable[k].shape))
-            if g is None:
-                parts.append(tf.zeros([n], tf.float32))
-            else:
-                total = g[0] if len(g) == 1 else tf.add_n(g)
-                parts.append(tf.reshape(tf.cast(total, tf.float32), [-1]))
-        parts.append(tf.constant(self.touched[positions].astype(np.float32)))
-        return _aligned_copy(tf.concat(parts, 0))
+        """The summed gradients of variables `positions` (a bucket of `set_buckets`) in
+        one writable float32 buffer (zeros where none), followed by one flag per
+        variable: 1 if it got a gradient. Each variable's part starts on a 64-byte
+        boundary, so that `apply` hands it back to TensorFlow without a copy."""
+        packing = self._buffers[tuple(positions)]
+        for view, k in zip(packing.views, positions):
+            if not self.touched[k]:
+                view[...] = 0
+        packing.flags[...] = self.touched[positions]
+        return packing.flat
 
     def apply_local(self, optimizer):
         """Step `optimizer` with the summed gradients when no other rank shares them
-        (one replica): no packing into buffers at all."""
-        grads = [None if g is None else (g[0] if len(g) == 1 else tf.add_n(g)) for g in self.grads]
+        (one replica): straight from the buffers."""
+        grads = [_as_tensor(self._views[k]) if touched else None
+                 for k, touched in enumerate(self.touched)]
         self.reset_grads()
-        if all(g is not None for g in grads) and grads:
+        self._step(optimizer, grads)
+
+    def reset_grads(self):
+        self.touched[:] = False
+
+    def apply(self, optimizer, buckets):
+        """Step `optimizer` with the reduced buffers of `flat_grads` ((positions, flat) pairs)."""
+        grads = [None] * len(self.trainable)
+        for positions, _ in buckets:
+            packing = self._buffers[tuple(positions)]
+            for k, view, flag in zip(positions, packing.views, packing.flags):
+                if flag > 0:
+                    grads[k] = _as_tensor(view)
+        self._step(optimizer, grads)
+
+    def _step(self, optimizer, grads):
+        """When every variable got a gradient (the usual case) the step is one compiled
+        call, as in Keras's own train function; otherwise the variables without one
+        are skipped, as Keras skips them."""
+        if grads and all(g is not None for g in grads):
             if "direct" not in self._functions:
                 variables = self.trainable
                 step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
@@ -339,52 +401,3 @@ class Stage:
         pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
         if pairs:
             optimizer.apply_gradients(pairs)
-
-    def reset_grads(self):
-        self.grads = [None] * len(self.trainable)
-        self.touched[:] = False
-
-    def apply(self, optimizer, buckets):
-        """Step `optimizer` with the reduced buffers of `flat_grads` ((positions, flat) pairs).
-
-        When every variable got a gradient (the usual case) the step is one compiled
-        call, as in Keras's own train function; otherwise the variables without one
-        are skipped, as Keras skips them."""
-        grads = [None] * len(self.trainable)
-        everything = True
-        for positions, flat in buckets:
-            flags = flat[len(flat) - len(positions):]
-            everything &= bool(np.all(flags > 0))
-            start = 0
-            for k, flag in zip(positions, flags):
-                n = int(np.prod(self.trainable[k].shape))
-                if flag > 0:
-                    grads[k] = flat[start:start + n].reshape(tuple(self.trainable[k].shape))
-                start += n
-        if everything and len(buckets) and all(v.dtype == "float32" for v in self.trainable):
-            layout = tuple(tuple(p) for p, _ in buckets)
-            if getattr(self, "_apply_layout", None) != layout:
-                self._apply_layout = layout
-                self._apply_fn = self._compile_apply(optimizer, layout)
-            self._apply_fn([_as_tensor(flat) for _, flat in buckets])
-            return
-        pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
-        if pairs:
-            optimizer.apply_gradients(pairs)
-
-    def _compile_apply(self, optimizer, layout):
-        variables = self.trainable
-        shapes = [tuple(v.shape) for v in variables]
-
-        def step(flats):
-            grads = [None] * len(variables)
-            for positions, flat in zip(layout, flats):
-                sizes = [int(np.prod(shapes[k])) for k in positions] + [len(positions)]
-                pieces = tf.split(flat, sizes)
-                for k, piece in zip(positions, pieces):
-                    grads[k] = tf.reshape(piece, shapes[k])
-            optimizer.apply(grads, variables)
-
-        signature = [[tf.TensorSpec((sum(int(np.prod(shapes[k])) for k in p) + len(p),), tf.float32)
-                      for p in layout]]
-        return step if self._eager else tf.function(step, input_signature=signature)

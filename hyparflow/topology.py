@@ -1,4 +1,4 @@
-"""Placement of (stage, replica) pairs on ranks; pure Python."""
+"""Placement of (stage, tensor, replica) triples on ranks; pure Python."""
 
 from dataclasses import dataclass
 
@@ -7,40 +7,54 @@ __all__ = ["Topology"]
 
 @dataclass(frozen=True)
 class Topology:
-    """`num_stages` x `num_replicas` ranks; a replica's stages are consecutive ranks.
+    """`num_stages` x `num_tensor` x `num_replicas` ranks.
 
-    Consecutive ranks usually share a node, so a pipeline's activations cross
-    shared memory while the (less frequent) gradient allreduce crosses nodes.
+    The T tensor ranks of a stage are consecutive, then a replica's stages:
+    rank = (replica * S + stage) * T + tensor. Consecutive ranks usually share
+    a node, so the most frequent messages (the tensor ranks' sums, several per
+    microbatch) stay on it, then a pipeline's activations; the gradient
+    allreduce, once per step, is the one most likely to cross nodes.
     """
 
     num_stages: int
     num_replicas: int
+    num_tensor: int = 1
 
     def __post_init__(self):
-        if self.num_stages < 1 or self.num_replicas < 1:
+        if self.num_stages < 1 or self.num_replicas < 1 or self.num_tensor < 1:
             raise ValueError(
-                "num_stages and num_replicas must be >= 1. "
-                f"Received: num_stages={self.num_stages}, num_replicas={self.num_replicas}"
+                "num_stages, num_replicas and num_tensor must be >= 1. Received: "
+                f"num_stages={self.num_stages}, num_replicas={self.num_replicas}, "
+                f"num_tensor={self.num_tensor}"
             )
 
     @property
     def size(self):
-        return self.num_stages * self.num_replicas
+        return self.num_stages * self.num_replicas * self.num_tensor
 
-    def rank(self, stage, replica):
-        if not (0 <= stage < self.num_stages and 0 <= replica < self.num_replicas):
-            raise ValueError(f"No rank for stage={stage}, replica={replica} in {self}")
-        return replica * self.num_stages + stage
+    def rank(self, stage, replica, tensor=0):
+        if not (0 <= stage < self.num_stages and 0 <= replica < self.num_replicas
+                and 0 <= tensor < self.num_tensor):
+            raise ValueError(f"No rank for stage={stage}, replica={replica}, tensor={tensor} "
+                             f"in {self}")
+        return (replica * self.num_stages + stage) * self.num_tensor + tensor
 
     def stage(self, rank):
-        return rank % self.num_stages
+        return (rank // self.num_tensor) % self.num_stages
 
     def replica(self, rank):
-        return rank // self.num_stages
+        return rank // (self.num_tensor * self.num_stages)
 
-    def stage_ranks(self, stage):
-        """Ranks that hold `stage`, one per replica (they allreduce its gradients)."""
-        return [self.rank(stage, r) for r in range(self.num_replicas)]
+    def tensor(self, rank):
+        return rank % self.num_tensor
 
-    def pipeline_ranks(self, replica):
-        return [self.rank(s, replica) for s in range(self.num_stages)]
+    def stage_ranks(self, stage, tensor=0):
+        """Ranks that hold `stage`'s part `tensor`, one per replica (they allreduce its gradients)."""
+        return [self.rank(stage, r, tensor) for r in range(self.num_replicas)]
+
+    def pipeline_ranks(self, replica, tensor=0):
+        return [self.rank(s, replica, tensor) for s in range(self.num_stages)]
+
+    def tensor_ranks(self, stage, replica):
+        """The ranks that split `stage` of `replica` between them."""
+        return [self.rank(stage, replica, t) for t in range(self.num_tensor)]

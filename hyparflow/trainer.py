@@ -46,7 +46,7 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
           validation_freq=1, initial_epoch=0, steps_per_epoch=None,
           validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
           checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
-          memory_limit=None, plan=None):
+          memory_limit=None, plan=None, num_tensor=1, tensor_layers=None, tensor_shares=None):
     """The body of `hyparflow.fit` for one rank (see its docstring)."""
     error, runtime, state = None, None, {}
     try:
@@ -55,6 +55,9 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
             num_stages, num_microbatches = plan["num_stages"], plan["num_microbatches"]
             num_replicas = plan.get("num_replicas", num_replicas)
             schedule = plan.get("schedule", schedule)
+            num_tensor = plan.get("num_tensor", num_tensor)
+            tensor_layers = plan.get("tensor_layers", tensor_layers)
+            tensor_shares = plan.get("tensor_shares", tensor_shares)
         check_positive(batch_size=batch_size, epochs=epochs)
         if resume and not checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
@@ -75,7 +78,13 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                                       shuffle=shuffle, seed=0, steps_per_epoch=steps_per_epoch)
         if check_finite and isinstance(source, _data.ArraySource):
             _data.check_finite(source.data)
-        replicas = num_replicas or max(1, comm.size // num_stages)
+        check_positive(num_tensor=num_tensor)
+        if checkpoint_dir and num_tensor > 1:
+            raise NotImplementedError(
+                f"checkpoint_dir with num_tensor={num_tensor} is not supported yet: the split "
+                "layers' optimizer state would have to be gathered into the checkpoint. Use "
+                "num_tensor=1 for checkpointed runs, or save with model.save after fit.")
+        replicas = num_replicas or max(1, comm.size // (num_stages * num_tensor))
         effective = len(sample) if _data.is_dataset(x) else batch_size
         if effective < replicas * num_microbatches:
             raise ValueError(
@@ -97,11 +106,15 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
         # Collective (profiling, calibration): every rank reaches it, or none does.
         balance = _costs.resolve(graph, model, comm, balance, num_stages, speeds=speeds,
                                  memory_limit=memory_limit,
-                                 microbatch=max(1, batch_size // (replicas * num_microbatches)))
+                                 microbatch=max(1, batch_size // (replicas * num_microbatches)),
+                                 num_tensor=num_tensor)
+        if tensor_shares == "measure" and num_tensor > 1:
+            tensor_shares = _costs.measured_shares(comm, num_stages, num_tensor)
         runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
                           num_replicas=num_replicas, num_microbatches=num_microbatches,
                           balance=balance, schedule=schedule, run_eagerly=run_eagerly,
-                          recompute=recompute, trace=trace,
+                          recompute=recompute, trace=trace, num_tensor=num_tensor,
+                          tensor_layers=tensor_layers, tensor_shares=tensor_shares,
                           facts={"samples": len(sample), "steps": source.steps,
                                  "batch_size": batch_size, "epochs": epochs})
     except (ValueError, TypeError, NotImplementedError) as exc:
@@ -166,7 +179,7 @@ def _loop(model, runtime, source, state, epochs, callbacks):
     # Ranks may differ in verbosity (`verbose=1 if hf.is_main() else 0` is common)
     # or callbacks; per-step logs are a collective, so all join if any wants them.
     per_step = any(comm.allgather_obj(verbose == 1 or bool(callbacks)))
-    logs = GlobalLogs(model, comm)
+    logs = GlobalLogs(model, comm, runtime.counted)
     model.stop_training = False
     if runtime.timeline is not None:
         runtime.timeline.start(comm)

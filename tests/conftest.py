@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
+# Thread-ranks wait for each other inside compiled functions (tensor parallelism):
+# each needs an inter-op thread of its own.
+os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "8")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)
 import numpy as np  # noqa: E402
@@ -21,8 +24,8 @@ def max_diff(a, b):
 
 def train_ranks(build, x, y, *, num_stages, num_replicas, num_microbatches, weights,
                 **kwargs):
-    """Run hf.fit on S*R thread-ranks, each with its own copy of the model starting
-    from `weights`; return [(weights, history) per rank]."""
+    """Run hf.fit on S*T*R thread-ranks (T: `num_tensor`, default 1), each with its own
+    copy of the model starting from `weights`; return [(weights, history) per rank]."""
 
     def body(comm):
         model = build()
@@ -32,7 +35,8 @@ def train_ranks(build, x, y, *, num_stages, num_replicas, num_microbatches, weig
                                 **kwargs)
         return model.get_weights(), history.history
 
-    return run_ranks(num_stages * num_replicas, body, timeout=300)
+    ranks = (num_stages or 1) * (num_replicas or 1) * kwargs.get("num_tensor", 1)
+    return run_ranks(ranks, body, timeout=300)
 
 
 @pytest.fixture

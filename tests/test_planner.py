@@ -57,3 +57,28 @@ def test_projection_to_a_cluster(tmp_path, capsys):
     assert planner.main([str(source), "--batch-size", "1024", "--nodes", "4", "--ranks-per-node", "2",
                          "--latency", "2us", "--bandwidth", "12.5GB/s", "--top", "3"]) == 0
     assert "(8 ranks)" in capsys.readouterr().out
+
+
+def test_cost_model_knows_the_tensor_axis():
+    import keras
+
+    inp = keras.Input((256,))
+    x = keras.layers.Dense(512, activation="relu")(inp)
+    x = keras.layers.Dense(512, activation="relu")(x)
+    model = keras.Model(inp, keras.layers.Dense(4)(x))
+    graph = G.from_model(model)
+    rows = [(0.0, 1e-4 * n.params / 1e5, 4 * n.params, 8 * n.params, 4096) for n in graph.nodes]
+    free = planner.Network(0.0, 0.0)
+    one = planner.predict(graph, rows, 0.0, free, [3], 64, 1, 1, "1f1b")
+    split = planner.predict(graph, rows, 0.0, free, [3], 64, 1, 1, "1f1b", num_tensor=2)
+    # The two big Dense layers are split: their compute and state are halved.
+    assert len(split["tensor_layers"]) == 2
+    assert split["step_s"] < 0.7 * one["step_s"]
+    assert max(split["memory_bytes"]) < 0.6 * max(one["memory_bytes"])
+    # A slow network makes the exchanges cost.
+    slow = planner.predict(graph, rows, 0.0, planner.Network(1e-3, 1e-9), [3], 64, 1, 1,
+                           "1f1b", num_tensor=2)
+    assert slow["step_s"] > split["step_s"] and slow["comm_s"] > 0
+    plans = planner.search(graph, rows, 0.0, free, 64, 4)
+    assert {(p["stages"], p["tensor"], p["replicas"]) for p in plans} >= {
+        (1, 2, 2), (1, 4, 1), (2, 2, 1), (1, 1, 4)}

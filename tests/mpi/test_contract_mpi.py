@@ -128,3 +128,38 @@ def test_keras_loop_over_mpi(tmp_path_factory):
            num_microbatches=2)
     for a, b in zip(again.get_weights(), fresh.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def tensor_configs():
+    return {2: [(1, 2, 1, 2)], 4: [(2, 2, 1, 2), (1, 2, 2, 2)]}.get(SIZE, [])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensor_parallel_same_weights_as_one_process():
+    """num_tensor=2: wide_mlp's Dense(1024) layers paired (column, row) and split,
+    64 KB sums and gathers between the tensor ranks; then evaluate and predict."""
+    x, y = wide_data()
+    reference = wide_mlp()
+    start = reference.get_weights()
+    expected_history = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                     verbose=0).history
+    expected = reference.get_weights()
+    expected_eval = reference.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    expected_pred = reference.predict(x, batch_size=32, verbose=0)
+    for s, t, r, m in tensor_configs():
+        model = wide_mlp()
+        model.set_weights(start)
+        history = hf.fit(model, x, y, batch_size=32, epochs=2, num_stages=s, num_tensor=t,
+                         num_replicas=r, num_microbatches=m, shuffle=False, verbose=0)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+        if hf.is_main():
+            print(f"\nwide_mlp (S,T,R,M)={(s, t, r, m)} max weight difference {diff:.3g}")
+        assert diff <= 1e-5, f"(S,T,R,M)={(s, t, r, m)}: {diff}"
+        for key, values in expected_history.items():
+            np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=1e-6)
+        ev = hf.evaluate(model, x, y, batch_size=32, num_stages=s, num_tensor=t,
+                         return_dict=True)
+        for key, value in expected_eval.items():
+            np.testing.assert_allclose(ev[key], value, rtol=1e-5, atol=1e-6)
+        pred = hf.predict(model, x, batch_size=32, num_stages=s, num_tensor=t)
+        np.testing.assert_allclose(pred, expected_pred, rtol=1e-5, atol=1e-5)
