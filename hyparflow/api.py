@@ -23,7 +23,7 @@ def _from_env(value, name, default):
 
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
-        balance=None, comm=None, sample_weight=None, class_weight=None, schedule="gpipe",
+        balance=None, comm=None, sample_weight=None, class_weight=None, schedule="1f1b",
         run_eagerly=None, recompute=False, trace=None, validation_data=None,
         validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
         validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
@@ -78,7 +78,9 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         comm: an mpi4py communicator (default MPI.COMM_WORLD) or a
             `hyparflow.comm.Communicator`.
         sample_weight, class_weight: as in `model.fit`.
-        schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
+        schedule: "1f1b" (the default: one forward, one backward, at most S
+            microbatches alive per stage) or "gpipe" (all forwards, then all
+            backwards); both give the same weights.
         run_eagerly: run stages eagerly instead of as tf.functions (debugging);
             None follows `model.run_eagerly`.
         recompute: keep only each stage's inputs per microbatch and recompute

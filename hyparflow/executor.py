@@ -36,7 +36,7 @@ class Executor:
     """One rank: stage `stage` of replica `replica`, driven step by step by the trainer."""
 
     def __init__(self, comm, topology, partition, graph, stage, optimizer, *,
-                 schedule="gpipe", num_microbatches=1, groups=(), timeline=None):
+                 schedule="1f1b", num_microbatches=1, groups=(), timeline=None):
         self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
         self.stage, self.optimizer = stage, optimizer
         self.schedule, self.num_microbatches = schedule, num_microbatches

@@ -182,7 +182,7 @@ class Runtime:
     """Everything one rank needs to run stage s of replica r of `model`."""
 
     def __init__(self, model, comm, *, graph, sample, num_stages, num_replicas, num_microbatches,
-                 balance=None, schedule="gpipe", run_eagerly=None, recompute=False,
+                 balance=None, schedule="1f1b", run_eagerly=None, recompute=False,
                  trace=None, training=True, facts=None, num_tensor=1, tensor_layers=None,
                  tensor_shares=None):
         if not isinstance(model, keras.Model):

@@ -41,7 +41,7 @@ def _validation_epochs(freq, epochs):
 
 def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
           num_microbatches, shuffle, seed, verbose, callbacks, balance,
-          sample_weight=None, class_weight=None, schedule="gpipe", run_eagerly=None,
+          sample_weight=None, class_weight=None, schedule="1f1b", run_eagerly=None,
           recompute=False, trace=None, validation_data=None, validation_split=0.0,
           validation_freq=1, initial_epoch=0, steps_per_epoch=None,
           validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
