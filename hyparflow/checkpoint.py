@@ -159,9 +159,11 @@ def _load_arrays(path, manifest):
     return arrays
 
 
-def restore_model(model, path, manifest=None, optimizer=True):
+def restore_model(model, path, manifest=None, optimizer=True, parts=None):
     """Load checkpoint `path` into `model` (and the optimizer slots of the variables
-    it has), by name: any partition can load any checkpoint of the same model."""
+    it has), by name: any partition can load any checkpoint of the same model.
+    `parts`: {id(optimizer variable): function} giving the part of a whole saved
+    slot that a slot of a split layer's part takes (tensor parallelism)."""
     manifest = manifest or read(path)
     arrays = _load_arrays(path, manifest)
     names = variable_names(model)
@@ -185,8 +187,13 @@ def restore_model(model, path, manifest=None, optimizer=True):
         v.assign(arrays[f"model/{name}"])
     if optimizer and getattr(model, "optimizer", None) is not None and model.optimizer.built:
         for var, name in zip(model.optimizer.variables, slot_names(model.optimizer, model)):
-            if name in arrays and tuple(arrays[name].shape) == tuple(var.shape):
-                var.assign(arrays[name])
+            if name not in arrays:
+                continue
+            value = arrays[name]
+            if parts and id(var) in parts:
+                value = parts[id(var)](value)
+            if tuple(value.shape) == tuple(var.shape):
+                var.assign(value)
     return manifest
 
 
@@ -210,6 +217,8 @@ class Checkpointer:
         """Collective: every rank calls it. Replica 0 of each stage writes its part."""
         comm, model = runtime.comm, runtime.model
         runtime.average_state()
+        runtime.gather_shards()  # split layers: every part, whole, into the model's variables
+        whole = runtime.full_slots()
         name = f"ckpt-{position['global_step']:09d}"
         final = os.path.join(self.directory, name)
         tmp = comm.bcast_obj(os.path.join(self.directory, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -226,7 +235,7 @@ class Checkpointer:
         files = {}
         try:
             s, r = runtime.topo.stage(comm.rank), runtime.topo.replica(comm.rank)
-            if r == 0:
+            if r == 0 and runtime.topo.tensor(comm.rank) == 0:
                 file = f"stage-{s}.npz"
                 arrays = {}
                 names = variable_names(model)
@@ -239,7 +248,7 @@ class Checkpointer:
                 for var, n in zip(opt.variables, slot_names(opt, model)):
                     if (n.startswith("slot/") and n[5:].rsplit("/", 1)[0] in owned) or (
                             n.startswith("optimizer/") and s == 0):
-                        arrays[n] = np.asarray(var.numpy())
+                        arrays[n] = whole[id(var)] if id(var) in whole else np.asarray(var.numpy())
                 np.savez(os.path.join(tmp, file), **arrays)
                 files[file] = _sha256(os.path.join(tmp, file))
         except OSError as exc:

@@ -314,8 +314,7 @@ class Runtime:
             self.executor.set_groups([g for g in groups.values() if g[1]])
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
         weights.broadcast(self.comm, self.model.weights, 0)
-        for shard in self.stage.shards.values():
-            shard.load()
+        self.load_shards()
 
     @property
     def counted(self):
@@ -334,6 +333,29 @@ class Runtime:
     def average_state(self):
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""
         weights.average(self.stage_comm, self.non_trainable)
+
+    def full_slots(self):
+        """{id(optimizer variable): its whole value} for the optimizer state of this
+        rank's parts of split layers (collective over the tensor ranks)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return {}
+        return {id(slot): shard.gathered(slot.numpy(), axis)
+                for shard in self.stage.shards.values()
+                for slot, axis, _ in shard.slots(optimizer)}
+
+    def slot_slicer(self):
+        """For restoring: optimizer variable -> function giving its part of a whole value."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return {}
+        return {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
+                for shard in self.stage.shards.values()
+                for slot, axis, _ in shard.slots(optimizer)}
+
+    def load_shards(self):
+        for shard in self.stage.shards.values():
+            shard.load()
 
     def gather_shards(self):
         """The split layers' variables put back together on their stage's ranks."""

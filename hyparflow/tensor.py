@@ -289,19 +289,38 @@ class Shard:
             if axis is not None:
                 shard.assign(self._slice(var.numpy(), axis))
 
+    def slots(self, optimizer):
+        """[(optimizer variable, axis, layer variable)] for the optimizer state of this
+        rank's parts (Keras names a slot after its variable's path, which a part shares
+        with its layer variable)."""
+        out = []
+        for var, part, axis in self.cuts:
+            if axis is None:
+                continue
+            prefix = part.path.replace("/", "_") + "_"
+            out += [(slot, axis, var) for slot in optimizer.variables
+                    if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(part.shape)]
+        return out
+
+    def gathered(self, value, axis):
+        """The whole of a variable cut on `axis`, from every rank's part `value`."""
+        shapes = []
+        for n in self.sizes:
+            shape = list(value.shape)
+            shape[axis] = n
+            shapes.append(tuple(shape))
+        return np.concatenate(self.coll.exchange(value, shapes, self.what), axis=axis)
+
+    def sliced(self, value, axis):
+        """This rank's part of a whole value cut on `axis`."""
+        return self._slice(value, axis)
+
     def gather(self):
         """Put the layer's variables back together from every rank's part, on every
         rank (collective over the tensor ranks)."""
         for var, shard, axis in self.cuts:
-            if axis is None:
-                continue
-            mine = shard.numpy()
-            shapes = []
-            for n in self.sizes:
-                shape = list(mine.shape)
-                shape[axis] = n
-                shapes.append(tuple(shape))
-            var.assign(np.concatenate(self.coll.exchange(mine, shapes, self.what), axis=axis))
+            if axis is not None:
+                var.assign(self.gathered(shard.numpy(), axis))
 
     def __call__(self, args, kwargs):
         op, kind = self.op, self.split.kind

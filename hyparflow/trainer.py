@@ -79,11 +79,6 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
         if check_finite and isinstance(source, _data.ArraySource):
             _data.check_finite(source.data)
         check_positive(num_tensor=num_tensor)
-        if checkpoint_dir and num_tensor > 1:
-            raise NotImplementedError(
-                f"checkpoint_dir with num_tensor={num_tensor} is not supported yet: the split "
-                "layers' optimizer state would have to be gathered into the checkpoint. Use "
-                "num_tensor=1 for checkpointed runs, or save with model.save after fit.")
         replicas = num_replicas or max(1, comm.size // (num_stages * num_tensor))
         effective = len(sample) if _data.is_dataset(x) else batch_size
         if effective < replicas * num_microbatches:
@@ -154,7 +149,8 @@ def _resume(runtime, state):
             print(f"hyparflow: no checkpoint in {directory}; starting from the beginning.",
                   flush=True)
         return
-    manifest = _ckpt.restore_model(runtime.model, path)
+    manifest = _ckpt.restore_model(runtime.model, path, parts=runtime.slot_slicer())
+    runtime.load_shards()
     state["seed"] = manifest["seed"]
     state["start"] = (manifest["epoch"], manifest["step"], manifest["global_step"])
     if comm.rank == 0:
