@@ -1,13 +1,15 @@
 """A wide MLP whose weights and Adam state do not fit one rank's memory budget, split into stages.
 
     hyparflow run -n 2 --stages 2 examples/wide_mlp.py                # every rank fits
+    hyparflow run -n 2 --tensor 2 examples/wide_mlp.py                # the wide layers split
     hyparflow run -n 1 examples/wide_mlp.py                           # one rank: over budget
     hyparflow run -n 2 --stages 2 examples/wide_mlp.py --samples 512 --epochs 1   # quick
 
 The model's widest layers (--width units, --depth of them) hold most of its
 parameters. With Adam every trainable weight has two slots of the same size, so
 one rank needs 3x the weights' bytes. Each pipeline stage keeps only its own
-layers' weights and optimizer state, so with 2 stages each rank holds about half.
+layers' weights and optimizer state, so with 2 stages each rank holds about half;
+with --tensor 2 both ranks run every layer but each holds half of every wide layer.
 After training, every rank sums the bytes of its stage's trainable weights and of
 its `model.optimizer.variables` (numpy nbytes), and rank 0 prints them next to the
 budget (--budget-mb) and what one rank would need without stages.
@@ -15,6 +17,7 @@ budget (--budget-mb) and what one rank would need without stages.
 
 import argparse
 import os
+import resource
 
 import hyparflow as hf  # first: quiets TensorFlow and sets threads per rank
 import keras
@@ -49,20 +52,22 @@ def nbytes(variables):
 
 
 def stage_weights(model):
-    """This rank's stage's trainable weights: those its optimizer keeps state for.
+    """This rank's trainable weights and their bytes: those its optimizer keeps state for.
 
-    hf.fit builds each rank's `model.optimizer` on its own stage's variables only,
-    and Keras names a slot after its variable: `<path, "/" as "_">_<slot>`
-    (`wide_0_kernel_momentum`); the longest matching path wins."""
+    hf.fit builds each rank's `model.optimizer` on its own stage's variables only (and
+    on its part of each split layer), and Keras names a slot after its variable:
+    `<path, "/" as "_">_<slot>` (`wide_0_kernel_momentum`); the longest matching path
+    wins. Adam's first slot has the shape of what the rank trains, so its bytes are the
+    rank's bytes of that weight."""
     prefixes = sorted(((v.path.replace("/", "_") + "_", v) for v in model.trainable_weights),
                       key=lambda p: -len(p[0]))
-    mine = set()
+    mine = {}
     for slot in model.optimizer.variables:
         for prefix, v in prefixes:
             if slot.name.startswith(prefix):
-                mine.add(id(v))
+                mine.setdefault(v.path, slot.numpy().nbytes)
                 break
-    return [v for v in model.trainable_weights if id(v) in mine]
+    return mine
 
 
 def main():
@@ -94,9 +99,12 @@ def main():
                      balance="params", seed=0, verbose=2 if hf.is_main() else 0)
 
     stages = args.stages or int(os.environ.get("HYPARFLOW_NUM_STAGES") or 1)
+    tensor = int(os.environ.get("HYPARFLOW_NUM_TENSOR") or 1)
     mine = stage_weights(model)
-    row = (hf.rank(), hf.rank() % stages, hf.rank() // stages, [v.path for v in mine],
-           nbytes(mine), nbytes(model.optimizer.variables))
+    rank = hf.rank()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak
+    row = (rank, (rank // tensor) % stages, rank // (stages * tensor), list(mine),
+           sum(mine.values()), nbytes(model.optimizer.variables), peak)
     rows = MPI.COMM_WORLD.gather(row, root=0)
 
     if hf.is_main():
@@ -109,18 +117,20 @@ def main():
               f"float32); final loss {history.history['loss'][-1]:.4f} (predicting the mean: "
               f"{float(y.var(axis=0).mean()):.4f})")
         print(f"per-rank weights + optimizer state, budget {args.budget_mb:g} MiB:")
-        for rank, stage, replica, paths, w, o in rows:
+        for rank, stage, replica, paths, w, o, peak in rows:
             layers = sorted({p.split("/")[0] for p in paths})
             print(f"  rank {rank} (stage {stage}, replica {replica}): weights {w / MB:6.1f} MiB + "
                   f"optimizer {o / MB:6.1f} MiB = {(w + o) / MB:6.1f} MiB  "
-                  f"{'fits' if w + o <= budget else 'OVER BUDGET'}  [{', '.join(layers)}]")
-        largest = max(w + o for *_, w, o in rows)
+                  f"{'fits' if w + o <= budget else 'OVER BUDGET'}  (process peak "
+                  f"{peak / MB:.0f} MiB)  [{', '.join(layers)}]")
+        largest = max(w + o for *_, w, o, _ in rows)
         if largest <= budget:
             verdict = f"every rank fits the {args.budget_mb:g} MiB budget (largest {largest / MB:.1f} MiB)"
         else:
             verdict = (f"a rank is OVER the {args.budget_mb:g} MiB budget (largest "
                        f"{largest / MB:.1f} MiB; use more stages)")
-        print(f"wide_mlp: with {stages} stage(s) {verdict}; one rank without stages would need "
+        layout = f"{stages} stage(s)" + (f" x {tensor} tensor ranks" if tensor > 1 else "")
+        print(f"wide_mlp: with {layout} {verdict}; one rank without stages would need "
               f"{single / MB:.1f} MiB ({'over' if single > budget else 'within'} budget)")
         if args.save:
             model.save(args.save)

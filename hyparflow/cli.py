@@ -20,6 +20,8 @@ def _add_run(sub):
     p.add_argument("-n", "--ranks", type=int, default=None,
                    help="number of ranks (default: $SLURM_NTASKS inside a Slurm job)")
     p.add_argument("--stages", type=int, help="pipeline stages S (default $HYPARFLOW_NUM_STAGES or 1)")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor ranks T per stage, which split its widest layers (default 1)")
     p.add_argument("--replicas", type=int, help="replicas R (default N // S)")
     p.add_argument("--microbatches", type=int,
                    help="microbatches M (default $HYPARFLOW_NUM_MICROBATCHES or 1)")
@@ -35,7 +37,7 @@ def _add_run(sub):
 
 def _run(args):
     plan = launch.plan(args.script, args.args, ranks=args.ranks, stages=args.stages,
-                       replicas=args.replicas, microbatches=args.microbatches,
+                       replicas=args.replicas, microbatches=args.microbatches, tensor=args.tensor,
                        threads=args.threads, launcher=args.launcher)
     if args.dry_run:
         print(launch.describe(plan))

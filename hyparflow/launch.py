@@ -59,35 +59,40 @@ def _positive(name, value):
     return number
 
 
-def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None):
+def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=1):
     """Check and complete (ranks, stages, replicas, microbatches).
 
     Unset values come from HYPARFLOW_NUM_* in `environ`, then the defaults of `fit`
-    (1 stage, ranks // stages replicas, 1 microbatch).
+    (1 stage, ranks // (stages x tensor) replicas, 1 microbatch). `tensor`: ranks per
+    stage (`--tensor`), which a pipeline needs `stages x tensor` of.
     """
     environ = os.environ if environ is None else environ
     ranks = _positive("the number of ranks (-n)", ranks)
+    tensor = _positive("--tensor", tensor) or 1
     stages = _positive("--stages", stages if stages is not None
                        else environ.get("HYPARFLOW_NUM_STAGES") or 1)
     microbatches = _positive("--microbatches", microbatches if microbatches is not None
                              else environ.get("HYPARFLOW_NUM_MICROBATCHES") or 1)
-    if ranks % stages:
-        lower = ranks - ranks % stages
-        options = " or ".join(f"-n {n}" for n in (lower, lower + stages) if n)
+    pipeline = stages * tensor
+    what = f"{stages} stages" + (f" x {tensor} tensor ranks" if tensor > 1 else "")
+    flag = "--stages" + (" x --tensor" if tensor > 1 else "")
+    if ranks % pipeline:
+        lower = ranks - ranks % pipeline
+        options = " or ".join(f"-n {n}" for n in (lower, lower + pipeline) if n)
         raise LaunchError(
-            f"{ranks} ranks cannot be split into pipelines of {stages} stages: the number of "
-            f"ranks must be a multiple of --stages (e.g. {options}).")
+            f"{ranks} ranks cannot be split into pipelines of {what}: the number of "
+            f"ranks must be a multiple of {flag} (e.g. {options}).")
     replicas = _positive("--replicas", replicas if replicas is not None
-                         else environ.get("HYPARFLOW_NUM_REPLICAS") or ranks // stages)
-    if stages * replicas != ranks:
-        raise LaunchError(f"--stages {stages} x --replicas {replicas} = {stages * replicas} "
-                          f"ranks, but -n is {ranks}; give -n {stages * replicas} or leave "
-                          f"--replicas out (it defaults to -n // --stages).")
+                         else environ.get("HYPARFLOW_NUM_REPLICAS") or ranks // pipeline)
+    if pipeline * replicas != ranks:
+        raise LaunchError(f"{flag} {pipeline} x --replicas {replicas} = {pipeline * replicas} "
+                          f"ranks, but -n is {ranks}; give -n {pipeline * replicas} or leave "
+                          f"--replicas out (it defaults to -n // ({flag})).")
     return ranks, stages, replicas, microbatches
 
 
 def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=None,
-                    environ=None):
+                    environ=None, tensor=1):
     """The variables a run sets: S, R, M for `fit`, threads per rank, quiet unbuffered Python.
 
     Threads: `threads` if given, else an HYPARFLOW_THREADS already set, else Slurm's
@@ -99,6 +104,7 @@ def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=
         "HYPARFLOW_NUM_STAGES": str(stages),
         "HYPARFLOW_NUM_REPLICAS": str(replicas),
         "HYPARFLOW_NUM_MICROBATCHES": str(microbatches),
+        "HYPARFLOW_NUM_TENSOR": str(tensor),
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     }
@@ -117,7 +123,7 @@ def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=
 
 
 def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
-         threads=None, launcher="auto", environ=None, python=None):
+         threads=None, launcher="auto", environ=None, python=None, tensor=1):
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix."""
     environ = os.environ if environ is None else environ
     python = python or sys.executable
@@ -125,7 +131,8 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
         raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
-    ranks, stages, replicas, microbatches = layout(ranks, stages, replicas, microbatches, environ)
+    ranks, stages, replicas, microbatches = layout(ranks, stages, replicas, microbatches, environ,
+                                                   tensor)
     if not script:
         raise LaunchError("give the script to run, e.g. `hyparflow run -n 4 train.py`.")
     if not os.path.isfile(script):
@@ -154,7 +161,8 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
     else:
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
-    env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ)
+    env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ,
+                          tensor or 1)
     return Plan(launcher, argv, env, reason)
 
 

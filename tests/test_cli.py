@@ -58,6 +58,10 @@ def test_run_dry_run_threads_and_defaults(clean_env, capsys):
     clean_env.setenv("HYPARFLOW_NUM_STAGES", "3")  # the shell's setting is the default
     exports, _, _ = dry_run(capsys, "-n", "6", EXAMPLE)
     assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"]) == ("3", "2")
+    # --tensor: each stage takes T ranks, the replicas what is left.
+    exports, _, _ = dry_run(capsys, "-n", "12", "--stages", "2", "--tensor", "2", EXAMPLE)
+    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_TENSOR"],
+            exports["HYPARFLOW_NUM_REPLICAS"]) == ("2", "2", "3")
 
 
 def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
@@ -81,6 +85,7 @@ def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     (["-n", "3", "--stages", "2"], "must be a multiple of --stages"),
     (["-n", "4", "--stages", "2", "--replicas", "3"], "--stages 2 x --replicas 3 = 6"),
     (["-n", "0"], "positive integer"),
+    (["-n", "6", "--stages", "2", "--tensor", "2"], "multiple of --stages x --tensor (e.g. -n 4 or -n 8)"),
     ([], "give the number of ranks"),
 ])
 def test_run_bad_counts(clean_env, capsys, argv, message):
