@@ -2,8 +2,8 @@
 
     python benchmarks/planner_accuracy.py --workload mlp --ranks 1 2 4
 
-For each rank count, `hyparflow plan` ranks its plans (stages x replicas dividing the
-ranks, the microbatch counts given); every plan that fits is then run for real under
+For each rank count, `hyparflow plan` ranks its plans (stages x tensor ranks x replicas
+dividing the ranks, the microbatch counts given); every plan that fits is then run for real under
 mpiexec (benchmarks/worker.py, the same model and batch) and its median step time is
 printed next to the prediction.
 """
@@ -53,22 +53,22 @@ def main():
         for rank_order, p in enumerate(plans, 1):
             if not p["fits"]:
                 continue
-            s, r, m = p["stages"], p["replicas"], p["microbatches"]
-            trace = os.path.join(tmp, f"t{ranks}_{s}_{r}_{m}.json")
+            s, r, m, t = p["stages"], p["replicas"], p["microbatches"], p.get("tensor", 1)
+            trace = os.path.join(tmp, f"t{ranks}_{s}_{t}_{r}_{m}.json")
             res = run([MPIEXEC, "-n", str(ranks), *worker_cmd(
-                "hf", args.workload, batch, args.steps, s, r, m, p["schedule"], trace)], env)
-            rows.append((ranks, rank_order, s, r, m, p["schedule"], p["step_s"], res["step_s"]))
+                "hf", args.workload, batch, args.steps, s, r, m, p["schedule"], trace, t)], env)
+            rows.append((ranks, rank_order, s, t, r, m, p["schedule"], p["step_s"], res["step_s"]))
             best_measured = min(best_measured or 1e9, res["step_s"])
         first = [row for row in rows if row[0] == ranks and row[1] == 1]
         if first:
-            print(f"ranks={ranks}: planner's first choice measured {first[0][7]:.4f} s, best "
-                  f"measured {best_measured:.4f} s ({first[0][7] / best_measured - 1:+.0%})",
+            print(f"ranks={ranks}: planner's first choice measured {first[0][8]:.4f} s, best "
+                  f"measured {best_measured:.4f} s ({first[0][8] / best_measured - 1:+.0%})",
                   flush=True)
-    print(f"\n{'ranks':>5} {'#':>3} {'S':>2} {'R':>2} {'M':>3} {'schedule':>8} {'predicted s':>12} "
-          f"{'measured s':>11} {'error':>7}")
-    for ranks, k, s, r, m, sched, pred, meas in rows:
-        print(f"{ranks:>5} {k:>3} {s:>2} {r:>2} {m:>3} {sched:>8} {pred:>12.4f} {meas:>11.4f} "
-              f"{pred / meas - 1:>+7.0%}")
+    print(f"\n{'ranks':>5} {'#':>3} {'S':>2} {'T':>2} {'R':>2} {'M':>3} {'schedule':>8} "
+          f"{'predicted s':>12} {'measured s':>11} {'error':>7}")
+    for ranks, k, s, t, r, m, sched, pred, meas in rows:
+        print(f"{ranks:>5} {k:>3} {s:>2} {t:>2} {r:>2} {m:>3} {sched:>8} {pred:>12.4f} "
+              f"{meas:>11.4f} {pred / meas - 1:>+7.0%}")
 
 
 if __name__ == "__main__":

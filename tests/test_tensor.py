@@ -237,3 +237,9 @@ def test_checkpoints_gather_the_parts_and_reshape(tmp_path):
     resumed = fit(2, 3, str(tmp_path / "c"), num_tensor=2, tensor_layers=layers,
                   checkpoint_every=4, resume=True)[0]
     assert max_diff(resumed, whole) == 0.0
+
+
+def test_measured_shares_train_the_same():
+    """tensor_shares="measure": a calibration on every rank sets the shares (they differ
+    run to run); the weights are still one-process Keras's."""
+    check(dense_model, dense_data(), ["up", "down", "alone"], [(1, 2, 1, 2)], shares="measure")
