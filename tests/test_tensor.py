@@ -243,3 +243,23 @@ def test_measured_shares_train_the_same():
     """tensor_shares="measure": a calibration on every rank sets the shares (they differ
     run to run); the weights are still one-process Keras's."""
     check(dense_model, dense_data(), ["up", "down", "alone"], [(1, 2, 1, 2)], shares="measure")
+
+
+def ffn_model():
+    """A Transformer-style feed-forward block on a sequence (3-D tensors), with a residual."""
+    keras.utils.set_random_seed(6)
+    inp = keras.Input((6, 16))
+    h = L.Dense(64, activation="gelu", name="ffn_up")(inp)
+    h = L.Dense(16, name="ffn_down")(h)
+    x = L.LayerNormalization()(L.Add()([inp, h]))
+    out = L.Dense(3, name="head")(L.Flatten()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def test_sequence_feed_forward_pair():
+    rng = np.random.default_rng(7)
+    data = rng.normal(size=(48, 6, 16)).astype("float32"), rng.normal(size=(48, 3)).astype("float32")
+    check(ffn_model, data, ["ffn_up", "ffn_down"], [(1, 2, 1, 2), (2, 2, 1, 2)], tol=1e-4,
+          shares=[1, 2])
