@@ -50,6 +50,8 @@ def _run(comm, build, body):
     except BaseException as exc:
         fail(comm, runtime, exc)
         raise
+    finally:
+        runtime.close()
 
 
 def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, num_microbatches,

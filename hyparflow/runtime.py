@@ -316,6 +316,20 @@ class Runtime:
         weights.broadcast(self.comm, self.model.weights, 0)
         self.load_shards()
 
+    def close(self):
+        """Free the sub-communicators connect() made (MPI has a limited number of them,
+        and a script may call fit many times)."""
+        comms = [c for c, _ in getattr(self.executor, "groups", ())]
+        comms.append(getattr(getattr(self, "collectives", None), "comm", None))
+        for comm in {id(c): c for c in comms if c is not None}.values():
+            try:
+                comm.free()
+            except Exception:  # noqa: BLE001 - freeing is best effort at the end of a run
+                pass
+        self.executor.groups, self.stage_comm = [], None
+        if getattr(self, "collectives", None) is not None:
+            self.collectives.comm = None
+
     @property
     def counted(self):
         """Whether this rank's loss, metrics and predictions count (tensor rank 0;

@@ -137,6 +137,7 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
     finally:
         if stop_flag is not None:
             stop_flag.restore()
+        runtime.close()
 
 
 def _resume(runtime, state):
