@@ -1,6 +1,7 @@
 """Per-layer-call costs for a balance mode, and stage speeds, agreed by every rank."""
 
 from . import profile as _profile
+from .topology import Topology
 
 __all__ = ["MODES", "resolve"]
 
@@ -34,8 +35,8 @@ def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limi
     if speeds == "measure":
         rates = comm.allgather_obj(_profile.calibrate())
         # A stage is as fast as its slowest rank (its T tensor ranks share the work).
-        stage_of = [(r // num_tensor) % num_stages for r in range(len(rates))]
-        speeds = [min(rate for rate, st in zip(rates, stage_of) if st == s)
+        topo = _topology(len(rates), num_stages, num_tensor)
+        speeds = [min(rate for r, rate in enumerate(rates) if topo.stage(r) == s)
                   for s in range(num_stages)]
     elif speeds is not None and len(speeds) != num_stages:
         raise ValueError(f"`speeds` needs one value per stage ({num_stages}). Received: {speeds}")
@@ -49,10 +50,15 @@ def measured_shares(comm, num_stages, num_tensor):
     rank's share is its speed (the slowest over replicas, whose parts must match),
     per stage. Returns this rank's stage's shares (collective)."""
     rates = comm.allgather_obj(_profile.calibrate())
-    per_replica = num_stages * num_tensor
-    stage = (comm.rank // num_tensor) % num_stages
-    return [min(rates[r * per_replica + stage * num_tensor + t]
-                for r in range(len(rates) // per_replica)) for t in range(num_tensor)]
+    if len(rates) % (num_stages * num_tensor):
+        return None  # a world of the wrong size: set-up says so, with the fix
+    topo = _topology(len(rates), num_stages, num_tensor)
+    stage = topo.stage(comm.rank)
+    return [min(rates[r] for r in topo.stage_ranks(stage, t)) for t in range(num_tensor)]
+
+
+def _topology(size, num_stages, num_tensor):
+    return Topology(num_stages, max(1, size // (num_stages * num_tensor)), num_tensor)
 
 
 def _memory(p, microbatch, num_stages):

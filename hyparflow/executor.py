@@ -55,8 +55,9 @@ class Executor:
     def set_groups(self, groups):
         """[(communicator, [variable positions in stage.trainable])]: who sums what."""
         self.groups = groups
-        self.stage.set_buckets([b for _, positions in groups
-                                for b in _buckets(positions, self.stage.trainable)])
+        self._buckets = [(comm, bucket) for comm, positions in groups
+                         for bucket in _buckets(positions, self.stage.trainable)]
+        self.stage.set_buckets([bucket for _, bucket in self._buckets])
 
     def lowered(self, m, training=True):
         key = (m, training)
@@ -225,19 +226,16 @@ class Executor:
             self.stage.apply_local(self.optimizer)  # nothing to share: no buffers
             self._record("optimizer", "optimizer", start)
             return
-        variables = self.stage.trainable
         pending = []
-        for comm, positions in self.groups:
-            for bucket in _buckets(positions, variables):  # as laid out by set_groups
-                flat = self.stage.flat_grads(bucket)
-                req = comm.iallreduce(flat) if comm is not None and comm.size > 1 else None
-                pending.append((bucket, flat, req))
+        for comm, bucket in self._buckets:
+            flat = self.stage.flat_grads(bucket)
+            pending.append(comm.iallreduce(flat) if comm is not None and comm.size > 1 else None)
         self.stage.reset_grads()
-        self._wait([req for _, _, req in pending], timeout_seconds())
+        self._wait(pending, timeout_seconds())
         self._record("allreduce", "allreduce", start)
         self.position = "STEP"
         start = time.perf_counter()
-        self.stage.apply(self.optimizer, [(bucket, flat) for bucket, flat, _ in pending])
+        self.stage.apply(self.optimizer, [bucket for _, bucket in self._buckets])
         self._record("optimizer", "optimizer", start)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _compat
 
-__all__ = ["LayerGraph", "Node", "Tensor", "from_model"]
+__all__ = ["LayerGraph", "Node", "Tensor", "from_model", "numel"]
 
 
 @dataclass
@@ -63,7 +63,8 @@ class LayerGraph:
         return out
 
 
-def _numel(shape):
+def numel(shape):
+    """Values per sample of a tensor of `shape` (batch first; unknown dimensions count as 1)."""
     n = 1
     for d in shape[1:]:
         n *= d if d is not None else 1
@@ -78,10 +79,10 @@ def _estimate_cost(op, out_shapes, params):
     without weights and lookups (Embedding) cost about one operation per output
     element.
     """
-    elems = sum(_numel(s) for s in out_shapes)
+    elems = sum(numel(s) for s in out_shapes)
     if params == 0 or isinstance(op, keras.layers.Embedding):
         return float(elems)
-    positions = max(1, max(_numel(s) // max(1, (s[-1] or 1)) if len(s) > 1 else 1
+    positions = max(1, max(numel(s) // max(1, (s[-1] or 1)) if len(s) > 1 else 1
                            for s in out_shapes))
     return float(params * positions + elems)
 

@@ -171,20 +171,23 @@ def _calibrate(graph, model, rows, batch):
     return [(a * factor, b * factor, *rest) for a, b, *rest in rows]
 
 
+def _elements(graph, t):
+    from .graph import numel
+
+    return numel(graph.tensors[t].shape)
+
+
 def _tensor_costs(graph, num_tensor, m, network):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
     `num_tensor` ranks would split (the default choice: by size)."""
-    import numpy as np
-
     from . import tensor as T
 
     if num_tensor == 1:
         return {}
     out = {}
-    nbytes = lambda t: 4 * m * int(np.prod([d or 1 for d in graph.tensors[t].shape[1:]]))  # noqa: E731
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
-        out_bytes, in_bytes = nbytes(node.outputs[0]), nbytes(node.inputs[0])
+        out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
         peers = num_tensor - 1
         if split.kind in ("row", "rows"):
             forward = peers * network.message(out_bytes)          # a sum of whole outputs
@@ -220,11 +223,9 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                   for a, c in zip(starts, counts)]
     exchange_b = [sum(split[i][2] for i in range(a, a + c) if i in split)
                   for a, c in zip(starts, counts)]
-    elements = lambda t: 1 if not graph.tensors[t].shape[1:] else int(  # noqa: E731
-        __import__("numpy").prod([d or 1 for d in graph.tensors[t].shape[1:]]))
     send = [0.0] * stages
     for e in part.edges:
-        send[e.src] += network.message(elements(e.tensor) * 4 * m)
+        send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m)
     per_stage_f = [c / 3 + s + x for c, s, x in zip(compute, send, exchange_f)]
     per_stage_b = [2 * c / 3 + s + x for c, s, x in zip(compute, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),

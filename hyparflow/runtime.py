@@ -348,24 +348,25 @@ class Runtime:
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""
         weights.average(self.stage_comm, self.non_trainable)
 
+    def _part_slots(self):
+        """(shard, optimizer variable, axis) for the optimizer state of this rank's
+        parts of split layers."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return []
+        return [(shard, slot, axis) for shard in self.stage.shards.values()
+                for slot, axis in shard.slots(optimizer)]
+
     def full_slots(self):
         """{id(optimizer variable): its whole value} for the optimizer state of this
         rank's parts of split layers (collective over the tensor ranks)."""
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
-            return {}
         return {id(slot): shard.gathered(slot.numpy(), axis)
-                for shard in self.stage.shards.values()
-                for slot, axis, _ in shard.slots(optimizer)}
+                for shard, slot, axis in self._part_slots()}
 
     def slot_slicer(self):
         """For restoring: optimizer variable -> function giving its part of a whole value."""
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
-            return {}
         return {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
-                for shard in self.stage.shards.values()
-                for slot, axis, _ in shard.slots(optimizer)}
+                for shard, slot, axis in self._part_slots()}
 
     def load_shards(self):
         for shard in self.stage.shards.values():

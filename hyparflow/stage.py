@@ -376,9 +376,10 @@ class Stage:
         self.touched[:] = False
 
     def apply(self, optimizer, buckets):
-        """Step `optimizer` with the reduced buffers of `flat_grads` ((positions, flat) pairs)."""
+        """Step `optimizer` with the reduced buffers of `flat_grads` (`buckets`: their
+        positions)."""
         grads = [None] * len(self.trainable)
-        for positions, _ in buckets:
+        for positions in buckets:
             packing = self._buffers[tuple(positions)]
             for k, view, flag in zip(positions, packing.views, packing.flags):
                 if flag > 0:

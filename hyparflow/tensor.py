@@ -290,15 +290,14 @@ class Shard:
                 shard.assign(self._slice(var.numpy(), axis))
 
     def slots(self, optimizer):
-        """[(optimizer variable, axis, layer variable)] for the optimizer state of this
-        rank's parts (Keras names a slot after its variable's path, which a part shares
+        """[(optimizer variable, axis)] for the optimizer state of this rank's parts (Keras names a slot after its variable's path, which a part shares
         with its layer variable)."""
         out = []
         for var, part, axis in self.cuts:
             if axis is None:
                 continue
             prefix = part.path.replace("/", "_") + "_"
-            out += [(slot, axis, var) for slot in optimizer.variables
+            out += [(slot, axis) for slot in optimizer.variables
                     if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(part.shape)]
         return out
 
