@@ -163,3 +163,33 @@ def test_tensor_parallel_same_weights_as_one_process():
             np.testing.assert_allclose(ev[key], value, rtol=1e-5, atol=1e-6)
         pred = hf.predict(model, x, batch_size=32, num_stages=s, num_tensor=t)
         np.testing.assert_allclose(pred, expected_pred, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensor_parallel_checkpoint_resumes_in_another_layout(tmp_path_factory):
+    """T=2 with measured shares writes a checkpoint (parts and Adam state gathered over
+    MPI); it resumes with every rank a replica (T=1), and the weights are Keras's."""
+    def build():
+        model = wide_mlp()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = wide_data()
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tp")) if hf.is_main() else None)
+    model = build()
+    model.set_weights(start)
+    hf.fit(model, x, y, batch_size=32, epochs=1, num_tensor=2, tensor_shares="measure",
+           shuffle=False, verbose=0, checkpoint_dir=directory)
+    again = build()
+    again.set_weights(start)
+    hf.fit(again, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+           checkpoint_dir=directory, resume=True)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(again.get_weights(),
+                                                          reference.get_weights()))
+    if hf.is_main():
+        print(f"\nwide_mlp T=2 checkpoint resumed with T=1: max weight difference {diff:.3g}")
+    assert diff <= 1e-4
