@@ -13,11 +13,11 @@ import numpy as np
 
 from . import schedule as sched
 from .comm import CommTimeout, timeout_seconds, wait_all
+from .overlap import Buckets
 
-__all__ = ["Executor", "split_batch", "BUCKET_BYTES"]
+__all__ = ["Executor", "split_batch"]
 
 _ACT, _GRAD = 0, 1
-BUCKET_BYTES = 8 << 20  # gradient allreduce bucket size
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -55,9 +55,9 @@ class Executor:
     def set_groups(self, groups):
         """[(communicator, [variable positions in stage.trainable])]: who sums what."""
         self.groups = groups
-        self._buckets = [(comm, bucket) for comm, positions in groups
-                         for bucket in _buckets(positions, self.stage.trainable)]
-        self.stage.set_buckets([bucket for _, bucket in self._buckets])
+        self.buckets = Buckets(self.stage, groups)
+        # Buckets start their allreduces from inside the step's last backward.
+        self.stage.on_arrival = self.buckets.arrive if self.buckets.shared else None
 
     def lowered(self, m, training=True):
         key = (m, training)
@@ -89,6 +89,7 @@ class Executor:
         list of index arrays into the data); returns the step's summed loss contribution."""
         start = time.perf_counter()
         contribution = 0.0
+        self.buckets.arm()
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
@@ -131,6 +132,10 @@ class Executor:
         total = 0.0
         actions = self.lowered(len(micro_indices), training)
         fused = set()
+        # The step's last backward reports gradients as it makes them, so that
+        # allreduces start early (only when they are shared: hooks cost a little).
+        hooked = training and self.stage.on_arrival is not None
+        last = max((a.microbatch for a in actions if a.kind == sched.B), default=None)
         for position, a in enumerate(actions):
             i = a.microbatch
             if a.kind == sched.B and i in fused:
@@ -152,14 +157,15 @@ class Executor:
                 follows = actions[position + 1] if position + 1 < len(actions) else None
                 if (training and stage.is_last and not stage.recompute and follows is not None
                         and follows.kind == sched.B and follows.microbatch == i):
-                    grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i))
+                    grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
+                                                      hooked=hooked and i == last)
                     grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
                     fused.add(i)
                     out = []
                     self._record(str(a) + "+B", "backward", start, microbatch=i)
                 elif training:
                     out, c = stage.forward(i, inputs, y, sw, share=share,
-                                           seed=(seed, first_id + i))
+                                           seed=(seed, first_id + i), hooked=hooked and i == last)
                 else:
                     out, c, pred = stage.infer(kind, inputs, y, sw, share=share)
                     if pred:
@@ -216,42 +222,28 @@ class Executor:
         Variables are grouped by the set of stages that use them: usually just
         this stage (an allreduce over its replicas); a weight shared between
         stages is summed over all of them, so every copy takes the same step.
-        Each group is cut into buckets of about BUCKET_BYTES whose allreduces
-        are all in flight at once. One flag per variable rides along, so a
-        variable that got no gradient anywhere is skipped as Keras skips it."""
+        Each group is cut into buckets (`overlap.Buckets`) whose allreduces
+        are all in flight at once, most started during the last backward. One
+        flag per variable rides along, so a variable that got no gradient
+        anywhere is skipped as Keras skips it."""
         self.position = "ALLREDUCE"
         start = time.perf_counter()
-        if all(comm is None or comm.size == 1 for comm, _ in self.groups):
+        if not self.buckets.shared:
             self.position = "STEP"
             self.stage.apply_local(self.optimizer)  # nothing to share: no buffers
             self._record("optimizer", "optimizer", start)
             return
-        pending = []
-        for comm, bucket in self._buckets:
-            flat = self.stage.flat_grads(bucket)
-            pending.append(comm.iallreduce(flat) if comm is not None and comm.size > 1 else None)
+        pending = self.buckets.finish()
         self.stage.reset_grads()
         self._wait(pending, timeout_seconds())
-        self._record("allreduce", "allreduce", start)
+        self._record("allreduce", "allreduce", start, buckets=len(self.buckets.buckets),
+                     inside=self.buckets.inside, early=self.buckets.early)
         self.position = "STEP"
         start = time.perf_counter()
-        self.stage.apply(self.optimizer, [bucket for _, bucket in self._buckets])
+        self.stage.apply(self.optimizer, [bucket for _, bucket in self.buckets.buckets])
         self._record("optimizer", "optimizer", start)
-
-
-def _buckets(positions, variables):
-    """Consecutive runs of variables of about BUCKET_BYTES each (one at least)."""
-    out, current, size = [], [], 0
-    for k in positions:
-        nbytes = 4 * int(np.prod(variables[k].shape))
-        if current and size + nbytes > BUCKET_BYTES:
-            out.append(current)
-            current, size = [], 0
-        current.append(k)
-        size += nbytes
-    if current:
-        out.append(current)
-    return out
+        if not self.buckets.learned:
+            self.buckets.learn()
 
 
 def _np_dtype(dtype):

@@ -99,22 +99,26 @@ class LocalCommunicator(Communicator):
         return _LocalRequest(test)
 
     # collectives -----------------------------------------------------------
-    def _exchange(self, value):
-        """Every member deposits `value`; each gets the list of all, in rank order."""
+    def _deposit(self, value):
+        """Put `value` in this member's slot of the next collective; returns a test
+        that is true once every member's is there (the values: `_take`)."""
         seq = self._seq
         self._seq += 1
         g, w = self.group, self.world
         with w.lock:
             g.slots.setdefault(seq, {})[self.rank] = value
             w.lock.notify_all()
-        timeout = timeout_seconds()
 
         def ready():
             w.check()
             with w.lock:
                 return len(g.slots[seq]) == self.size
 
-        _poll(ready, timeout, f"collective #{seq} on group {g.gid}", spin=0.0)
+        ready.seq = seq
+        return ready
+
+    def _take(self, seq):
+        g, w = self.group, self.world
         with w.lock:
             values = [g.slots[seq][r] for r in range(self.size)]
             g.reads[seq] = g.reads.get(seq, 0) + 1
@@ -122,12 +126,29 @@ class LocalCommunicator(Communicator):
                 del g.slots[seq], g.reads[seq]
         return values
 
+    def _exchange(self, value):
+        """Every member deposits `value`; each gets the list of all, in rank order."""
+        ready = self._deposit(value)
+        _poll(ready, timeout_seconds(), f"collective #{ready.seq} on group {self.group.gid}",
+              spin=0.0)
+        return self._take(ready.seq)
+
+    def iallreduce(self, buf):
+        # Non-blocking as MPI's: the executor starts sums from inside a backward.
+        ready, done = self._deposit(np.array(buf, copy=True)), []
+
+        def test():
+            if not done:
+                if not ready():
+                    return False
+                buf[...] = _sum(self._take(ready.seq))
+                done.append(True)
+            return True
+
+        return _LocalRequest(test)
+
     def allreduce(self, buf, timeout=None):
-        values = self._exchange(np.array(buf, copy=True))
-        total = values[0].copy()
-        for v in values[1:]:
-            total += v
-        buf[...] = total
+        buf[...] = _sum(self._exchange(np.array(buf, copy=True)))
         return buf
 
     def bcast(self, buf, root, timeout=None):
@@ -156,6 +177,14 @@ class LocalCommunicator(Communicator):
             if self.world.failure is None:
                 self.world.failure = (self.group.members[self.rank], f"aborted with code {code}")
             self.world.lock.notify_all()
+
+
+def _sum(values):
+    """The members' values added in rank order (the same bits on every member)."""
+    total = values[0].copy()
+    for v in values[1:]:
+        total += v
+    return total
 
 
 def run_ranks(size, fn, timeout=None):

@@ -326,7 +326,8 @@ class Runtime:
                 comm.free()
             except Exception:  # noqa: BLE001 - freeing is best effort at the end of a run
                 pass
-        self.executor.groups, self.stage_comm = [], None
+        self.executor.set_groups([])
+        self.stage_comm = None
         if getattr(self, "collectives", None) is not None:
             self.collectives.comm = None
 

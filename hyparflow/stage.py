@@ -7,8 +7,10 @@ the backward as compiled code too, so there is neither recomputation nor
 per-layer Python in the backward.
 """
 
+import functools
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -56,6 +58,28 @@ class _Packing:
 
 def _spec(tensor, batch=None):
     return tf.TensorSpec((batch,) + tuple(tensor.shape[1:]), tf.as_dtype(tensor.dtype))
+
+
+class _Hooked(keras.StatelessScope):
+    """Reads every trainable variable of a stage through a gradient hook.
+
+    Keras layers read a variable's value through the stateless scope when one is
+    active, so mapping each variable to `identity(value)` with a custom gradient
+    puts a hook where its gradient is complete, inside the compiled backward.
+    Assignments made in the scope (BatchNorm statistics, seed generators,
+    metrics) are only recorded by Keras; `write_back` applies them."""
+
+    def __init__(self, mapping):
+        super().__init__(mapping, collect_losses=True)
+        self.updated = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.updated[id(update[0])] = update[0]
+
+    def write_back(self):
+        for variable in self.updated.values():
+            variable.assign(self.get_current_value(variable))
 
 
 class Stage:
@@ -113,6 +137,10 @@ class Stage:
                       if k >= len(plan.data_inputs) and graph.tensors[t].floating]
         self._saved = {}
         self.touched = np.zeros(len(self.trainable), dtype=bool)
+        # Gradients that a hook (`_arrive`) already summed during the current backward,
+        # and who is told of each: the executor, to start allreduces early.
+        self.arrived = np.zeros(len(self.trainable), dtype=bool)
+        self.on_arrival = None
         self._in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
@@ -133,15 +161,16 @@ class Stage:
                 [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
                 tf.TensorSpec((), tf.float32)]
 
-    def _function(self, kind, has_sample_weight):
+    def _function(self, kind, has_sample_weight, hooked=False):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
-        once per kind with a `None` batch dimension (or eager when asked)."""
-        key = (kind, bool(has_sample_weight) and kind != "predict")
+        once per kind with a `None` batch dimension (or eager when asked). `hooked`:
+        the variant whose backward reports each variable's gradient as it is made."""
+        key = (kind, bool(has_sample_weight) and kind != "predict", hooked)
         if key not in self._functions:
             signature = self._signature(self.is_last and kind != "predict", key[1])
 
             def body(inputs, y, sample_weight, share):
-                return self._body(inputs, y, sample_weight, share, kind)
+                return self._body(inputs, y, sample_weight, share, kind, hooked)
 
             self._functions[key] = body if self._eager else tf.function(
                 body, input_signature=signature, reduce_retracing=True)
@@ -169,7 +198,48 @@ class Stage:
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
 
-    def _body(self, inputs, y, sample_weight, share, kind="train"):
+    def _body(self, inputs, y, sample_weight, share, kind="train", hooked=False):
+        if not hooked:
+            return self._compute(inputs, y, sample_weight, share, kind)
+        scope = _Hooked([(v, self._hook(k, v.value)) for k, v in enumerate(self.trainable)])
+        with scope:
+            result = self._compute(inputs, y, sample_weight, share, kind)
+        scope.write_back()
+        return result
+
+    def _hook(self, k, value):
+        """`value` (variable k's) unchanged; in the backward, its gradient goes
+        through `_arrive` as soon as it is complete. Stateless, so that TensorFlow
+        runs each hook when its input is ready instead of chaining them."""
+        arrive = functools.partial(self._arrive, k)
+
+        @tf.custom_gradient
+        def identity(x):
+            def grad(g):
+                if isinstance(g, tf.IndexedSlices):
+                    g = tf.convert_to_tensor(g)
+                out = tf.numpy_function(arrive, [g], g.dtype, stateful=False)
+                out.set_shape(g.shape)
+                return out
+            return tf.identity(x), grad
+
+        return identity(value)
+
+    def _arrive(self, k, g):
+        """Variable k's gradient for this microbatch, from inside the backward: summed
+        into its buffer now (the returned gradient is then skipped by `_accumulate`)."""
+        view = self._views[k]
+        value = g if g.dtype == np.float32 else g.astype(np.float32)
+        if self.touched[k]:
+            np.add(view, value, out=view)
+        else:
+            np.copyto(view, value)
+        self.touched[k] = self.arrived[k] = True
+        if self.on_arrival is not None:
+            self.on_arrival(k)
+        return g
+
+    def _compute(self, inputs, y, sample_weight, share, kind):
         values = self._run_nodes(inputs, training=(kind == "train"))
         extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
         total = tf.add_n(extra) if extra else tf.zeros((), tf.float32)
@@ -213,11 +283,12 @@ class Stage:
             g.state.assign(np.array([mixed, 0], dtype=g.state.dtype))
 
     # -- the schedule's actions ---------------------------------------------
-    def forward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None):
+    def forward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None, hooked=False):
         """Forward microbatch `i`; returns its output tensors (by `output_ids`) and its
         loss contribution. Keeps what `backward(i, ...)` needs: the tape, or with
         `recompute` only the stage's inputs. `seed`: (seed, global microbatch id)
-        for the random layers."""
+        for the random layers. `hooked`: its backward reports each variable's
+        gradient to `on_arrival` as soon as it is made."""
         start = time.perf_counter()
         if seed is not None:
             self.reseed(*seed)
@@ -226,32 +297,35 @@ class Stage:
                 tf.constant(share, tf.float32))
         if self.recompute:
             outs, contribution = self._forward(*args)
-            self._saved[i] = (args, seed)
+            self._saved[i] = (args, seed, hooked)
         else:
-            tape, outs, contribution = self._taped(args)
-            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution)
+            tape, outs, contribution = self._taped(args, hooked)
+            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, hooked)
         self._lag(start)
         return outs, contribution
 
-    def _taped(self, args):
+    def _taped(self, args, hooked=False):
+        forward = self._forward
+        if hooked:
+            forward = self._function("train", bool(args[2]), hooked=True)
         tape = tf.GradientTape()
         with tape:
             for k in self._diff:
                 tape.watch(args[0][k])
-            outs, contribution = self._forward(*args)
+            outs, contribution = forward(*args)
         return tape, outs, contribution
 
     def _replay(self, i):
         """Recompute microbatch `i`'s forward under a tape, leaving the layers' state
         (BatchNorm statistics, seed generators) as the first forward left it."""
-        args, seed = self._saved.pop(i)
+        args, seed, hooked = self._saved.pop(i)
         before = [v.numpy() for v in self._state]
         if seed is not None:
             self.reseed(*seed)
-        tape, outs, contribution = self._taped(args)
+        tape, outs, contribution = self._taped(args, hooked)
         for v, value in zip(self._state, before):
             v.assign(value)
-        return tape, [args[0][k] for k in self._diff], outs, contribution
+        return tape, [args[0][k] for k in self._diff], outs, contribution, hooked
 
     def backward(self, i, out_grads):
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
@@ -259,9 +333,10 @@ class Stage:
         to the gradient buffers and returns the gradients of the received inputs by tensor id."""
         start = time.perf_counter()
         if self.recompute:
-            tape, diff_inputs, outs, contribution = self._replay(i)
+            tape, diff_inputs, outs, contribution, hooked = self._replay(i)
         else:
-            tape, diff_inputs, outs, contribution = self._saved.pop(i)
+            tape, diff_inputs, outs, contribution, hooked = self._saved.pop(i)
+        self._ready()
         targets, seeds = [contribution], [tf.ones_like(contribution)]
         for t, o in zip(self.output_ids, outs):
             g = out_grads.get(t)
@@ -275,7 +350,8 @@ class Stage:
         self._lag(start)
         return grads
 
-    def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None):
+    def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None,
+                         hooked=False):
         """Forward and backward of microbatch `i` in one compiled call, for a stage
         whose backward can follow its forward at once (the last stage, under 1F1B or
         with one stage): no tape crosses calls. Returns (gradients of the received
@@ -283,7 +359,7 @@ class Stage:
         start = time.perf_counter()
         if seed is not None:
             self.reseed(*seed)
-        key = ("fused", bool(sample_weight))
+        key = ("fused", bool(sample_weight), hooked)
         if key not in self._functions:
             diff, variables = self._diff, self.trainable
 
@@ -291,7 +367,7 @@ class Stage:
                 with tf.GradientTape() as tape:
                     for k in diff:
                         tape.watch(inputs[k])
-                    _, contribution = self._body(inputs, y, sample_weight, share, "train")
+                    _, contribution = self._body(inputs, y, sample_weight, share, "train", hooked)
                 grads = tape.gradient(contribution, list(variables) + [inputs[k] for k in diff],
                                       unconnected_gradients=tf.UnconnectedGradients.NONE)
                 return contribution, grads
@@ -300,6 +376,7 @@ class Stage:
             self._functions[key] = fused if self._eager else tf.function(
                 fused, input_signature=signature, reduce_retracing=True)
         inputs = [tf.convert_to_tensor(a) for a in inputs]
+        self._ready()
         contribution, result = self._functions[key](
             inputs, [tf.convert_to_tensor(a) for a in y],
             [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32))
@@ -307,13 +384,18 @@ class Stage:
         self._lag(start)
         return grads, contribution
 
-    def _accumulate(self, result, diff_inputs):
-        """Add the variables' part of `result` to the gradient buffers; return the inputs' part."""
-        n = len(self.trainable)
+    def _ready(self):
+        """Before a backward: the buffers exist, and no gradient has arrived yet."""
         if self._views is None:
             self._make_buffers()
+        self.arrived[:] = False
+
+    def _accumulate(self, result, diff_inputs):
+        """Add the variables' part of `result` to the gradient buffers (those a hook
+        has not already added); return the inputs' part."""
+        n = len(self.trainable)
         for k, g in enumerate(result[:n]):
-            if g is None:
+            if g is None or self.arrived[k]:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
@@ -374,6 +456,7 @@ class Stage:
 
     def reset_grads(self):
         self.touched[:] = False
+        self.arrived[:] = False
 
     def apply(self, optimizer, buckets):
         """Step `optimizer` with the reduced buffers of `flat_grads` (`buckets`: their

@@ -1,0 +1,126 @@
+"""Allreduces that start inside the last backward keep the numerical contract."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+from keras import layers as L
+
+import models
+from conftest import max_diff, train_ranks
+from hyparflow import overlap
+
+
+@pytest.fixture
+def small_buckets(monkeypatch):
+    # A few hundred bytes: every layer gets buckets of its own, so some start
+    # while earlier layers are still in backward.
+    monkeypatch.setattr(overlap, "BUCKET_BYTES", 600)
+
+
+def reference(build, x, y, epochs=3, batch_size=16, **kwargs):
+    model = build(**kwargs)
+    start = model.get_weights()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return start, model.get_weights()
+
+
+def allreduces(path):
+    trace = json.loads(path.read_text())
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "allreduce"]
+
+
+@pytest.mark.parametrize("config,options", [
+    ((1, 2, 2), {}),                                  # one stage: fused forward+backward
+    ((2, 2, 2), {}),                                  # first stage: taped backward
+    ((2, 2, 3), {"schedule": "gpipe"}),
+    ((2, 2, 2), {"recompute": True}),                 # backward replays the forward
+    ((1, 3, 1), {"run_eagerly": True}),
+])
+def test_early_buckets_give_plain_keras_weights(small_buckets, tmp_path, config, options):
+    x, y = models.mlp_data()
+    start, expected = reference(models.mlp, x, y, optimizer="adam")
+    s, r, m = config
+    path = tmp_path / "run.json"
+    results = train_ranks(lambda: models.mlp("adam"), x, y, num_stages=s, num_replicas=r,
+                          num_microbatches=m, weights=start, batch_size=16, epochs=3,
+                          shuffle=False, trace=str(path), **options)
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+    for w, _ in results[1:]:
+        assert max_diff(w, results[0][0]) == 0.0
+    events = allreduces(path)
+    assert len(events) == 3 * 7 * s * r  # 3 epochs of 100 samples in batches of 16
+    for e in events:
+        # Every gradient is made in each step's last backward here, so every bucket
+        # starts from inside it, on every rank.
+        assert e["args"]["buckets"] >= 2 and e["args"]["inside"] == e["args"]["buckets"], e
+
+
+def tied_model(accumulate=None):
+    """A weight used by both stages (so its gradient is summed across them, and
+    the hooked backward runs with one replica), with BatchNorm statistics, a weight
+    regulariser, an activity loss and a metric: all the state Keras updates in a
+    forward, checked against one process."""
+    keras.utils.set_random_seed(40)
+    inp = keras.Input((6,))
+    tied = L.Dense(12, activation="tanh", name="tied")
+    x = L.Dense(12, kernel_regularizer=keras.regularizers.L2(0.01), name="first")(inp)
+    x = L.BatchNormalization(momentum=0.8, name="bn_a")(x)
+    x = tied(x)
+    x = L.ActivityRegularization(l1=0.01, name="activity")(x)
+    x = L.Dense(12, name="middle")(x)
+    x = L.BatchNormalization(momentum=0.8, name="bn_b")(x)
+    x = tied(x)
+    out = L.Dense(3, activation="softmax", name="out")(x)
+    model = keras.Model(inp, out)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulate) \
+        if accumulate else keras.optimizers.SGD(0.05, momentum=0.9)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_hooked_backward_keeps_batchnorm_statistics_losses_and_metrics(small_buckets, recompute):
+    rng = np.random.default_rng(40)
+    x, y = (rng.normal(size=(64, 6)) * 2 + 1).astype("float32"), rng.integers(0, 3, 64)
+    micro = 2
+    reference_model = tied_model(accumulate=micro)
+    start = reference_model.get_weights()
+    # One process: microbatches of 8, one update per 2 of them (BatchNorm sees 8).
+    history = reference_model.fit(x, y, batch_size=16 // micro, epochs=2, shuffle=False,
+                                  verbose=0)
+    expected = reference_model.get_weights()
+    results = train_ranks(tied_model, x, y, num_stages=2, num_replicas=1,
+                          num_microbatches=micro, weights=start, batch_size=16, epochs=2,
+                          shuffle=False, balance=[4, 4], recompute=recompute)
+    for w, got in results:
+        assert max_diff(w, expected) <= 1e-5  # moving statistics included
+        np.testing.assert_allclose(got["accuracy"], history.history["accuracy"], atol=1e-6)
+
+
+def test_buckets_follow_the_order_gradients_arrived_in_on_rank_0(small_buckets, monkeypatch):
+    x, y = models.mlp_data(32)
+    start, _ = reference(models.mlp, x, y, epochs=1)
+    arrived, learned = {}, {}
+    arrive, learn = overlap.Buckets.arrive, overlap.Buckets.learn
+
+    def noting_arrive(self, k):
+        arrived.setdefault(id(self), []).append(self.stage.trainable[k].path)
+        arrive(self, k)
+
+    def noting_learn(self):
+        first = list(arrived[id(self)])
+        learn(self)
+        learned[id(self)] = (first, [[self.stage.trainable[k].path for k in b]
+                                     for _, b in self.buckets])
+
+    monkeypatch.setattr(overlap.Buckets, "arrive", noting_arrive)
+    monkeypatch.setattr(overlap.Buckets, "learn", noting_learn)
+    train_ranks(models.mlp, x, y, num_stages=1, num_replicas=2, num_microbatches=2,
+                weights=start, batch_size=16, epochs=1, shuffle=False)
+    (first_a, layout_a), (first_b, layout_b) = learned.values()
+    assert layout_a == layout_b  # one layout for both replicas
+    order = [p for bucket in layout_a for p in bucket]
+    assert order in (first_a, first_b)  # the arrival order of one of them (rank 0)
+    assert sorted(order) == sorted(first_a) and len(first_a) == 10  # 5 kernels, 5 biases
