@@ -13,7 +13,7 @@ import numpy as np
 
 from . import schedule as sched
 from .comm import CommTimeout, timeout_seconds, wait_all
-from .overlap import Buckets
+from . import overlap
 
 __all__ = ["Executor", "split_batch"]
 
@@ -52,12 +52,13 @@ class Executor:
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
 
-    def set_groups(self, groups):
-        """[(communicator, [variable positions in stage.trainable])]: who sums what."""
+    def set_groups(self, groups, early=False):
+        """[(communicator, [variable positions in stage.trainable])]: who sums what.
+        `early`: buckets start their allreduces from inside the step's last backward."""
         self.groups = groups
-        self.buckets = Buckets(self.stage, groups)
-        # Buckets start their allreduces from inside the step's last backward.
-        self.stage.on_arrival = self.buckets.arrive if self.buckets.shared else None
+        self.buckets = overlap.Buckets(self.stage, groups)
+        early = self.buckets.shared and early
+        self.stage.on_arrival = self.buckets.arrive if early else None
 
     def lowered(self, m, training=True):
         key = (m, training)
@@ -134,7 +135,7 @@ class Executor:
         fused = set()
         # The step's last backward reports gradients as it makes them, so that
         # allreduces start early (only when they are shared: hooks cost a little).
-        hooked = training and self.stage.on_arrival is not None
+        hooked = training and self.stage.on_arrival is not None and bool(self.stage.hooks)
         last = max((a.microbatch for a in actions if a.kind == sched.B), default=None)
         for position, a in enumerate(actions):
             i = a.microbatch
@@ -244,6 +245,9 @@ class Executor:
         self._record("optimizer", "optimizer", start)
         if not self.buckets.learned:
             self.buckets.learn()
+            if self.stage.on_arrival is not None:
+                # From now on, report only gradients that can start a bucket early.
+                self.stage.hooks = tuple(self.buckets.early_positions())
 
 
 def _np_dtype(dtype):

@@ -15,13 +15,28 @@ group then chooses the order for its group, and the buckets are cut again
 (as PyTorch's DDP rebuilds its buckets after its first iteration).
 """
 
+import os
 import threading
 
 import numpy as np
 
-__all__ = ["Buckets", "BUCKET_BYTES"]
+__all__ = ["Buckets", "BUCKET_BYTES", "enabled"]
 
 BUCKET_BYTES = 8 << 20  # gradient allreduce bucket size
+
+
+def enabled(default):
+    """Whether buckets start inside the backward: HYPARFLOW_OVERLAP=1 or 0, else
+    `default` (the runtime's: when the ranks span several nodes).
+
+    Within one node, the cores that compute also move and add the gradients
+    (MPI copies through shared memory), so starting early moves that work into
+    the backward without hiding it: measured on 2 ranks over 2 cores, 0-5%
+    slower. Between nodes the network moves the bytes while the cores compute."""
+    value = os.environ.get("HYPARFLOW_OVERLAP", "auto").strip().lower()
+    if value in ("1", "0"):
+        return value == "1"
+    return bool(default)
 
 
 def cut(positions, variables, nbytes=None):
@@ -123,6 +138,13 @@ class Buckets:
             orders.append([positions[j] for j in mine])
         self._lay(orders)
         self.arm()
+
+    def early_positions(self):
+        """The variables whose gradients are worth reporting as they arrive: those of
+        every shared bucket but the last to start (which starts after the backward
+        anyway). Each report costs some tens of microseconds."""
+        shared = [bucket for comm, bucket in self.buckets if _shares(comm)]
+        return sorted(k for bucket in shared[:-1] for k in bucket)
 
 
 def _shares(comm):

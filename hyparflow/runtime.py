@@ -1,5 +1,6 @@
 """One rank's set-up for a run: checks, graph, partition, stage, executor; failure handling."""
 
+import socket
 import sys
 import traceback
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from . import _compat
 from . import graph as _graph
+from . import overlap
 from . import partition as _partition
 from . import tensor as _tensor
 from . import weights
@@ -311,7 +313,9 @@ class Runtime:
             elif self.stage.shards:
                 _compat.check_optimizer_knows(optimizer, self.stage.trainable)
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
-            self.executor.set_groups([g for g in groups.values() if g[1]])
+            hosts = self.comm.allgather_obj(socket.gethostname())
+            self.executor.set_groups([g for g in groups.values() if g[1]],
+                                     early=overlap.enabled(default=len(set(hosts)) > 1))
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
         weights.broadcast(self.comm, self.model.weights, 0)
         self.load_shards()

@@ -141,6 +141,7 @@ class Stage:
         # and who is told of each: the executor, to start allreduces early.
         self.arrived = np.zeros(len(self.trainable), dtype=bool)
         self.on_arrival = None
+        self.hooks = tuple(range(len(self.trainable)))  # whose gradients are reported
         self._in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
@@ -161,10 +162,10 @@ class Stage:
                 [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
                 tf.TensorSpec((), tf.float32)]
 
-    def _function(self, kind, has_sample_weight, hooked=False):
+    def _function(self, kind, has_sample_weight, hooked=()):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
         once per kind with a `None` batch dimension (or eager when asked). `hooked`:
-        the variant whose backward reports each variable's gradient as it is made."""
+        positions of the variables whose gradients the backward reports as it makes them."""
         key = (kind, bool(has_sample_weight) and kind != "predict", hooked)
         if key not in self._functions:
             signature = self._signature(self.is_last and kind != "predict", key[1])
@@ -198,10 +199,14 @@ class Stage:
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
 
-    def _body(self, inputs, y, sample_weight, share, kind="train", hooked=False):
+    def _body(self, inputs, y, sample_weight, share, kind="train", hooked=()):
         if not hooked:
             return self._compute(inputs, y, sample_weight, share, kind)
-        scope = _Hooked([(v, self._hook(k, v.value)) for k, v in enumerate(self.trainable)])
+        # Every trainable variable is mapped (Keras's regularisers read their values
+        # from the scope); only the `hooked` ones through a hook.
+        hooked = set(hooked)
+        scope = _Hooked([(v, self._hook(k, v.value) if k in hooked else v.value)
+                         for k, v in enumerate(self.trainable)])
         with scope:
             result = self._compute(inputs, y, sample_weight, share, kind)
         scope.write_back()
@@ -287,9 +292,10 @@ class Stage:
         """Forward microbatch `i`; returns its output tensors (by `output_ids`) and its
         loss contribution. Keeps what `backward(i, ...)` needs: the tape, or with
         `recompute` only the stage's inputs. `seed`: (seed, global microbatch id)
-        for the random layers. `hooked`: its backward reports each variable's
-        gradient to `on_arrival` as soon as it is made."""
+        for the random layers. `hooked`: its backward reports the gradients of the
+        variables `hooks` to `on_arrival` as soon as it makes them."""
         start = time.perf_counter()
+        hooked = self.hooks if hooked else ()
         if seed is not None:
             self.reseed(*seed)
         args = ([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
@@ -304,10 +310,8 @@ class Stage:
         self._lag(start)
         return outs, contribution
 
-    def _taped(self, args, hooked=False):
-        forward = self._forward
-        if hooked:
-            forward = self._function("train", bool(args[2]), hooked=True)
+    def _taped(self, args, hooked=()):
+        forward = self._function("train", bool(args[2]), hooked) if hooked else self._forward
         tape = tf.GradientTape()
         with tape:
             for k in self._diff:
@@ -333,9 +337,9 @@ class Stage:
         to the gradient buffers and returns the gradients of the received inputs by tensor id."""
         start = time.perf_counter()
         if self.recompute:
-            tape, diff_inputs, outs, contribution, hooked = self._replay(i)
+            tape, diff_inputs, outs, contribution, _ = self._replay(i)
         else:
-            tape, diff_inputs, outs, contribution, hooked = self._saved.pop(i)
+            tape, diff_inputs, outs, contribution, _ = self._saved.pop(i)
         self._ready()
         targets, seeds = [contribution], [tf.ones_like(contribution)]
         for t, o in zip(self.output_ids, outs):
@@ -357,6 +361,7 @@ class Stage:
         with one stage): no tape crosses calls. Returns (gradients of the received
         inputs by tensor id, loss contribution)."""
         start = time.perf_counter()
+        hooked = self.hooks if hooked else ()
         if seed is not None:
             self.reseed(*seed)
         key = ("fused", bool(sample_weight), hooked)

@@ -14,8 +14,10 @@ from hyparflow import overlap
 
 @pytest.fixture
 def small_buckets(monkeypatch):
-    # A few hundred bytes: every layer gets buckets of its own, so some start
-    # while earlier layers are still in backward.
+    # On (by default only when ranks span nodes), with buckets of a few hundred
+    # bytes: every layer gets its own, so some start while earlier layers are
+    # still in backward.
+    monkeypatch.setenv("HYPARFLOW_OVERLAP", "1")
     monkeypatch.setattr(overlap, "BUCKET_BYTES", 600)
 
 
@@ -51,10 +53,14 @@ def test_early_buckets_give_plain_keras_weights(small_buckets, tmp_path, config,
         assert max_diff(w, results[0][0]) == 0.0
     events = allreduces(path)
     assert len(events) == 3 * 7 * s * r  # 3 epochs of 100 samples in batches of 16
-    for e in events:
-        # Every gradient is made in each step's last backward here, so every bucket
-        # starts from inside it, on every rank.
-        assert e["args"]["buckets"] >= 2 and e["args"]["inside"] == e["args"]["buckets"], e
+    for rank in range(s * r):
+        first, *later = [e["args"] for e in events if e["tid"] == rank]
+        # Every gradient is made in each step's last backward here. At the first
+        # step every bucket starts from inside it; after, all but the last (which
+        # would start at the end anyway: its gradients are not reported).
+        assert first["buckets"] >= 2 and first["inside"] == first["buckets"], first
+        for step in later:
+            assert step["buckets"] >= 2 and step["inside"] == step["buckets"] - 1, step
 
 
 def tied_model(accumulate=None):
@@ -124,3 +130,17 @@ def test_buckets_follow_the_order_gradients_arrived_in_on_rank_0(small_buckets, 
     order = [p for bucket in layout_a for p in bucket]
     assert order in (first_a, first_b)  # the arrival order of one of them (rank 0)
     assert sorted(order) == sorted(first_a) and len(first_a) == 10  # 5 kernels, 5 biases
+
+
+def test_off_by_default_on_one_node(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYPARFLOW_OVERLAP", raising=False)
+    monkeypatch.setattr(overlap, "BUCKET_BYTES", 600)
+    x, y = models.mlp_data(32)
+    start, _ = reference(models.mlp, x, y, epochs=1)
+    path = tmp_path / "run.json"
+    train_ranks(models.mlp, x, y, num_stages=1, num_replicas=2, num_microbatches=1,
+                weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))
+    assert all(e["args"]["inside"] == 0 for e in allreduces(path))
+    assert overlap.enabled(default=True) and not overlap.enabled(default=False)
+    monkeypatch.setenv("HYPARFLOW_OVERLAP", "0")
+    assert not overlap.enabled(default=True)

@@ -76,6 +76,30 @@ def test_same_weights_as_one_process(case):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_allreduces_started_inside_the_backward(monkeypatch):
+    """Buckets of 1 MB (the ring) and less (MPI's Iallreduce) started from inside
+    the compiled backward, on a TensorFlow thread, in the learned order."""
+    from hyparflow import overlap
+
+    monkeypatch.setenv("HYPARFLOW_OVERLAP", "1")
+    monkeypatch.setattr(overlap, "BUCKET_BYTES", 1 << 20)
+    x, y = wide_data()
+    reference = wide_mlp()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = reference.get_weights()
+    for s, r, m in {2: [(1, 2, 2)], 4: [(2, 2, 2), (1, 4, 1)]}.get(SIZE, [(1, SIZE, 1)]):
+        model = wide_mlp()
+        model.set_weights(start)
+        hf.fit(model, x, y, batch_size=32, epochs=2, num_stages=s, num_replicas=r,
+               num_microbatches=m, shuffle=False, verbose=0)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+        if hf.is_main():
+            print(f"\nearly allreduces (S,R,M)={(s, r, m)} max weight difference {diff:.3g}")
+        assert diff <= 1e-5, f"(S,R,M)={(s, r, m)}: {diff}"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_shuffle_is_agreed_and_seeded():
     x, y = models.mlp_data(64)
     results = []
