@@ -20,9 +20,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
-# workload -> (global batch, list of (S, R, M, schedule[, T]))
+# workload -> (global batch, list of (S, R, M, schedule[, T[, extra environment]]))
 PLANS = {
-    "mlp": (256, [(1, 2, 1, "gpipe"), (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
+    "mlp": (256, [(1, 2, 1, "gpipe"), (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
+                  (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
     "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
     "wide": (64, [(2, 1, 4, "1f1b"), (1, 1, 1, "gpipe", 2), (1, 1, 4, "gpipe", 2)]),
@@ -59,12 +60,16 @@ def main():
         results[workload] = {"baseline": base, "runs": []}
         rows.append((workload, "baseline 1 proc x 1 thread", base["step_s"], base["samples_s"], 1.0,
                      "", "", f"{base['peak_mb']:.0f}", f"{base['state_mb']:.1f}"))
-        for s, r, m, schedule, *tensor in configs:
-            t = tensor[0] if tensor else 1
-            name = f"S={s} R={r} M={m} {schedule}" + (f" T={t}" if t > 1 else "")
-            trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}.json")
+        for s, r, m, schedule, *more in configs:
+            t = more[0] if more else 1
+            extra = more[1] if len(more) > 1 else {}
+            name = f"S={s} R={r} M={m} {schedule}" + (f" T={t}" if t > 1 else "") + "".join(
+                f" {k.replace('HYPARFLOW_', '').lower()}={v}" for k, v in extra.items())
+            trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}"
+                                 + "".join(f"_{v}" for v in extra.values()) + ".json")
             res = run([MPIEXEC, "-n", str(s * r * t), *worker_cmd(
-                "hf", workload, batch, args.steps, s, r, m, schedule, trace, t)], env)
+                "hf", workload, batch, args.steps, s, r, m, schedule, trace, t)],
+                dict(env, **extra))
             results[workload]["runs"].append(res)
             rows.append((workload, name, res["step_s"], res["samples_s"],
                          res["samples_s"] / base["samples_s"], f"{res['bubble']:.3f}",
