@@ -52,39 +52,97 @@ def parse_seconds(text):
 
 
 class Network:
-    """alpha (seconds per message) and beta (seconds per byte) within and across nodes."""
+    """alpha (seconds per message) and beta (seconds per byte) within and across nodes.
 
-    def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None):
+    `groups`: {g: (alpha, beta)} per round of a ring over g ranks, measured on this
+    node with every rank of the plan running (`measure_groups`). They replace the
+    two-rank figures for collectives of g ranks: with more ranks than cores, each
+    round waits for its peers to be scheduled, which a two-rank ping-pong never sees."""
+
+    def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None, groups=None):
         self.alpha, self.beta = alpha, beta
         self.alpha_inter = alpha if alpha_inter is None else alpha_inter
         self.beta_inter = beta if beta_inter is None else beta_inter
+        self.groups = dict(groups or {})
 
-    def message(self, nbytes, across=False):
-        a, b = (self.alpha_inter, self.beta_inter) if across else (self.alpha, self.beta)
+    def _terms(self, across, ranks=None):
+        if across:
+            return self.alpha_inter, self.beta_inter
+        return self.groups.get(ranks, (self.alpha, self.beta))
+
+    def message(self, nbytes, across=False, ranks=None):
+        """One message, between two of `ranks` ranks that run together (default two)."""
+        a, b = self._terms(across, ranks)
         return a + nbytes * b
 
     def allreduce(self, nbytes, ranks, across=False):
         if ranks <= 1:
             return 0.0
-        a, b = (self.alpha_inter, self.beta_inter) if across else (self.alpha, self.beta)
+        a, b = self._terms(across, ranks)
         return 2 * (ranks - 1) / ranks * nbytes * b + 2 * (ranks - 1) * a
 
 
-def measure_network():
-    """alpha, beta from a ping-pong of two ranks under this venv's mpiexec."""
+def _mpi_lines(ranks, function, prefix):
     from .launch import find_mpiexec
 
     mpiexec = find_mpiexec(os.environ)
     if not mpiexec:
         raise ValueError("No mpiexec to measure the network with; give --latency and --bandwidth.")
-    out = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c",
-                          "from hyparflow.planner import _ping_pong; _ping_pong()"],
-                         capture_output=True, text=True, timeout=300)
-    line = [l for l in out.stdout.splitlines() if l.startswith("ALPHA_BETA ")]
-    if out.returncode or not line:
+    out = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c",
+                          f"from hyparflow.planner import {function}; {function}()"],
+                         capture_output=True, text=True, timeout=600)
+    lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith(prefix + " ")]
+    if out.returncode or not lines:
         raise RuntimeError(f"network measurement failed: {out.stderr[-2000:]}")
-    alpha, beta = map(float, line[-1].split()[1:])
-    return Network(alpha, beta)
+    return lines
+
+
+def measure_network(ranks=None):
+    """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
+    `ranks`, also each ring size's own alpha and beta (`measure_groups`)."""
+    alpha, beta = map(float, _mpi_lines(2, "_ping_pong", "ALPHA_BETA")[-1])
+    return Network(alpha, beta, groups=measure_groups(ranks) if ranks and ranks >= 2 else None)
+
+
+def measure_groups(ranks):
+    """{g: (alpha, beta) per ring round} for every g > 1 dividing `ranks`: all `ranks`
+    processes start on this node, split into rings of g, and sum buffers at once with
+    hyparflow's own allreduce (buckets, ring and waits), as the replicas of a plan do."""
+    groups = {}
+    for g, alpha, beta in _mpi_lines(ranks, "_group_allreduce", "GROUP"):
+        groups[int(g)] = (float(alpha), float(beta))
+    return groups
+
+
+def _group_allreduce():
+    import numpy as np
+    from mpi4py import MPI
+
+    from .comm import MPICommunicator, wait_all
+    from .overlap import BUCKET_BYTES
+
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    small, large = 64 << 10, 32 << 20
+    for g in [g for g in range(2, size + 1) if size % g == 0]:
+        comm = MPICommunicator(world.Split(rank // g, rank))
+        times = {}
+        for nbytes in (small, large):
+            buf = np.ones(nbytes // 4, np.float32)
+            parts = np.array_split(buf, max(1, nbytes // BUCKET_BYTES))
+            runs = []
+            for _ in range(5):
+                world.Barrier()
+                start = time.perf_counter()
+                wait_all([comm.iallreduce(p) for p in parts])
+                runs.append(time.perf_counter() - start)
+            times[nbytes] = sorted(runs)[2]
+        comm.free()
+        rounds = 2 * (g - 1)
+        alpha = times[small] / rounds
+        beta = max(times[large] - times[small], 0.0) / (rounds / g * (large - small))
+        if rank == 0:
+            print(f"GROUP {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
 
 
 def _ping_pong():
@@ -188,14 +246,15 @@ def _tensor_costs(graph, num_tensor, m, network):
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
-        peers = num_tensor - 1
+        peers, T = num_tensor - 1, num_tensor
         if split.kind in ("row", "rows"):
-            forward = peers * network.message(out_bytes)          # a sum of whole outputs
+            forward = peers * network.message(out_bytes, ranks=T)   # a sum of whole outputs
         elif split.gather:
-            forward = peers * network.message(out_bytes / num_tensor)
+            forward = peers * network.message(out_bytes / num_tensor, ranks=T)
         else:
             forward = 0.0                                       # its row partner sums
-        backward = peers * network.message(in_bytes) if split.kind in ("column", "filters") else 0.0
+        backward = (peers * network.message(in_bytes, ranks=T)
+                    if split.kind in ("column", "filters") else 0.0)
         out[i] = (num_tensor, forward, backward)
     return out
 
@@ -329,9 +388,12 @@ def main(argv=None):
         network = Network(parse_seconds(args.latency) if args.latency else here.alpha,
                           1 / parse_bytes(args.bandwidth) if args.bandwidth else here.beta)
     else:
-        network = measure_network()
+        network = measure_network(ranks if args.nodes == 1 else None)
     print(f"network: alpha {network.alpha * 1e6:.2f} us, bandwidth {1 / network.beta / 1e9:.2f} GB/s",
           flush=True)
+    for g, (alpha, beta) in sorted(network.groups.items()):
+        print(f"  rings of {g} of the {ranks} ranks: {alpha * 1e6:.1f} us per round, "
+              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
     if args.profile_cache and os.path.exists(args.profile_cache):
         with open(args.profile_cache) as f:
             cached = json.load(f)

@@ -144,3 +144,36 @@ def test_off_by_default_on_one_node(monkeypatch, tmp_path):
     assert overlap.enabled(default=True) and not overlap.enabled(default=False)
     monkeypatch.setenv("HYPARFLOW_OVERLAP", "0")
     assert not overlap.enabled(default=True)
+
+
+def test_waiting_tests_every_request_each_round():
+    """A ring allreduce posts its next round only inside its own test(): waiting on
+    several must test all of them, not stop at the first unfinished one."""
+    from hyparflow.comm import wait_all
+    from hyparflow.local import run_ranks
+
+    def body(comm):
+        bufs = [np.full(1000, comm.rank + k, np.float32) for k in range(3)]
+        requests = [comm.iallreduce(b) for b in bufs]
+        finished = []
+
+        class Last:
+            """The first request finishes only after the others (as a ring's first
+            bucket may need rounds that the others' tests drive)."""
+
+            def __init__(self, k):
+                self.k = k
+
+            def test(self):
+                done = requests[self.k].test() and (self.k > 0 or len(finished) == 2)
+                if done and self.k not in finished:
+                    finished.append(self.k)
+                return done
+
+        # Stopping at the first unfinished request would never finish: a timeout.
+        wait_all([Last(k) for k in range(3)], timeout=10)
+        return bufs, finished
+
+    for bufs, finished in run_ranks(2, body, timeout=60):
+        assert [float(b[0]) for b in bufs] == [1.0, 3.0, 5.0]
+        assert sorted(finished[:2]) == [1, 2] and finished[2] == 0

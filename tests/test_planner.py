@@ -36,6 +36,29 @@ def test_cost_model_behaves_like_a_pipeline():
     assert {(p["stages"], p["replicas"]) for p in plans} >= {(1, 4), (2, 2), (4, 1)}
 
 
+def test_measured_rings_replace_the_two_rank_figures():
+    two = planner.Network(1e-6, 1e-10)
+    crowded = planner.Network(1e-6, 1e-10, groups={4: (1e-3, 4e-10)})
+    nbytes = 32e6
+    assert two.allreduce(nbytes, 4) == pytest.approx(1.5 * nbytes * 1e-10 + 6e-6)
+    # Rings of 4 use their own round latency and bandwidth; other sizes keep alpha, beta.
+    assert crowded.allreduce(nbytes, 4) == pytest.approx(1.5 * nbytes * 4e-10 + 6e-3)
+    assert crowded.allreduce(nbytes, 2) == two.allreduce(nbytes, 2)
+    assert crowded.message(1e3, ranks=4) == pytest.approx(1e-3 + 1e3 * 4e-10)
+    assert crowded.message(1e3) == two.message(1e3)
+    # Across nodes: the given inter-node figures, whatever was measured here.
+    far = planner.Network(1e-6, 1e-10, 5e-6, 1e-9, groups={4: (1e-3, 4e-10)})
+    assert far.allreduce(nbytes, 4, across=True) == pytest.approx(1.5 * nbytes * 1e-9 + 30e-6)
+
+
+def test_rings_are_measured_with_every_rank_running():
+    # Four processes under the venv's mpiexec (on 2 cores: two per core).
+    groups = planner.measure_groups(4)
+    assert sorted(groups) == [2, 4]
+    for alpha, beta in groups.values():
+        assert 0 < alpha < 1.0 and 0 < beta < 1e-6
+
+
 def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
