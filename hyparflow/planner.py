@@ -17,7 +17,8 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   between the T ranks forward and one backward ((T - 1) messages of its part, or of the
   whole output for a sum).
 
-alpha and beta are measured with MPI (a ping-pong between two ranks) or given
+alpha and beta are measured with MPI (a ping-pong between two ranks, and on one
+node every ring size with all the plan's ranks running: `measure_groups`) or given
 (`--latency`, `--bandwidth`), which also projects a plan onto a cluster this machine
 is not (`--nodes`, `--ranks-per-node`).
 """
