@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
+from . import overlap
 from . import schedule as sched
 from .comm import CommTimeout, timeout_seconds, wait_all
-from . import overlap
 
 __all__ = ["Executor", "split_batch"]
 
@@ -55,10 +55,13 @@ class Executor:
     def set_groups(self, groups, early=False):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
         `early`: buckets start their allreduces from inside the step's last backward."""
-        self.groups = groups
         self.buckets = overlap.Buckets(self.stage, groups)
         early = self.buckets.shared and early
         self.stage.on_arrival = self.buckets.arrive if early else None
+
+    @property
+    def groups(self):
+        return self.buckets.groups
 
     def lowered(self, m, training=True):
         key = (m, training)

@@ -233,13 +233,8 @@ class Stage:
     def _arrive(self, k, g):
         """Variable k's gradient for this microbatch, from inside the backward: summed
         into its buffer now (the returned gradient is then skipped by `_accumulate`)."""
-        view = self._views[k]
-        value = g if g.dtype == np.float32 else g.astype(np.float32)
-        if self.touched[k]:
-            np.add(view, value, out=view)
-        else:
-            np.copyto(view, value)
-        self.touched[k] = self.arrived[k] = True
+        self._add(k, g if g.dtype == np.float32 else g.astype(np.float32))
+        self.arrived[k] = True
         if self.on_arrival is not None:
             self.on_arrival(k)
         return g
@@ -395,6 +390,18 @@ class Stage:
             self._make_buffers()
         self.arrived[:] = False
 
+    def _add(self, k, g):
+        """Add variable k's float32 gradient `g` to its buffer (copy when it is the
+        step's first). Summed at once into the same memory every step: keeping a
+        fresh tensor per microbatch doubled the backward's time here, faulting in
+        new pages each step."""
+        view = self._views[k]
+        if self.touched[k]:
+            np.add(view, g, out=view)
+        else:
+            np.copyto(view, g)
+        self.touched[k] = True
+
     def _accumulate(self, result, diff_inputs):
         """Add the variables' part of `result` to the gradient buffers (those a hook
         has not already added); return the inputs' part."""
@@ -404,16 +411,7 @@ class Stage:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            # Summed at once into the same memory every step: keeping a fresh
-            # tensor per microbatch doubled the backward's time here, faulting in
-            # new pages each step.
-            view = self._views[k]
-            g = np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32))
-            if self.touched[k]:
-                np.add(view, g, out=view)
-            else:
-                np.copyto(view, g)
-            self.touched[k] = True
+            self._add(k, np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32)))
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
             t = self.input_ids[k]
