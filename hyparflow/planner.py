@@ -18,7 +18,7 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   whole output for a sum).
 
 alpha and beta are measured with MPI (a ping-pong between two ranks, and on one
-node every ring size with all the plan's ranks running: `measure_groups`) or given
+node every ring size with all the plan's ranks running: `measure.rings`) or given
 (`--latency`, `--bandwidth`), which also projects a plan onto a cluster this machine
 is not (`--nodes`, `--ranks-per-node`).
 """
@@ -27,11 +27,9 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
-__all__ = ["main", "Network", "predict", "search", "measure_network", "parse_bytes"]
+__all__ = ["main", "Network", "Compute", "predict", "search", "measure_network", "parse_bytes"]
 
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12}
@@ -56,7 +54,7 @@ class Network:
     """alpha (seconds per message) and beta (seconds per byte) within and across nodes.
 
     `groups`: {g: (alpha, beta)} per round of a ring over g ranks, measured on this
-    node with every rank of the plan running (`measure_groups`). They replace the
+    node with every rank of the plan running (`measure.rings`). They replace the
     two-rank figures for collectives of g ranks: with more ranks than cores, each
     round waits for its peers to be scheduled, which a two-rank ping-pong never sees."""
 
@@ -83,151 +81,53 @@ class Network:
         return 2 * (ranks - 1) / ranks * nbytes * b + 2 * (ranks - 1) * a
 
 
-def _mpi_lines(ranks, function, prefix):
-    from .launch import find_mpiexec
-
-    mpiexec = find_mpiexec(os.environ)
-    if not mpiexec:
-        raise ValueError("No mpiexec to measure the network with; give --latency and --bandwidth.")
-    out = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c",
-                          f"from hyparflow.planner import {function}; {function}()"],
-                         capture_output=True, text=True, timeout=600)
-    lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith(prefix + " ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"network measurement failed: {out.stderr[-2000:]}")
-    return lines
-
-
 def measure_network(ranks=None):
     """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
-    `ranks`, also each ring size's own alpha and beta (`measure_groups`)."""
-    alpha, beta = map(float, _mpi_lines(2, "_ping_pong", "ALPHA_BETA")[-1])
-    return Network(alpha, beta, groups=measure_groups(ranks) if ranks and ranks >= 2 else None)
+    `ranks`, also each ring size's own alpha and beta (`measure.rings`)."""
+    from . import measure
+
+    alpha, beta = measure.ping_pong()
+    return Network(alpha, beta, groups=measure.rings(ranks) if ranks and ranks >= 2 else None)
 
 
-def measure_groups(ranks):
-    """{g: (alpha, beta) per ring round} for every g > 1 dividing `ranks`: all `ranks`
-    processes start on this node, split into rings of g, and sum buffers at once with
-    hyparflow's own allreduce (buckets, ring and waits), as the replicas of a plan do."""
-    groups = {}
-    for g, alpha, beta in _mpi_lines(ranks, "_group_allreduce", "GROUP"):
-        groups[int(g)] = (float(alpha), float(beta))
-    return groups
+class Compute:
+    """The model's compiled step measured with the plan's ranks on this node
+    (`measure.compute`): `times` {n busy ranks: {batch: seconds}}, `optimizer` seconds
+    per parameter byte with every rank stepping at once.
 
+    With it, a plan's compute is what one of its ranks does alone (its threads, not
+    the profiling process's), slowed by how many ranks compute at the same moment:
+    on a shared node, ranks contend for memory bandwidth, and beyond the cores, for
+    the cores themselves."""
 
-def _group_allreduce():
-    import numpy as np
-    from mpi4py import MPI
+    def __init__(self, times, optimizer=None):
+        self.times = {int(n): {int(b): float(t) for b, t in row.items()}
+                      for n, row in times.items()}
+        self.optimizer = optimizer
+        self.most = max(self.times)
 
-    from .comm import MPICommunicator, wait_all
-    from .overlap import BUCKET_BYTES
+    def _at(self, busy, m):
+        """Seconds of the whole step on `m` samples with `busy` ranks computing:
+        affine in the batch between the two measured sizes."""
+        points = sorted(self.times[busy].items())
+        (b0, t0), (b1, t1) = points[0], points[-1]
+        slope = (t1 - t0) / (b1 - b0) if b1 != b0 else 0.0
+        return max(t0 + slope * (m - b0), 1e-9)
 
-    world = MPI.COMM_WORLD
-    size, rank = world.Get_size(), world.Get_rank()
-    small, large = 64 << 10, 32 << 20
-    for g in [g for g in range(2, size + 1) if size % g == 0]:
-        comm = MPICommunicator(world.Split(rank // g, rank))
-        times = {}
-        for nbytes in (small, large):
-            buf = np.ones(nbytes // 4, np.float32)
-            parts = np.array_split(buf, max(1, nbytes // BUCKET_BYTES))
-            runs = []
-            for _ in range(5):
-                world.Barrier()
-                start = time.perf_counter()
-                wait_all([comm.iallreduce(p) for p in parts])
-                runs.append(time.perf_counter() - start)
-            times[nbytes] = sorted(runs)[2]
-        comm.free()
-        rounds = 2 * (g - 1)
-        alpha = times[small] / rounds
-        beta = max(times[large] - times[small], 0.0) / (rounds / g * (large - small))
-        if rank == 0:
-            print(f"GROUP {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
+    def alone(self, m):
+        return self._at(1, m)
 
+    def slowdown(self, m):
+        """busy ranks -> how many times longer each computation then takes."""
+        alone = self.alone(m)
+        factors = {n: max(1.0, self._at(n, m) / alone) for n in self.times}
 
-def _ping_pong():
-    import numpy as np
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
-    points = []
-    for nbytes in (8, 1 << 20, 16 << 20):
-        buf = np.zeros(max(1, nbytes // 4), np.float32)
-        reps = 50 if nbytes < (1 << 20) else 10
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(reps):
-            if rank == 0:
-                comm.Send(buf, peer)
-                comm.Recv(buf, peer)
-            else:
-                comm.Recv(buf, peer)
-                comm.Send(buf, peer)
-        points.append((buf.nbytes, (time.perf_counter() - start) / reps / 2))
-    if rank == 0:
-        alpha = points[0][1]
-        beta = (points[-1][1] - points[1][1]) / (points[-1][0] - points[1][0])
-        print(f"ALPHA_BETA {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
-
-
-def profile_model(graph, model, batches=(8, 32)):
-    """Per layer call: (intercept s, slope s/sample, param bytes, optimizer bytes,
-    activation bytes/sample), from profiles at two batch sizes; and the optimizer
-    step's seconds per parameter byte."""
-    import numpy as np
-    import tensorflow as tf
-
-    from .profile import profile
-
-    small, large = (profile(graph, model, batch=b, repeats=3) for b in batches)
-    rows = []
-    for p, q in zip(small, large):
-        slope = max(0.0, (q.seconds - p.seconds) / (batches[1] - batches[0]))
-        rows.append((max(0.0, p.seconds - slope * batches[0]), slope, p.param_bytes,
-                     p.optimizer_bytes, p.activation_bytes))
-    rows = _calibrate(graph, model, rows, batches[1])
-    variables = model.trainable_weights
-    probe = model.optimizer.__class__.from_config(model.optimizer.get_config())
-    copies = [tf.Variable(v.numpy()) for v in variables]
-    grads = [tf.zeros_like(v) for v in copies]
-    step = tf.function(lambda: probe.apply(grads, copies))
-    step()
-    start = time.perf_counter()
-    for _ in range(3):
-        step()
-    nbytes = sum(int(np.prod(v.shape)) * 4 for v in variables) or 1
-    return rows, (time.perf_counter() - start) / 3 / nbytes
-
-
-def _calibrate(graph, model, rows, batch):
-    """Scale the per-call profiles (eager, one call at a time) so that they add up to
-    the model's measured compiled forward+backward: stages run compiled, with less
-    overhead per call than the profiles see."""
-    import tensorflow as tf
-
-    from .profile import _dummy
-
-    xs = [_dummy(graph.tensors[t], batch) for t in graph.inputs]
-    variables = model.trainable_weights
-
-    @tf.function
-    def step(xs):
-        with tf.GradientTape() as tape:
-            out = model(xs[0] if len(xs) == 1 else xs, training=True)
-            flat = [o for o in tf.nest.flatten(out) if o.dtype.is_floating]
-            target = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in flat])
-        return tape.gradient(target, variables)
-
-    step(xs)
-    start = time.perf_counter()
-    for _ in range(3):
-        step(xs)
-    measured = (time.perf_counter() - start) / 3
-    profiled = sum(r[0] + r[1] * batch for r in rows)
-    factor = min(1.0, measured / profiled) if profiled > 0 else 1.0
-    return [(a * factor, b * factor, *rest) for a, b, *rest in rows]
+        def slow(busy):
+            busy = max(1, int(round(busy)))
+            if busy in factors:
+                return factors[busy]
+            return factors[self.most] * busy / self.most  # more ranks than measured
+        return slow
 
 
 def _elements(graph, t):
@@ -261,11 +161,14 @@ def _tensor_costs(graph, num_tensor, m, network):
 
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
-            ranks_per_node=None, cores=None, num_tensor=1):
+            ranks_per_node=None, cores=None, num_tensor=1, compute=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
 
-    `cores`: cores per node; when a node runs more ranks than it has cores, every
-    computation takes that many times longer (the ranks share the cores)."""
+    `compute`: the model's step measured with this plan's ranks running (`Compute`):
+    the rows are scaled to one rank's measured speed and the schedule is played with
+    ranks slowing each other while they compute at once. Without it (a cluster this
+    machine is not), `cores` per node: when a node runs more ranks than it has
+    cores, every computation takes that many times longer."""
     from . import schedule as sched
     from .partition import partition
 
@@ -274,6 +177,11 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     m = batch / (replicas * micro)
     on_node = ranks_per_node or stages * replicas * num_tensor
     share = max(1.0, on_node / cores) if cores else 1.0
+    slowdown, opt_rate = None, share * opt_per_byte
+    if compute is not None:
+        share = compute.alone(m) / max(sum(r[0] + r[1] * m for r in rows), 1e-12)
+        slowdown = compute.slowdown(m)
+        opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
     split = _tensor_costs(graph, num_tensor, m, network)
     div = lambda i: split[i][0] if i in split else 1  # noqa: E731
@@ -290,10 +198,10 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_stage_b = [2 * c / 3 + s + x for c, s, x in zip(compute, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),
                           [p.sources for p in part.stages], [p.dests for p in part.stages])
-    sim = sched.simulate(lowered, per_stage_f, per_stage_b)
+    sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor)
     params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
     across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
-    reduce = [network.allreduce(p, replicas, across) + share * p * opt_per_byte for p in params]
+    reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
     step = sim.makespan + max(reduce)
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
@@ -309,7 +217,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
-           cores=None, tensor=(1, 2, 4)):
+           cores=None, tensor=(1, 2, 4), compute=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
     that split some layer)."""
@@ -332,7 +240,7 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             counts = B.solve(costs, stages)
             for schedule in (schedules if stages > 1 else ("1f1b",)):
                 p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                            schedule, ranks_per_node, cores, num_tensor)
+                            schedule, ranks_per_node, cores, num_tensor, compute)
                 p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
                          schedule=schedule, counts=counts,
                          fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
@@ -340,17 +248,12 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
     return sorted(plans, key=lambda p: (not p["fits"], p["step_s"]))
 
 
-def _load_model(source, function):
-    import keras
-
-    if source.endswith(".keras"):
-        return keras.saving.load_model(source)
-    namespace = {"__name__": "hyparflow_plan_model", "__file__": source}
-    with open(source) as f:
-        exec(compile(f.read(), source, "exec"), namespace)  # the user's own model file
-    if function not in namespace:
-        raise ValueError(f"{source} defines no function {function!r} (use --function NAME).")
-    return namespace[function]()
+def profile_batches(batch, ranks, microbatches, most=512):
+    """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
+    most `most` samples), so their times are interpolated, not extrapolated."""
+    hi = max(2, min(batch, most))
+    lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
+    return lo, hi
 
 
 def main(argv=None):
@@ -379,11 +282,14 @@ def main(argv=None):
     from . import _env
     _env.start_tensorflow()
     from . import graph as G
+    from . import measure, profile
     from . import plan as P
 
-    model = _load_model(args.model, args.function)
+    model = profile.load_model(args.model, args.function)
     graph = G.from_model(model)
     ranks = args.ranks or args.nodes * (args.ranks_per_node or 1)
+    batches = profile_batches(args.batch_size, ranks, args.microbatches)
+    here = args.nodes == 1 and not (args.bandwidth or args.latency)
     if args.bandwidth or args.latency:
         here = measure_network() if not (args.bandwidth and args.latency) else None
         network = Network(parse_seconds(args.latency) if args.latency else here.alpha,
@@ -403,15 +309,25 @@ def main(argv=None):
         rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
     else:
         print(f"profiling {len(graph.nodes)} layer calls of {model.name} ...", flush=True)
-        rows, opt_per_byte = profile_model(graph, model)
+        rows, opt_per_byte = profile.fit_model(graph, model, batches)
         if args.profile_cache:
             with open(args.profile_cache, "w") as f:
                 json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte}, f)
+    compute = None
+    if here and ranks > 1:
+        # This node, as the plan will run it: the model's step with 1 .. ranks ranks
+        # computing at once (they share memory bandwidth, and cores beyond --cores).
+        print(f"measuring the model's step with 1 to {ranks} ranks computing at once ...",
+              flush=True)
+        compute = Compute(*measure.compute(ranks, args.model, args.function, batches))
+        for n, row in sorted(compute.times.items()):
+            print(f"  {n} at once: " + ", ".join(f"{t * 1e3:.1f} ms at batch {b}"
+                                                 for b, t in sorted(row.items())), flush=True)
     limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                   cores=args.cores if args.nodes == 1 else None)
+                   cores=args.cores if args.nodes == 1 else None, compute=compute)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
                              tensor=(1,))][0]
     if args.json:

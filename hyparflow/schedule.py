@@ -196,16 +196,25 @@ class Simulation:
                 f"peak_activations={self.peak_activations}")
 
 
-def simulate(lowered, forward_time=1.0, backward_time=2.0):
+def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time`: one number for every stage, or a list
     with one per stage. Raises RuntimeError on deadlock (no stage can move).
     Communication is free; ALLREDUCE and STEP take no time.
+
+    `slowdown`: for stages that share cores and memory, a function of how many
+    ranks compute at once giving how many times longer each computation then
+    takes; `copies` identical pipelines (replicas, tensor ranks) run alongside,
+    so `k` busy stages are `k * copies` busy ranks. The play is then event by
+    event: a stage computing alone in the bubble runs at full speed, and slows
+    down when the others start.
     """
     n = len(lowered)
     f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
+    if slowdown is not None:
+        return _shared(lowered, f_times, b_times, slowdown, copies)
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -238,5 +247,62 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0):
             stuck = {s: str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s])}
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
     makespan = max(clock) if clock else 0.0
+    bubble = 1.0 - sum(busy) / (n * makespan) if makespan else 0.0
+    return Simulation(makespan, busy, bubble, peak)
+
+
+def _message(action, stage):
+    """The (kind, source, destination, microbatch) a send or a receive is about."""
+    kind = "act" if action.kind in (SEND_ACT, RECV_ACT) else "grad"
+    if action.kind in (SEND_ACT, SEND_GRAD):
+        return kind, stage, action.peer, action.microbatch
+    return kind, action.peer, stage, action.microbatch
+
+
+def _shared(lowered, f_times, b_times, slowdown, copies):
+    """`simulate` on shared cores: between two events every computing stage moves at
+    1 / slowdown(busy ranks) of its own speed (processor sharing)."""
+    n = len(lowered)
+    pos, left = [0] * n, [None] * n  # left: work still to do in the F/B under way
+    now, end = 0.0, [0.0] * n
+    busy, alive, peak = [0.0] * n, [0] * n, [0] * n
+    sent = set()
+    while True:
+        moved = True
+        while moved:  # every action that takes no time, until none can go
+            moved = False
+            for s in range(n):
+                while left[s] is None and pos[s] < len(lowered[s]):
+                    a = lowered[s][pos[s]]
+                    if a.kind in (RECV_ACT, RECV_GRAD) and _message(a, s) not in sent:
+                        break
+                    if a.kind in (SEND_ACT, SEND_GRAD):
+                        sent.add(_message(a, s))
+                    if a.kind in (F, B):
+                        left[s] = f_times[s] if a.kind == F else b_times[s]
+                        alive[s] += 1 if a.kind == F else -1
+                        peak[s] = max(peak[s], alive[s])
+                        break
+                    pos[s] += 1
+                    end[s] = now
+                    moved = True
+        running = [s for s in range(n) if left[s] is not None]
+        if not running:
+            if all(pos[s] == len(lowered[s]) for s in range(n)):
+                break
+            stuck = {s: str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s])}
+            raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
+        rate = 1.0 / max(slowdown(len(running) * copies), 1e-12)
+        first = min(running, key=lambda s: left[s])
+        step = left[first] / rate
+        now += step
+        for s in running:
+            busy[s] += step
+            left[s] = 0.0 if s == first else left[s] - step * rate
+            if left[s] <= 1e-12 * max(f_times[s], b_times[s], 1e-30):
+                left[s] = None
+                pos[s] += 1
+                end[s] = now
+    makespan = max(end) if end else 0.0
     bubble = 1.0 - sum(busy) / (n * makespan) if makespan else 0.0
     return Simulation(makespan, busy, bubble, peak)

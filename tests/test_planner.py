@@ -6,7 +6,7 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow import graph as G, planner
+from hyparflow import graph as G, measure, planner
 from hyparflow.local import run_ranks
 
 
@@ -53,7 +53,7 @@ def test_measured_rings_replace_the_two_rank_figures():
 
 def test_rings_are_measured_with_every_rank_running():
     # Four processes under the venv's mpiexec (on 2 cores: two per core).
-    groups = planner.measure_groups(4)
+    groups = measure.rings(4)
     assert sorted(groups) == [2, 4]
     for alpha, beta in groups.values():
         assert 0 < alpha < 1.0 and 0 < beta < 1e-6

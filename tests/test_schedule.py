@@ -65,6 +65,34 @@ def test_simulate_reports_deadlock():
         sched.simulate(lowered)
 
 
+@pytest.mark.parametrize("name,stages,micro", [("gpipe", 3, 4), ("1f1b", 4, 8), ("1f1b", 2, 1)])
+def test_shared_play_without_contention_is_the_plain_play(name, stages, micro):
+    lowered = sched.lower(sched.build(name, stages, micro),
+                          [[s - 1] if s else [] for s in range(stages)],
+                          [[s + 1] if s < stages - 1 else [] for s in range(stages)])
+    f, b = [1.0, 2.5, 0.5, 1.5][:stages], [2.0, 4.0, 1.5, 3.5][:stages]
+    plain = sched.simulate(lowered, f, b)
+    shared = sched.simulate(lowered, f, b, slowdown=lambda busy: 1.0, copies=3)
+    assert shared.makespan == pytest.approx(plain.makespan)
+    assert shared.busy == pytest.approx(plain.busy)
+    assert shared.peak_activations == plain.peak_activations
+
+
+def test_stages_on_one_core_take_turns():
+    # Two stages on one core: whenever both compute, each goes at half speed, and the
+    # core never idles once work has reached it, so the step is all the work in a row.
+    lowered = sched.lower(sched.gpipe(2, 4), [[], [0]], [[1], []])
+    one_core = sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy)
+    assert one_core.makespan == pytest.approx(2 * 4 * 3.0)
+    assert sched.simulate(lowered, 1.0, 2.0).makespan < 20
+    # Two replicas of the pipeline on the same core: twice as long again.
+    assert sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy,
+                          copies=2).makespan == pytest.approx(48.0)
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        sched.simulate([sched.parse("ra0@1 F0 sa0@1 B0"), sched.parse("ra0@0 F0 sa0@0 B0")],
+                       slowdown=lambda busy: busy)
+
+
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe'\]"):
         sched.build("zigzag", 2, 2)

@@ -1,0 +1,166 @@
+"""What the planner measures under this venv's mpiexec, with the plan's ranks running
+on this node: the network (a two-rank ping-pong; hyparflow's own allreduce in rings
+of every size) and compute (the model's compiled step with 1, 2, ... of the ranks
+computing at once, and the optimizer step with all of them).
+
+Each function here runs `ranks` processes and reads back the lines rank 0 prints;
+the cost model that uses the numbers is `planner`'s.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+__all__ = ["ping_pong", "rings", "compute"]
+
+
+def _mpi_lines(ranks, function, prefix, *args):
+    from .launch import find_mpiexec
+
+    mpiexec = find_mpiexec(os.environ)
+    if not mpiexec:
+        raise ValueError("No mpiexec to measure this machine with; give --latency and "
+                         "--bandwidth.")
+    out = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c",
+                          f"from hyparflow.measure import {function}; {function}(*{args!r})"],
+                         capture_output=True, text=True, timeout=1200)
+    lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith(prefix + " ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"measurement under mpiexec failed: {out.stderr[-2000:]}")
+    return lines
+
+
+def ping_pong():
+    """(alpha s, beta s/byte) between two ranks."""
+    alpha, beta = map(float, _mpi_lines(2, "_ping_pong", "ALPHA_BETA")[-1])
+    return alpha, beta
+
+
+def rings(ranks):
+    """{g: (alpha, beta) per ring round} for every g > 1 dividing `ranks`: all `ranks`
+    processes start on this node, split into rings of g, and sum buffers at once with
+    hyparflow's own allreduce (buckets, ring and waits), as the replicas of a plan do."""
+    return {int(g): (float(a), float(b)) for g, a, b in _mpi_lines(ranks, "_rings", "GROUP")}
+
+
+def compute(ranks, source, function, batches):
+    """The model's compiled forward and backward with the plan's ranks on this node
+    (each with the threads a rank of the plan gets): {n: {batch: seconds}} with n of
+    them computing at once, n = 1 .. ranks; and seconds per parameter byte of the
+    optimizer step with all of them stepping at once. Ranks that share cores or
+    memory bandwidth slow each other down; this is how much, for this model."""
+    times, optimizer = {}, None
+    for kind, *values in _mpi_lines(ranks, "_compute", "COMPUTE", source, function,
+                                    list(batches)):
+        if kind == "optimizer":
+            optimizer = float(values[0])
+        else:
+            times.setdefault(int(kind), {})[int(values[0])] = float(values[1])
+    return times, optimizer
+
+
+def _idle_barrier(world):
+    """A barrier that sleeps while it waits, leaving the cores to the ranks that work."""
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def _together(world, busy, fn, repeats=5):
+    """Median seconds of `fn` on ranks 0 .. busy-1 running it at the same time (one
+    untimed call first, so the timed ones all overlap); the mean over those ranks."""
+    from . import profile
+
+    _idle_barrier(world)
+    mine = None
+    if world.Get_rank() < busy:
+        fn()
+        mine = profile.timed(fn, repeats)
+    _idle_barrier(world)  # MPICH's blocking calls spin: the last ones would lose cores
+    everyone = world.allgather(mine)
+    values = [t for t in everyone if t is not None]
+    return sum(values) / len(values)
+
+
+def _compute(source, function, batches):
+    from . import _env
+
+    _env.start_tensorflow()  # the threads a rank of the plan gets on this node
+    from mpi4py import MPI
+
+    from . import graph as G
+    from . import profile
+
+    world = MPI.COMM_WORLD
+    model = profile.load_model(source, function)
+    graph = G.from_model(model)
+    steps = {b: profile.model_step(graph, model, b) for b in batches}
+    rank0 = world.Get_rank() == 0
+    for busy in range(1, world.Get_size() + 1):
+        for b, fn in steps.items():
+            seconds = _together(world, busy, fn) * profile.slowdown()
+            if rank0:
+                print(f"COMPUTE {busy} {b} {seconds:.6e}", flush=True)
+    if getattr(model, "optimizer", None) is not None:
+        step, nbytes = profile.optimizer_step(model)
+        seconds = _together(world, world.Get_size(), step, 3)
+        if rank0:
+            print(f"COMPUTE optimizer {seconds / nbytes:.6e}", flush=True)
+
+
+def _rings():
+    import numpy as np
+    from mpi4py import MPI
+
+    from .comm import MPICommunicator, wait_all
+    from .overlap import BUCKET_BYTES
+
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    small, large = 64 << 10, 32 << 20
+    for g in [g for g in range(2, size + 1) if size % g == 0]:
+        comm = MPICommunicator(world.Split(rank // g, rank))
+        times = {}
+        for nbytes in (small, large):
+            buf = np.ones(nbytes // 4, np.float32)
+            parts = np.array_split(buf, max(1, nbytes // BUCKET_BYTES))
+            runs = []
+            for _ in range(5):
+                world.Barrier()
+                start = time.perf_counter()
+                wait_all([comm.iallreduce(p) for p in parts])
+                runs.append(time.perf_counter() - start)
+            times[nbytes] = sorted(runs)[2]
+        comm.free()
+        rounds = 2 * (g - 1)
+        alpha = times[small] / rounds
+        beta = max(times[large] - times[small], 0.0) / (rounds / g * (large - small))
+        if rank == 0:
+            print(f"GROUP {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
+
+
+def _ping_pong():
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
+    points = []
+    for nbytes in (8, 1 << 20, 16 << 20):
+        buf = np.zeros(max(1, nbytes // 4), np.float32)
+        reps = 50 if nbytes < (1 << 20) else 10
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            if rank == 0:
+                comm.Send(buf, peer)
+                comm.Recv(buf, peer)
+            else:
+                comm.Recv(buf, peer)
+                comm.Send(buf, peer)
+        points.append((buf.nbytes, (time.perf_counter() - start) / reps / 2))
+    if rank == 0:
+        alpha = points[0][1]
+        beta = (points[-1][1] - points[1][1]) / (points[-1][0] - points[1][0])
+        print(f"ALPHA_BETA {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
