@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["ping_pong", "rings", "compute"]
+__all__ = ["ping_pong", "rings", "compute", "stage_costs"]
 
 
 def _mpi_lines(ranks, function, prefix, *args):
@@ -38,10 +38,15 @@ def ping_pong():
 
 
 def rings(ranks):
-    """{g: (alpha, beta) per ring round} for every g > 1 dividing `ranks`: all `ranks`
-    processes start on this node, split into rings of g, and sum buffers at once with
-    hyparflow's own allreduce (buckets, ring and waits), as the replicas of a plan do."""
-    return {int(g): (float(a), float(b)) for g, a, b in _mpi_lines(ranks, "_rings", "GROUP")}
+    """For every g > 1 dividing `ranks`, all `ranks` processes started on this node and
+    split into groups of g: ({g: (alpha, beta) per ring round}, {g: (alpha, beta) per
+    exchange}). Rings sum buffers with hyparflow's own allreduce (buckets, ring and
+    waits), as the replicas of a plan do; exchanges are a split layer's sum
+    (`tensor.Collectives.sum`) inside a compiled function, as tensor ranks do."""
+    found = {"GROUP": {}, "EXCHANGE": {}}
+    for kind, g, a, b in _mpi_lines(ranks, "_rings", "MEASURED"):
+        found[kind][int(g)] = (float(a), float(b))
+    return found["GROUP"], found["EXCHANGE"]
 
 
 def compute(ranks, source, function, batches):
@@ -58,6 +63,53 @@ def compute(ranks, source, function, batches):
         else:
             times.setdefault(int(kind), {})[int(values[0])] = float(values[1])
     return times, optimizer
+
+
+def stage_costs(graph, model, rows, batches, repeats=5):
+    """What a stage pays besides its layers' fused forward and backward, measured in
+    this process on hyparflow's own `Stage` (all the model's calls but the last, which
+    is how every stage but a fused last one runs): `taped`, how many times longer
+    than those layers' share of the model's compiled step its forward and backward
+    take (a separate compiled forward kept on a tape, the backward from it, the
+    gradients summed into the stage's buffers), and `forward`, the forward's share.
+    None for a model of one call. The last stage adds only the summing, at
+    `add_s_per_byte`."""
+    import numpy as np
+
+    from . import profile
+    from .partition import partition
+    from .stage import Stage
+
+    n = len(graph.nodes)
+    out = {"batches": list(batches), "taped": [], "forward": []}
+    buf = np.zeros(1 << 22, np.float32)
+    out["add_s_per_byte"] = profile.timed(lambda: np.add(buf, buf, out=buf), repeats) / buf.nbytes
+    if n < 2:
+        return None
+    part = partition(graph, 2, [n - 1, 1])
+    stage = Stage(graph, part.stages[0], model, part, is_last=False)
+    for b in batches:
+        share = (sum(r[0] + r[1] * b for r in rows[:-1]) /
+                 max(sum(r[0] + r[1] * b for r in rows), 1e-12))
+        fused = profile.timed(profile.model_step(graph, model, b), repeats) * share
+        inputs = [profile._dummy(graph.tensors[t], b) for t in stage.input_ids]
+        seeds = {t: np.ones((b,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]), np.float32)
+                 for t in stage.output_ids if graph.tensors[t].floating}
+
+        def forward():
+            stage.forward(0, inputs)
+
+        def both():
+            stage.forward(0, inputs)
+            stage.backward(0, seeds)
+            stage.reset_grads()
+
+        both()
+        whole = profile.timed(both, repeats) * profile.slowdown()
+        out["taped"].append(max(1.0, whole / max(fused, 1e-12)))
+        out["forward"].append(min(0.9, profile.timed(forward, repeats) * profile.slowdown() / whole))
+    stage._saved.clear()
+    return out
 
 
 def _idle_barrier(world):
@@ -110,6 +162,9 @@ def _compute(source, function, batches):
 
 
 def _rings():
+    from . import _env
+
+    _env.start_tensorflow()
     import numpy as np
     from mpi4py import MPI
 
@@ -132,12 +187,36 @@ def _rings():
                 wait_all([comm.iallreduce(p) for p in parts])
                 runs.append(time.perf_counter() - start)
             times[nbytes] = sorted(runs)[2]
-        comm.free()
         rounds = 2 * (g - 1)
         alpha = times[small] / rounds
         beta = max(times[large] - times[small], 0.0) / (rounds / g * (large - small))
         if rank == 0:
-            print(f"GROUP {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
+            print(f"MEASURED GROUP {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
+        alpha, beta = _exchange(world, comm)
+        if rank == 0:
+            print(f"MEASURED EXCHANGE {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
+        comm.free()
+
+
+def _exchange(world, comm, small=16 << 10, large=1 << 20, repeats=9):
+    """(seconds, seconds per byte) of a split layer's sum over `comm` inside a compiled
+    function: the Python call, the messages and the waits for the slowest peer."""
+    import tensorflow as tf
+
+    from .tensor import Collectives
+
+    collectives = Collectives(comm)
+    total = tf.function(lambda x: collectives.sum(x, "a measurement"))
+    times = {}
+    for nbytes in (small, large):
+        x = tf.ones((nbytes // 4,))
+        total(x)
+        world.Barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            total(x)
+        times[nbytes] = (time.perf_counter() - start) / repeats
+    return times[small], max(times[large] - times[small], 0.0) / (large - small)
 
 
 def _ping_pong():

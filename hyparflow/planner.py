@@ -58,11 +58,13 @@ class Network:
     two-rank figures for collectives of g ranks: with more ranks than cores, each
     round waits for its peers to be scheduled, which a two-rank ping-pong never sees."""
 
-    def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None, groups=None):
+    def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None, groups=None,
+                 exchanges=None):
         self.alpha, self.beta = alpha, beta
         self.alpha_inter = alpha if alpha_inter is None else alpha_inter
         self.beta_inter = beta if beta_inter is None else beta_inter
         self.groups = dict(groups or {})
+        self.exchanges = dict(exchanges or {})
 
     def _terms(self, across, ranks=None):
         if across:
@@ -73,6 +75,15 @@ class Network:
         """One message, between two of `ranks` ranks that run together (default two)."""
         a, b = self._terms(across, ranks)
         return a + nbytes * b
+
+    def exchange(self, nbytes, ranks):
+        """A split layer's exchange between `ranks` tensor ranks, each sending its
+        `nbytes` to every other: measured as hyparflow runs it (inside the compiled
+        stage, through a Python call) when known, else (ranks - 1) messages."""
+        if ranks in self.exchanges:
+            a, b = self.exchanges[ranks]
+            return a + nbytes * b
+        return (ranks - 1) * self.message(nbytes, ranks=ranks)
 
     def allreduce(self, nbytes, ranks, across=False):
         if ranks <= 1:
@@ -87,7 +98,10 @@ def measure_network(ranks=None):
     from . import measure
 
     alpha, beta = measure.ping_pong()
-    return Network(alpha, beta, groups=measure.rings(ranks) if ranks and ranks >= 2 else None)
+    if not ranks or ranks < 2:
+        return Network(alpha, beta)
+    groups, exchanges = measure.rings(ranks)
+    return Network(alpha, beta, groups=groups, exchanges=exchanges)
 
 
 class Compute:
@@ -130,6 +144,14 @@ class Compute:
         return slow
 
 
+def _between(points, values, x):
+    """`values` at `points` (two batch sizes), linear in between, flat beyond."""
+    (x0, x1), (y0, y1) = points, values
+    if x1 == x0:
+        return y0
+    return y0 + (y1 - y0) * min(max((x - x0) / (x1 - x0), 0.0), 1.0)
+
+
 def _elements(graph, t):
     from .graph import numel
 
@@ -149,26 +171,28 @@ def _tensor_costs(graph, num_tensor, m, network):
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
         peers, T = num_tensor - 1, num_tensor
         if split.kind in ("row", "rows"):
-            forward = peers * network.message(out_bytes, ranks=T)   # a sum of whole outputs
+            forward = network.exchange(out_bytes, T)            # a sum of whole outputs
         elif split.gather:
-            forward = peers * network.message(out_bytes / num_tensor, ranks=T)
+            forward = network.exchange(out_bytes / num_tensor, T)
         else:
             forward = 0.0                                       # its row partner sums
-        backward = (peers * network.message(in_bytes, ranks=T)
+        backward = (network.exchange(in_bytes, T)
                     if split.kind in ("column", "filters") else 0.0)
         out[i] = (num_tensor, forward, backward)
     return out
 
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
-            ranks_per_node=None, cores=None, num_tensor=1, compute=None):
+            ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
 
     `compute`: the model's step measured with this plan's ranks running (`Compute`):
     the rows are scaled to one rank's measured speed and the schedule is played with
     ranks slowing each other while they compute at once. Without it (a cluster this
     machine is not), `cores` per node: when a node runs more ranks than it has
-    cores, every computation takes that many times longer."""
+    cores, every computation takes that many times longer. `stage_costs`
+    (`measure.stage_costs`): what a stage pays besides its layers, for running its
+    backward from a tape and for summing gradients every microbatch."""
     from . import schedule as sched
     from .partition import partition
 
@@ -194,12 +218,24 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     send = [0.0] * stages
     for e in part.edges:
         send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m)
-    per_stage_f = [c / 3 + s + x for c, s, x in zip(compute, send, exchange_f)]
-    per_stage_b = [2 * c / 3 + s + x for c, s, x in zip(compute, send, exchange_b)]
+    params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
+    forward = [c / 3 for c in compute]
+    backward = [2 * c / 3 for c in compute]
+    if stage_costs:
+        at = lambda key: _between(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
+        for s in range(stages):
+            # The last stage fuses forward and backward in one call under 1F1B (or
+            # alone); every other stage keeps a tape between its two calls.
+            if not (s == stages - 1 and (schedule == "1f1b" or stages == 1)):
+                whole = compute[s] * at("taped")  # the summing of gradients included
+                forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
+            else:
+                backward[s] += share * params[s] * stage_costs["add_s_per_byte"]
+    per_stage_f = [c + s + x for c, s, x in zip(forward, send, exchange_f)]
+    per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),
                           [p.sources for p in part.stages], [p.dests for p in part.stages])
     sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor)
-    params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
     across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
     reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
     step = sim.makespan + max(reduce)
@@ -217,7 +253,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
-           cores=None, tensor=(1, 2, 4), compute=None):
+           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
     that split some layer)."""
@@ -240,7 +276,8 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             counts = B.solve(costs, stages)
             for schedule in (schedules if stages > 1 else ("1f1b",)):
                 p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                            schedule, ranks_per_node, cores, num_tensor, compute)
+                            schedule, ranks_per_node, cores, num_tensor, compute,
+                            stage_costs)
                 p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
                          schedule=schedule, counts=counts,
                          fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
@@ -301,18 +338,24 @@ def main(argv=None):
     for g, (alpha, beta) in sorted(network.groups.items()):
         print(f"  rings of {g} of the {ranks} ranks: {alpha * 1e6:.1f} us per round, "
               f"{1 / beta / 1e9:.2f} GB/s", flush=True)
+    for g, (alpha, beta) in sorted(network.exchanges.items()):
+        print(f"  a split layer's exchange among {g}: {alpha * 1e6:.1f} us + "
+              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
     if args.profile_cache and os.path.exists(args.profile_cache):
         with open(args.profile_cache) as f:
             cached = json.load(f)
         if len(cached["rows"]) != len(graph.nodes):
             raise ValueError(f"{args.profile_cache} profiles another model.")
         rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
+        extra = cached.get("stage_costs")
     else:
         print(f"profiling {len(graph.nodes)} layer calls of {model.name} ...", flush=True)
         rows, opt_per_byte = profile.fit_model(graph, model, batches)
+        extra = measure.stage_costs(graph, model, rows, batches)
         if args.profile_cache:
             with open(args.profile_cache, "w") as f:
-                json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte}, f)
+                json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte,
+                           "stage_costs": extra}, f)
     compute = None
     if here and ranks > 1:
         # This node, as the plan will run it: the model's step with 1 .. ranks ranks
@@ -327,9 +370,10 @@ def main(argv=None):
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                   cores=args.cores if args.nodes == 1 else None, compute=compute)
+                   cores=args.cores if args.nodes == 1 else None, compute=compute,
+                   stage_costs=extra)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
-                             tensor=(1,))][0]
+                             tensor=(1,), stage_costs=extra)][0]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plans": plans, "one_rank": one}, f, indent=1)
