@@ -59,6 +59,70 @@ def test_rings_are_measured_with_every_rank_running():
         assert 0 < alpha < 1.0 and 0 < beta < 1e-6
 
 
+def test_ranks_computing_at_once_slow_each_other_only_then():
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-3, 1000, 0, 100)] * len(graph.nodes)
+    free = planner.Network(0.0, 0.0)
+    # Measured: one rank alone takes 5 ms + 1 ms/sample; two at once, twice as long.
+    crowded = planner.Compute({1: {8: 0.013, 64: 0.069}, 2: {8: 0.026, 64: 0.138}}, 0.0)
+    alone = planner.Compute({1: {8: 0.013, 64: 0.069}, 2: {8: 0.013, 64: 0.069}}, 0.0)
+    assert crowded.slowdown(32)(2) == pytest.approx(2.0)
+    assert crowded.slowdown(32)(4) == pytest.approx(4.0)  # beyond the measured: in proportion
+    # The rows are rescaled to the rank's own measured speed (0.005 + 32 * 0.001).
+    dp = planner.predict(graph, rows, 0.0, free, [5], 64, 2, 1, "1f1b", compute=alone)
+    assert dp["step_s"] == pytest.approx(0.037)
+    # Two replicas always compute together, so contention doubles their step ...
+    slow = planner.predict(graph, rows, 0.0, free, [5], 64, 2, 1, "1f1b", compute=crowded)
+    assert slow["step_s"] == pytest.approx(2 * dp["step_s"])
+    # ... while two stages of one microbatch never do, and pay nothing for it.
+    one = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 1, "1f1b", compute=alone)
+    assert planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 1, "1f1b",
+                           compute=crowded)["step_s"] == pytest.approx(one["step_s"])
+
+
+def test_stages_that_keep_a_tape_cost_more():
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-3, 4000, 0, 100)] * len(graph.nodes)
+    free = planner.Network(0.0, 0.0)
+    costs = {"batches": [8, 64], "taped": [1.5, 1.5], "forward": [0.25, 0.25],
+             "add_s_per_byte": 0.0}
+    plain = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 1, "1f1b")
+    taped = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 1, "1f1b", stage_costs=costs)
+    # Stage 0 (2 calls of 64 ms) keeps a tape: 1.5 times longer; the last one fuses.
+    assert taped["step_s"] - plain["step_s"] == pytest.approx(0.5 * 2 * 0.064)
+    # One stage fuses too, so only summing its gradients adds to it.
+    single = planner.predict(graph, rows, 0.0, free, [5], 64, 1, 1, "1f1b",
+                             stage_costs=dict(costs, add_s_per_byte=1e-9))
+    assert single["step_s"] == pytest.approx(5 * 0.064 + 5 * 4000 * 1e-9)
+
+
+def test_stage_costs_are_measured_on_a_real_stage():
+    import keras
+
+    model = models.mlp()
+    graph = G.from_model(model)
+    rows, _ = __import__("hyparflow.profile", fromlist=["fit_model"]).fit_model(graph, model, (8, 32))
+    costs = measure.stage_costs(graph, model, rows, (8, 32), repeats=3)
+    assert costs["batches"] == [8, 32] and len(costs["taped"]) == len(costs["forward"]) == 2
+    assert all(t >= 1.0 for t in costs["taped"]) and all(0 < f < 1 for f in costs["forward"])
+    assert 0 < costs["add_s_per_byte"] < 1e-8
+    assert measure.stage_costs(G.from_model(keras.Sequential([keras.Input((3,)),
+                                                              keras.layers.Dense(2)])),
+                               None, rows[:1], (8, 32)) is None
+
+
+def test_compute_is_measured_with_every_rank_running(tmp_path):
+    source = tmp_path / "model.py"
+    source.write_text(f"import sys\nsys.path.insert(0, {str(__import__('os').path.dirname(__file__))!r})\n"
+                      "import models\n\ndef build_model():\n    return models.mlp()\n")
+    times, optimizer = measure.compute(2, str(source), "build_model", (4, 16))
+    assert sorted(times) == [1, 2] and all(sorted(row) == [4, 16] for row in times.values())
+    assert all(0 < t < 1.0 for row in times.values() for t in row.values())
+    assert 0 < optimizer < 1e-3
+    compute = planner.Compute(times, optimizer)
+    assert compute.slowdown(8)(2) >= 1.0
+
+
 def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
