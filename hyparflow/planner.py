@@ -4,10 +4,13 @@ balance) and rank the plans by a cost model with an alpha-beta network.
 Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samples):
 
 - compute: each layer call's forward+backward time is affine in its batch, fitted
-  from profiles at two batch sizes on this machine; a stage's microbatch takes the
-  sum over its calls, one third forward and two thirds backward;
+  from profiles at the plans' smallest and largest microbatch, scaled to the model's
+  compiled step; a stage's microbatch takes the sum over its calls, times what a
+  stage that keeps a tape pays (`measure.stage_costs`: its forward's share, gradient
+  sums); on one node, scaled to one rank's own measured speed (`measure.compute`);
 - pipeline: the schedule is played by `schedule.simulate` with those per-stage times,
-  each message adding alpha + bytes * beta on the sending stage;
+  each message adding alpha + bytes * beta on the sending stage; with measured
+  compute, every computing stage is slowed by how many ranks compute at that moment;
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
   2 (R-1) alpha, then the optimizer step (measured per parameter byte);
 - memory per rank: the stage's weights and optimizer state plus the activations of
