@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .comm import Communicator, _poll, timeout_seconds
+from .comm import Communicator, _poll, sum_in_order, timeout_seconds
 
 __all__ = ["LocalWorld", "LocalCommunicator", "PeerFailure", "run_ranks"]
 
@@ -141,14 +141,14 @@ class LocalCommunicator(Communicator):
             if not done:
                 if not ready():
                     return False
-                buf[...] = _sum(self._take(ready.seq))
+                buf[...] = sum_in_order(self._take(ready.seq))
                 done.append(True)
             return True
 
         return _LocalRequest(test)
 
     def allreduce(self, buf, timeout=None):
-        buf[...] = _sum(self._exchange(np.array(buf, copy=True)))
+        buf[...] = sum_in_order(self._exchange(np.array(buf, copy=True)))
         return buf
 
     def bcast(self, buf, root, timeout=None):
@@ -177,14 +177,6 @@ class LocalCommunicator(Communicator):
             if self.world.failure is None:
                 self.world.failure = (self.group.members[self.rank], f"aborted with code {code}")
             self.world.lock.notify_all()
-
-
-def _sum(values):
-    """The members' values added in rank order (the same bits on every member)."""
-    total = values[0].copy()
-    for v in values[1:]:
-        total += v
-    return total
 
 
 def run_ranks(size, fn, timeout=None):

@@ -81,17 +81,17 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     from .stage import Stage
 
     n = len(graph.nodes)
-    out = {"batches": list(batches), "taped": [], "forward": []}
-    buf = np.zeros(1 << 22, np.float32)
-    out["add_s_per_byte"] = profile.timed(lambda: np.add(buf, buf, out=buf), repeats) / buf.nbytes
     if n < 2:
         return None
+    buf = np.zeros(1 << 22, np.float32)
+    out = {"batches": list(batches), "taped": [], "forward": [],
+           "add_s_per_byte": profile.timed(lambda: np.add(buf, buf, out=buf), repeats) / buf.nbytes}
     part = partition(graph, 2, [n - 1, 1])
     stage = Stage(graph, part.stages[0], model, part, is_last=False)
     for b in batches:
-        share = (sum(r[0] + r[1] * b for r in rows[:-1]) /
-                 max(sum(r[0] + r[1] * b for r in rows), 1e-12))
-        fused = profile.timed(profile.model_step(graph, model, b), repeats) * share
+        # Those layers' share of the fused step: `rows` were fitted to the model's
+        # compiled step at these very batch sizes (`profile.fit_model`).
+        fused = sum(r[0] + r[1] * b for r in rows[:-1])
         inputs = [profile._dummy(graph.tensors[t], b) for t in stage.input_ids]
         seeds = {t: np.ones((b,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]), np.float32)
                  for t in stage.output_ids if graph.tensors[t].floating}

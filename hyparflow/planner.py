@@ -212,8 +212,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     starts = [sum(counts[:s]) for s in range(stages)]
     split = _tensor_costs(graph, num_tensor, m, network)
     div = lambda i: split[i][0] if i in split else 1  # noqa: E731
-    compute = [share * sum((rows[i][0] + rows[i][1] * m) / div(i) for i in range(a, a + c))
-               for a, c in zip(starts, counts)]
+    work = [share * sum((rows[i][0] + rows[i][1] * m) / div(i) for i in range(a, a + c))
+            for a, c in zip(starts, counts)]
     exchange_f = [sum(split[i][1] for i in range(a, a + c) if i in split)
                   for a, c in zip(starts, counts)]
     exchange_b = [sum(split[i][2] for i in range(a, a + c) if i in split)
@@ -222,15 +222,15 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     for e in part.edges:
         send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m)
     params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
-    forward = [c / 3 for c in compute]
-    backward = [2 * c / 3 for c in compute]
+    forward = [c / 3 for c in work]
+    backward = [2 * c / 3 for c in work]
     if stage_costs:
         at = lambda key: _between(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
             # The last stage fuses forward and backward in one call under 1F1B (or
             # alone); every other stage keeps a tape between its two calls.
             if not (s == stages - 1 and (schedule == "1f1b" or stages == 1)):
-                whole = compute[s] * at("taped")  # the summing of gradients included
+                whole = work[s] * at("taped")  # the summing of gradients included
                 forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
             else:
                 backward[s] += share * params[s] * stage_costs["add_s_per_byte"]

@@ -227,14 +227,12 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
             while pos[s] < len(lowered[s]):
                 a = lowered[s][pos[s]]
                 if a.kind in (RECV_ACT, RECV_GRAD):
-                    kind = "act" if a.kind == RECV_ACT else "grad"
-                    key = (kind, a.peer, s, a.microbatch)
+                    key = _message(a, s)
                     if key not in sent:
                         break
                     clock[s] = max(clock[s], sent[key])
                 elif a.kind in (SEND_ACT, SEND_GRAD):
-                    kind = "act" if a.kind == SEND_ACT else "grad"
-                    sent[(kind, s, a.peer, a.microbatch)] = clock[s]
+                    sent[_message(a, s)] = clock[s]
                 elif a.kind in (F, B):
                     cost = f_times[s] if a.kind == F else b_times[s]
                     clock[s] += cost

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .comm import timeout_seconds, wait_all
+from .comm import sum_in_order, timeout_seconds, wait_all
 
 __all__ = ["MIN_PARAMS", "Split", "choose", "split_sizes", "shares_of", "shard", "Shard",
            "Collectives"]
@@ -179,11 +179,7 @@ class Collectives:
     def _summed(self, x, what):
         def run(value):
             value = value.numpy()
-            parts = self.exchange(value, [value.shape] * self.comm.size, what)
-            total = parts[0].copy()
-            for part in parts[1:]:  # in rank order: the same bits everywhere
-                total += part
-            return total
+            return sum_in_order(self.exchange(value, [value.shape] * self.comm.size, what))
 
         out = tf.py_function(run, [x], x.dtype)
         out.set_shape(x.shape)
