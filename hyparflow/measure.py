@@ -40,13 +40,18 @@ def ping_pong():
 def rings(ranks):
     """For every g > 1 dividing `ranks`, all `ranks` processes started on this node and
     split into groups of g: ({g: (alpha, beta) per ring round}, {g: (alpha, beta) per
-    exchange}). Rings sum buffers with hyparflow's own allreduce (buckets, ring and
-    waits), as the replicas of a plan do; exchanges are a split layer's sum
-    (`tensor.Collectives.sum`) inside a compiled function, as tensor ranks do."""
-    found = {"GROUP": {}, "EXCHANGE": {}}
+    exchange}, wait). Rings sum buffers with hyparflow's own allreduce (buckets, ring
+    and waits), as the replicas of a plan do; exchanges are a split layer's sum
+    (`tensor.Collectives.sum`) inside a compiled function, as tensor ranks do. `wait`:
+    seconds from a send until a rank that waited for it has it, with the other ranks
+    computing (`_wait`)."""
+    found, wait = {"GROUP": {}, "EXCHANGE": {}}, 0.0
     for kind, g, a, b in _mpi_lines(ranks, "_rings", "MEASURED"):
-        found[kind][int(g)] = (float(a), float(b))
-    return found["GROUP"], found["EXCHANGE"]
+        if kind == "WAIT":
+            wait = float(a)
+        else:
+            found[kind][int(g)] = (float(a), float(b))
+    return found["GROUP"], found["EXCHANGE"], wait
 
 
 def compute(ranks, source, function, batches):
@@ -196,6 +201,50 @@ def _rings():
         if rank == 0:
             print(f"MEASURED EXCHANGE {g} {alpha:.3e} {max(beta, 1e-12):.3e}", flush=True)
         comm.free()
+    wait = _wait(world)
+    if rank == 0:
+        print(f"MEASURED WAIT 2 {wait:.3e} 0", flush=True)
+
+
+def _wait(world, work=0.01, repeats=15):
+    """Median seconds from a send until its receiver, which waited for it the way a
+    pipeline stage does (`comm.wait_all`: polls that sleep when the node is
+    oversubscribed), has it, while every other rank computes. With more ranks than
+    cores the woken rank waits for a core as well as for its next poll; a pipeline
+    pays this on every receive that waits, which a ping-pong between idle ranks never
+    shows. Rank 0 computes `work` seconds, then sends to rank 1."""
+    import numpy as np
+    import tensorflow as tf
+
+    from .comm import MPICommunicator, wait_all
+
+    comm = MPICommunicator(world)
+    rank, size = comm.rank, comm.size
+    x = tf.random.normal((128, 128))
+    step = tf.function(lambda a: tf.matmul(a, a))
+    step(x).numpy()
+
+    def compute(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            step(x).numpy()
+
+    stamp = np.zeros(1, np.float64)
+    delays = []
+    for i in range(repeats):
+        comm.barrier()
+        if rank == 0:
+            compute(work)
+            stamp[0] = time.perf_counter()  # one clock for every process of the node
+            wait_all([comm.isend(stamp, 1, i)])
+        elif rank == 1:
+            wait_all([comm.irecv(stamp, 0, i)])
+            delays.append(time.perf_counter() - stamp[0])
+        else:
+            compute(work * 1.5)  # busy for the whole wait
+    found = comm.bcast_obj(sorted(delays)[len(delays) // 2] if rank == 1 else None, 1)
+    comm.free()
+    return found
 
 
 def _exchange(world, comm, small=16 << 10, large=1 << 20, repeats=9):

@@ -9,8 +9,9 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   stage that keeps a tape pays (`measure.stage_costs`: its forward's share, gradient
   sums); on one node, scaled to one rank's own measured speed (`measure.compute`);
 - pipeline: the schedule is played by `schedule.simulate` with those per-stage times,
-  each message adding alpha + bytes * beta on the sending stage; with measured
-  compute, every computing stage is slowed by how many ranks compute at that moment;
+  each message adding alpha + bytes * beta on the sending stage and, on one node, the
+  measured wait of a receiver until it has the message; with measured compute, every
+  computing stage is slowed by how many ranks compute at that moment;
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
   2 (R-1) alpha, then the optimizer step (measured per parameter byte);
 - memory per rank: the stage's weights and optimizer state plus the activations of
@@ -59,11 +60,14 @@ class Network:
     `groups`: {g: (alpha, beta)} per round of a ring over g ranks, measured on this
     node with every rank of the plan running (`measure.rings`). They replace the
     two-rank figures for collectives of g ranks: with more ranks than cores, each
-    round waits for its peers to be scheduled, which a two-rank ping-pong never sees."""
+    round waits for its peers to be scheduled, which a two-rank ping-pong never sees.
+    `wait`: seconds until a rank that waits for a message has it once it is sent,
+    the other ranks computing (`measure.rings`): on an oversubscribed node, every
+    pipeline receive that waits pays it."""
 
     def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None, groups=None,
-                 exchanges=None):
-        self.alpha, self.beta = alpha, beta
+                 exchanges=None, wait=0.0):
+        self.alpha, self.beta, self.wait = alpha, beta, wait
         self.alpha_inter = alpha if alpha_inter is None else alpha_inter
         self.beta_inter = beta if beta_inter is None else beta_inter
         self.groups = dict(groups or {})
@@ -103,8 +107,8 @@ def measure_network(ranks=None):
     alpha, beta = measure.ping_pong()
     if not ranks or ranks < 2:
         return Network(alpha, beta)
-    groups, exchanges = measure.rings(ranks)
-    return Network(alpha, beta, groups=groups, exchanges=exchanges)
+    groups, exchanges, wait = measure.rings(ranks)
+    return Network(alpha, beta, groups=groups, exchanges=exchanges, wait=wait)
 
 
 class Compute:
@@ -238,7 +242,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),
                           [p.sources for p in part.stages], [p.dests for p in part.stages])
-    sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor)
+    sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
+                         network.wait)
     across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
     reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
     step = sim.makespan + max(reduce)
@@ -344,6 +349,9 @@ def main(argv=None):
     for g, (alpha, beta) in sorted(network.exchanges.items()):
         print(f"  a split layer's exchange among {g}: {alpha * 1e6:.1f} us + "
               f"{1 / beta / 1e9:.2f} GB/s", flush=True)
+    if network.wait:
+        print(f"  a receive that waits has its message {network.wait * 1e6:.0f} us after "
+              f"the send, the other ranks computing", flush=True)
     if args.profile_cache and os.path.exists(args.profile_cache):
         with open(args.profile_cache) as f:
             cached = json.load(f)

@@ -196,7 +196,8 @@ class Simulation:
                 f"peak_activations={self.peak_activations}")
 
 
-def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1):
+def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
+             latency=0.0):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time`: one number for every stage, or a list
@@ -209,12 +210,16 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     so `k` busy stages are `k * copies` busy ranks. The play is then event by
     event: a stage computing alone in the bubble runs at full speed, and slows
     down when the others start.
+
+    `latency`: seconds from a send until a receiver that waits for it has it (on
+    an oversubscribed node, the wait for its next poll and for a core); it holds
+    up only a receiver that gets there first.
     """
     n = len(lowered)
     f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
     if slowdown is not None:
-        return _shared(lowered, f_times, b_times, slowdown, copies)
+        return _shared(lowered, f_times, b_times, slowdown, copies, latency)
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -232,7 +237,7 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
                         break
                     clock[s] = max(clock[s], sent[key])
                 elif a.kind in (SEND_ACT, SEND_GRAD):
-                    sent[_message(a, s)] = clock[s]
+                    sent[_message(a, s)] = clock[s] + latency
                 elif a.kind in (F, B):
                     cost = f_times[s] if a.kind == F else b_times[s]
                     clock[s] += cost
@@ -257,14 +262,15 @@ def _message(action, stage):
     return kind, action.peer, stage, action.microbatch
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies):
-    """`simulate` on shared cores: between two events every computing stage moves at
-    1 / slowdown(busy ranks) of its own speed (processor sharing)."""
+def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0):
+    """`simulate` on shared cores: between two events (a computation ends, a message
+    arrives) every computing stage moves at 1 / slowdown(busy ranks) of its own
+    speed (processor sharing)."""
     n = len(lowered)
     pos, left = [0] * n, [None] * n  # left: work still to do in the F/B under way
     now, end = 0.0, [0.0] * n
     busy, alive, peak = [0.0] * n, [0] * n, [0] * n
-    sent = set()
+    sent = {}  # message -> when it arrives
     while True:
         moved = True
         while moved:  # every action that takes no time, until none can go
@@ -272,10 +278,10 @@ def _shared(lowered, f_times, b_times, slowdown, copies):
             for s in range(n):
                 while left[s] is None and pos[s] < len(lowered[s]):
                     a = lowered[s][pos[s]]
-                    if a.kind in (RECV_ACT, RECV_GRAD) and _message(a, s) not in sent:
+                    if a.kind in (RECV_ACT, RECV_GRAD) and sent.get(_message(a, s), now + 1) > now:
                         break
                     if a.kind in (SEND_ACT, SEND_GRAD):
-                        sent.add(_message(a, s))
+                        sent[_message(a, s)] = now + latency
                     if a.kind in (F, B):
                         left[s] = f_times[s] if a.kind == F else b_times[s]
                         alive[s] += 1 if a.kind == F else -1
@@ -285,15 +291,19 @@ def _shared(lowered, f_times, b_times, slowdown, copies):
                     end[s] = now
                     moved = True
         running = [s for s in range(n) if left[s] is not None]
-        if not running:
+        arrivals = [t for t in sent.values() if t > now]
+        if not running and not arrivals:
             if all(pos[s] == len(lowered[s]) for s in range(n)):
                 break
             stuck = {s: str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s])}
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
         rate = 1.0 / max(slowdown(len(running) * copies), 1e-12)
-        first = min(running, key=lambda s: left[s])
-        step = left[first] / rate
-        now += step
+        first = min(running, key=lambda s: left[s]) if running else None
+        step = left[first] / rate if running else float("inf")
+        arrival = min(arrivals) if arrivals else None
+        if arrival is not None and arrival - now < step:
+            step, first = arrival - now, None  # a message arrives first
+        now = arrival if first is None else now + step
         for s in running:
             busy[s] += step
             left[s] = 0.0 if s == first else left[s] - step * rate

@@ -53,10 +53,11 @@ def test_measured_rings_replace_the_two_rank_figures():
 
 def test_rings_are_measured_with_every_rank_running():
     # Four processes under the venv's mpiexec (on 2 cores: two per core).
-    groups, exchanges = measure.rings(4)
+    groups, exchanges, wait = measure.rings(4)
     assert sorted(groups) == sorted(exchanges) == [2, 4]
     for alpha, beta in [*groups.values(), *exchanges.values()]:
         assert 0 < alpha < 1.0 and 0 < beta < 1e-6
+    assert 0 < wait < 1.0
 
 
 def test_ranks_computing_at_once_slow_each_other_only_then():

@@ -71,11 +71,28 @@ def test_shared_play_without_contention_is_the_plain_play(name, stages, micro):
                           [[s - 1] if s else [] for s in range(stages)],
                           [[s + 1] if s < stages - 1 else [] for s in range(stages)])
     f, b = [1.0, 2.5, 0.5, 1.5][:stages], [2.0, 4.0, 1.5, 3.5][:stages]
-    plain = sched.simulate(lowered, f, b)
-    shared = sched.simulate(lowered, f, b, slowdown=lambda busy: 1.0, copies=3)
-    assert shared.makespan == pytest.approx(plain.makespan)
-    assert shared.busy == pytest.approx(plain.busy)
-    assert shared.peak_activations == plain.peak_activations
+    for latency in (0.0, 0.3):
+        plain = sched.simulate(lowered, f, b, latency=latency)
+        shared = sched.simulate(lowered, f, b, slowdown=lambda busy: 1.0, copies=3,
+                                latency=latency)
+        assert shared.makespan == pytest.approx(plain.makespan)
+        assert shared.busy == pytest.approx(plain.busy)
+        assert shared.peak_activations == plain.peak_activations
+
+
+def test_latency_holds_up_only_a_receiver_that_waits():
+    # One microbatch over two stages: both messages are waited for.
+    lowered = sched.lower(sched.gpipe(2, 1), [[], [0]], [[1], []])
+    for slowdown in (None, lambda busy: busy):
+        assert sched.simulate(lowered, 1.0, 2.0, slowdown=slowdown,
+                              latency=0.25).makespan == pytest.approx(6.5)
+    # Stage 1 is slow: stage 0's later activations arrive while it still computes,
+    # so only the first forward and the first gradient (that stage 0 waits
+    # for) pay the latency.
+    lowered = sched.lower(sched.gpipe(2, 3), [[], [0]], [[1], []])
+    base = sched.simulate(lowered, [1.0, 5.0], [1.0, 5.0]).makespan
+    assert sched.simulate(lowered, [1.0, 5.0], [1.0, 5.0],
+                          latency=0.25).makespan == pytest.approx(base + 0.5)
 
 
 def test_stages_on_one_core_take_turns():
