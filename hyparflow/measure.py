@@ -126,7 +126,11 @@ def _idle_barrier(world):
 
 def _together(world, busy, fn, repeats=5):
     """Median seconds of `fn` on ranks 0 .. busy-1 running it at the same time (one
-    untimed call first, so the timed ones all overlap); the mean over those ranks."""
+    untimed call first, so the timed ones all overlap); the mean over those ranks.
+    A rank done with its timed calls goes on calling `fn` until every busy rank is
+    done: time-slicing lets some ranks finish first, and the others, left with the
+    cores to themselves, would time less contention than a training step has (there
+    the allreduce holds every rank to the same pace)."""
     from . import profile
 
     _idle_barrier(world)
@@ -134,6 +138,11 @@ def _together(world, busy, fn, repeats=5):
     if world.Get_rank() < busy:
         fn()
         mine = profile.timed(fn, repeats)
+        done = world.Ibarrier()
+        while not done.Test():
+            fn()
+    else:
+        _idle_barrier(world)
     _idle_barrier(world)  # MPICH's blocking calls spin: the last ones would lose cores
     everyone = world.allgather(mine)
     values = [t for t in everyone if t is not None]
