@@ -257,23 +257,37 @@ def _wait(world, work=0.01, repeats=15):
 
 
 def _exchange(world, comm, small=16 << 10, large=1 << 20, repeats=9):
-    """(seconds, seconds per byte) of a split layer's sum over `comm` inside a compiled
-    function: the Python call, the messages and the waits for the slowest peer."""
+    """(seconds, seconds per byte) a split layer's sum over `comm` adds to a compiled
+    function that computes before it, as a stage does between two exchanges: the
+    Python call, the messages, and the wait for the slowest peer, which on shared
+    cores is as late as the scheduler makes it. Timed against the same function
+    without the sum, both with every rank of the node running (back-to-back sums
+    would time only ranks waiting for each other, not a step)."""
     import tensorflow as tf
 
+    from . import profile
     from .tensor import Collectives
 
     collectives = Collectives(comm)
-    total = tf.function(lambda x: collectives.sum(x, "a measurement"))
+    w = tf.random.normal((192, 192))
+
+    def work(x):
+        y = w
+        for _ in range(8):  # about a millisecond: a layer's worth of compute
+            y = tf.matmul(y, w) / 192.0
+        return x + y[0, 0] * 0.0
+
+    alone = tf.function(work)
+    summed = tf.function(lambda x: collectives.sum(work(x), "a measurement"))
     times = {}
     for nbytes in (small, large):
         x = tf.ones((nbytes // 4,))
-        total(x)
-        world.Barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            total(x)
-        times[nbytes] = (time.perf_counter() - start) / repeats
+        cost = {}
+        for name, fn in (("alone", alone), ("summed", summed)):
+            fn(x)
+            world.Barrier()
+            cost[name] = profile.timed(lambda: [fn(x) for _ in range(repeats)], 3) / repeats
+        times[nbytes] = max(cost["summed"] - cost["alone"], 1e-6)
     return times[small], max(times[large] - times[small], 0.0) / (large - small)
 
 
