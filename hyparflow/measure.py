@@ -228,7 +228,7 @@ def _wait(world, work=0.01, repeats=15):
     from .comm import MPICommunicator, wait_all
 
     comm = MPICommunicator(world)
-    rank, size = comm.rank, comm.size
+    rank = comm.rank
     x = tf.random.normal((128, 128))
     step = tf.function(lambda a: tf.matmul(a, a))
     step(x).numpy()
