@@ -38,7 +38,7 @@ def plan(model_file, nodes, args, cache, out):
     done = subprocess.run(cmd, capture_output=True, text=True,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     with open(out) as f:
         return json.load(f)["plans"][0]
 
