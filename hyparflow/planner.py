@@ -293,12 +293,25 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
     return sorted(plans, key=lambda p: (not p["fits"], p["step_s"]))
 
 
-def profile_batches(batch, ranks, microbatches, most=512):
+def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=None):
     """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
-    most `most` samples), so their times are interpolated, not extrapolated."""
+    most `most` samples), so their times are interpolated, not extrapolated. With
+    `per_sample` activation bytes and `memory` bytes, at most what a quarter of the
+    memory holds: the whole model's compiled step keeps every activation for its
+    backward (ResNet-1001 at batch 64 needs more than 24 GB)."""
+    if per_sample and memory:
+        most = min(most, int(memory / 4 / per_sample))
     hi = max(2, min(batch, most))
     lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
     return lo, hi
+
+
+def _memory():
+    """Bytes of this machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def main(argv=None):
@@ -333,7 +346,10 @@ def main(argv=None):
     model = profile.load_model(args.model, args.function)
     graph = G.from_model(model)
     ranks = args.ranks or args.nodes * (args.ranks_per_node or 1)
-    batches = profile_batches(args.batch_size, ranks, args.microbatches)
+    batches = profile_batches(args.batch_size, ranks, args.microbatches,
+                              per_sample=4 * sum(_elements(graph, t) for n in graph.nodes
+                                                 for t in n.outputs),
+                              memory=_memory())
     here = args.nodes == 1 and not (args.bandwidth or args.latency)
     if args.bandwidth or args.latency:
         here = measure_network() if not (args.bandwidth and args.latency) else None
