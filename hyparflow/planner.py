@@ -296,11 +296,12 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
 def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=None):
     """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
     most `most` samples), so their times are interpolated, not extrapolated. With
-    `per_sample` activation bytes and `memory` bytes, at most what a quarter of the
+    `per_sample` activation bytes and `memory` bytes, at most what an eighth of the
     memory holds: the whole model's compiled step keeps every activation for its
-    backward (ResNet-1001 at batch 64 needs more than 24 GB)."""
+    backward, and more besides (ResNet-1001, 281 MB of activations per sample, was
+    killed for 24 GB at batch 64, and again at 22)."""
     if per_sample and memory:
-        most = min(most, int(memory / 4 / per_sample))
+        most = min(most, int(memory / 8 / per_sample))
     hi = max(2, min(batch, most))
     lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
     return lo, hi
