@@ -176,7 +176,7 @@ def _tensor_costs(graph, num_tensor, m, network):
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
-        peers, T = num_tensor - 1, num_tensor
+        T = num_tensor
         if split.kind in ("row", "rows"):
             forward = network.exchange(out_bytes, T)            # a sum of whole outputs
         elif split.gather:

@@ -202,7 +202,9 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
 
     `forward_time` / `backward_time`: one number for every stage, or a list
     with one per stage. Raises RuntimeError on deadlock (no stage can move).
-    Communication is free; ALLREDUCE and STEP take no time.
+    Sends take no time (a caller adds their cost to the sender's times), and a
+    message is there as soon as it is sent unless `latency` says otherwise;
+    ALLREDUCE and STEP take no time.
 
     `slowdown`: for stages that share cores and memory, a function of how many
     ranks compute at once giving how many times longer each computation then
@@ -278,7 +280,9 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0):
             for s in range(n):
                 while left[s] is None and pos[s] < len(lowered[s]):
                     a = lowered[s][pos[s]]
-                    if a.kind in (RECV_ACT, RECV_GRAD) and sent.get(_message(a, s), now + 1) > now:
+                    arrives = sent.get(_message(a, s), float("inf")) if a.kind in (
+                        RECV_ACT, RECV_GRAD) else now
+                    if arrives > now:  # not sent yet, or still on its way
                         break
                     if a.kind in (SEND_ACT, SEND_GRAD):
                         sent[_message(a, s)] = now + latency
