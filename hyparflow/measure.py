@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["ping_pong", "rings", "compute", "stage_costs"]
+__all__ = ["ping_pong", "rings", "compute", "stage_costs", "StageTimer"]
 
 
 def _mpi_lines(ranks, function, prefix, *args):
@@ -116,6 +116,103 @@ def stage_costs(graph, model, rows, batches, repeats=5):
         out["forward"].append(min(0.9, profile.timed(forward, repeats) * profile.slowdown() / whole))
     stage._saved.clear()
     return out
+
+
+class StageTimer:
+    """Each stage of a plan timed as hyparflow runs it, in this process: its layers
+    compiled into a `Stage`, forward kept on a tape and backward from it, or both in
+    one call for a last stage under 1F1B, the gradients summed into its buffers.
+    Layer profiles share the model's step out among its calls only roughly (one
+    eager call at a time), and a stage pays more than its calls' share (its own
+    compiled calls, the tape, the sums); this times the whole.
+
+    `timer(counts, s, m, fused)` -> (forward, backward) seconds of stage `s` of a
+    partition into `counts` on `m` samples: measured at the two `batches` and
+    interpolated between them, each stage (first call, length, fused) once. A last
+    stage is timed with the sum of its outputs for the loss, as `profile.model_step`
+    times the whole model: the planner has no targets to feed the user's loss."""
+
+    def __init__(self, graph, model, batches, repeats=5):
+        self.graph, self.model, self.repeats = graph, model, repeats
+        self.batches = sorted(set(int(b) for b in batches))
+        self._cache = {}
+
+    def __call__(self, counts, s, m, fused):
+        key = (sum(counts[:s]), counts[s], bool(fused))
+        if key not in self._cache:
+            self._cache[key] = [self._time(counts, s, b, fused) for b in self.batches]
+        points = self._cache[key]
+        if len(points) == 1:
+            return points[0]
+        x = (self.batches[0], self.batches[-1])
+        return tuple(_between(x, (points[0][k], points[-1][k]), m) for k in range(2))
+
+    def _time(self, counts, s, batch, fused):
+        import numpy as np
+        import tensorflow as tf
+
+        from . import profile
+        from .partition import partition
+        from .stage import Stage
+
+        graph = self.graph
+        part = partition(graph, len(counts), list(counts))
+        plan = part.stages[s]
+        stage = Stage(graph, plan, self.model, part, is_last=False)
+        if s == len(counts) - 1:
+            stage.output_ids = list(plan.outputs)  # the model's outputs: the loss's inputs
+        inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
+        seeds = {t: np.ones((batch,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]),
+                            np.float32)
+                 for t in stage.output_ids if graph.tensors[t].floating}
+        factor = profile.slowdown()
+        if fused:
+            diff = stage._diff
+            sources = list(stage.trainable)
+
+            @tf.function
+            def both(xs):
+                with tf.GradientTape() as tape:
+                    for k in diff:
+                        tape.watch(xs[k])
+                    outs, contribution = stage._compute(xs, [], [], tf.constant(1.0), "train")
+                    target = contribution + tf.add_n(
+                        [tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
+                         if o.dtype.is_floating] or [tf.zeros(())])
+                return tape.gradient(target, sources + [xs[k] for k in diff],
+                                     unconnected_gradients=tf.UnconnectedGradients.NONE)
+
+            def step():
+                stage._ready()
+                stage._accumulate(both(inputs), [inputs[k] for k in diff])
+                stage.reset_grads()
+
+            step()
+            return 0.0, profile.timed(step, self.repeats) * factor
+
+        def forward():
+            stage.forward(0, inputs)
+
+        def whole():
+            stage.forward(0, inputs)
+            stage.backward(0, seeds)
+            stage.reset_grads()
+
+        whole()
+        total = profile.timed(whole, self.repeats) * factor
+        ahead = min(profile.timed(forward, self.repeats) * factor, total)
+        stage._saved.clear()
+        return ahead, total - ahead
+
+
+def _between(points, values, x):
+    """`values` at `points` (two batch sizes), linear in between and beyond (a stage's
+    time is affine in its batch), never below a tenth of the nearer one."""
+    (x0, x1), (y0, y1) = points, values
+    if x1 == x0:
+        return y0
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, 0.1 * (y0 if x < x0 else y1 if x > x1 else min(y0, y1)))
 
 
 def _idle_barrier(world):

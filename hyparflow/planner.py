@@ -13,7 +13,9 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   measured wait of a receiver until it has the message; with measured compute, every
   computing stage is slowed by how many ranks compute at that moment;
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
-  2 (R-1) alpha, then the optimizer step (measured per parameter byte);
+  2 (R-1) alpha, then the optimizer step (measured per parameter byte), both played
+  as each stage's tail after its last backward (on shared cores, taking cores from
+  the stages still computing);
 - memory per rank: the stage's weights and optimizer state plus the activations of
   the microbatches in flight (M with GPipe, S - s with 1F1B);
 - tensor parallelism (T ranks per stage): a split layer's compute, weights and
@@ -190,7 +192,8 @@ def _tensor_costs(graph, num_tensor, m, network):
 
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
-            ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None):
+            ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
+            stage_timer=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
 
     `compute`: the model's step measured with this plan's ranks running (`Compute`):
@@ -199,7 +202,9 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     machine is not), `cores` per node: when a node runs more ranks than it has
     cores, every computation takes that many times longer. `stage_costs`
     (`measure.stage_costs`): what a stage pays besides its layers, for running its
-    backward from a tape and for summing gradients every microbatch."""
+    backward from a tape and for summing gradients every microbatch. `stage_timer`
+    (`measure.StageTimer`): the stages of a pipeline without split layers timed
+    whole, in place of their calls' profiles and `stage_costs`."""
     from . import schedule as sched
     from .partition import partition
 
@@ -228,7 +233,14 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
     backward = [2 * c / 3 for c in work]
-    if stage_costs:
+    if stage_timer is not None and num_tensor == 1 and stages > 1:
+        for s in range(stages):
+            fused = s == stages - 1 and schedule == "1f1b"
+            f, b = stage_timer(counts, s, m, fused)
+            if fused:  # one call; a third of it forward, as the profiles have it
+                f, b = (f + b) / 3, 2 * (f + b) / 3
+            forward[s], backward[s] = share * f, share * b
+    elif stage_costs:
         at = lambda key: _between(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
             # The last stage fuses forward and backward in one call under 1F1B (or
@@ -242,11 +254,16 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
     lowered = sched.lower(sched.build(schedule, stages, micro),
                           [p.sources for p in part.stages], [p.dests for p in part.stages])
-    sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
-                         network.wait)
     across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
     reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
-    step = sim.makespan + max(reduce)
+    # Each stage's allreduce and optimizer step follow its own last backward, while
+    # earlier stages still compute. On shared cores they take cores like any work:
+    # both were measured with every rank of the node doing them at once, so their
+    # work alone is that time over the slowdown of all the ranks computing.
+    tail = reduce if slowdown is None else [r / slowdown(on_node) for r in reduce]
+    sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
+                         network.wait, tail)
+    step = sim.finish
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
         in_flight = micro if schedule == "gpipe" else min(stages - s, micro)
@@ -261,7 +278,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
-           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None):
+           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
     that split some layer)."""
@@ -285,7 +302,7 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             for schedule in (schedules if stages > 1 else ("1f1b",)):
                 p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
                             schedule, ranks_per_node, cores, num_tensor, compute,
-                            stage_costs)
+                            stage_costs, stage_timer)
                 p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
                          schedule=schedule, counts=counts,
                          fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
@@ -395,11 +412,17 @@ def main(argv=None):
             print(f"  {n} at once: " + ", ".join(f"{t * 1e3:.1f} ms at batch {b}"
                                                  for b, t in sorted(row.items())), flush=True)
     limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
+    timer = None
+    if compute is not None:
+        # Pipelines that run here: their stages timed whole (a stage pays more than
+        # its calls' profiles say, and they share the step out only roughly).
+        print("timing the pipelines' stages ...", flush=True)
+        timer = measure.StageTimer(graph, model, batches)
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
                    cores=args.cores if args.nodes == 1 else None, compute=compute,
-                   stage_costs=extra)
+                   stage_costs=extra, stage_timer=timer)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
                              tensor=(1,), stage_costs=extra)][0]
     if args.json:

@@ -190,6 +190,11 @@ class Simulation:
     busy: list
     bubble: float
     peak_activations: list
+    finish: float = None  # with every stage's tail (None: no tails, the makespan)
+
+    def __post_init__(self):
+        if self.finish is None:
+            self.finish = self.makespan
 
     def __str__(self):
         return (f"makespan={self.makespan:g} bubble={self.bubble:.3f} "
@@ -197,7 +202,7 @@ class Simulation:
 
 
 def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
-             latency=0.0):
+             latency=0.0, tail=None):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time`: one number for every stage, or a list
@@ -216,12 +221,18 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     `latency`: seconds from a send until a receiver that waits for it has it (on
     an oversubscribed node, the wait for its next poll and for a core); it holds
     up only a receiver that gets there first.
+
+    `tail`: per stage, work it does once its list is done (its gradients'
+    allreduce and its optimizer step, which the executor starts as soon as the
+    stage's last backward ends, while earlier stages still compute); `finish` is
+    when the last tail ends. On shared cores a tail takes cores like a computation.
     """
     n = len(lowered)
     f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
+    tails = list(tail) if tail is not None else [0.0] * n
     if slowdown is not None:
-        return _shared(lowered, f_times, b_times, slowdown, copies, latency)
+        return _shared(lowered, f_times, b_times, slowdown, copies, latency, tails)
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -253,7 +264,8 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
     makespan = max(clock) if clock else 0.0
     bubble = 1.0 - sum(busy) / (n * makespan) if makespan else 0.0
-    return Simulation(makespan, busy, bubble, peak)
+    finish = max((c + t for c, t in zip(clock, tails)), default=0.0)
+    return Simulation(makespan, busy, bubble, peak, finish)
 
 
 def _message(action, stage):
@@ -264,13 +276,15 @@ def _message(action, stage):
     return kind, action.peer, stage, action.microbatch
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0):
+def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None):
     """`simulate` on shared cores: between two events (a computation ends, a message
     arrives) every computing stage moves at 1 / slowdown(busy ranks) of its own
     speed (processor sharing)."""
     n = len(lowered)
-    pos, left = [0] * n, [None] * n  # left: work still to do in the F/B under way
-    now, end = 0.0, [0.0] * n
+    tails = tails or [0.0] * n
+    pos, left = [0] * n, [None] * n  # left: work still to do in the F/B (or tail) under way
+    in_tail = [False] * n
+    now, end, finish = 0.0, [0.0] * n, [0.0] * n
     busy, alive, peak = [0.0] * n, [0] * n, [0] * n
     sent = {}  # message -> when it arrives
     while True:
@@ -292,8 +306,12 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0):
                         peak[s] = max(peak[s], alive[s])
                         break
                     pos[s] += 1
-                    end[s] = now
+                    end[s] = finish[s] = now
                     moved = True
+                if left[s] is None and pos[s] == len(lowered[s]) and not in_tail[s]:
+                    in_tail[s] = True
+                    if tails[s] > 0:
+                        left[s] = tails[s]
         running = [s for s in range(n) if left[s] is not None]
         arrivals = [t for t in sent.values() if t > now]
         if not running and not arrivals:
@@ -309,12 +327,17 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0):
             step, first = arrival - now, None  # a message arrives first
         now = arrival if first is None else now + step
         for s in running:
-            busy[s] += step
+            tailing = pos[s] == len(lowered[s])
+            if not tailing:
+                busy[s] += step
             left[s] = 0.0 if s == first else left[s] - step * rate
-            if left[s] <= 1e-12 * max(f_times[s], b_times[s], 1e-30):
+            if left[s] <= 1e-12 * max(f_times[s], b_times[s], tails[s], 1e-30):
                 left[s] = None
-                pos[s] += 1
-                end[s] = now
+                if tailing:
+                    finish[s] = now
+                else:
+                    pos[s] += 1
+                    end[s] = finish[s] = now
     makespan = max(end) if end else 0.0
     bubble = 1.0 - sum(busy) / (n * makespan) if makespan else 0.0
-    return Simulation(makespan, busy, bubble, peak)
+    return Simulation(makespan, busy, bubble, peak, max(finish, default=0.0))

@@ -179,3 +179,36 @@ def test_profiles_are_taken_at_batches_that_fit_in_memory():
     # (ResNet-1001 at batch 64 needs more than this machine's 24 GB).
     lo, hi = planner.profile_batches(64, 4, [1, 8], per_sample=200e6, memory=24e9)
     assert hi == 15 and 1 <= lo < hi
+
+
+@pytest.mark.parametrize("build,counts", [(models.mlp, [2, 1, 2]), (models.skip_cnn, [2, 3, 2])])
+def test_stages_are_timed_whole_as_they_run(build, counts):
+    model = build()
+    graph = G.from_model(model)
+    counts = counts[:-1] + [len(graph.nodes) - sum(counts[:-1])]
+    timer = measure.StageTimer(graph, model, (8, 32), repeats=2)
+    for s in range(len(counts)):
+        small, large = timer(counts, s, 8, False), timer(counts, s, 32, False)
+        assert all(0 < t < 1.0 for t in small + large)
+        middle = timer(counts, s, 20, False)  # between the two: interpolated
+        assert min(small[0], large[0]) <= middle[0] <= max(small[0], large[0])
+    forward, backward = timer(counts, len(counts) - 1, 16, True)  # one fused call
+    assert forward == 0.0 and 0 < backward < 1.0
+    assert len(timer._cache) == len(counts) + 1  # each stage timed once per kind
+
+
+def test_timed_stages_replace_the_profiles_of_a_pipeline():
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-3, 1000, 0, 100)] * len(graph.nodes)
+    free = planner.Network(0.0, 0.0)
+
+    def timer(counts, s, m, fused):
+        return (0.0, 0.03) if fused else (0.01, 0.02)
+
+    # Stage 0: 10 ms forward, 20 ms backward; the last stage's fused 30 ms counted a
+    # third forward: one microbatch goes 10 + 10 + 20 + 20 ms.
+    two = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 1, "1f1b", stage_timer=timer)
+    assert two["step_s"] == pytest.approx(0.06)
+    # One stage, or split layers: the profiles still (the timer knows neither).
+    one = planner.predict(graph, rows, 0.0, free, [5], 64, 1, 1, "1f1b", stage_timer=timer)
+    assert one["step_s"] == pytest.approx(5 * 0.064)

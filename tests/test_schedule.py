@@ -78,6 +78,10 @@ def test_shared_play_without_contention_is_the_plain_play(name, stages, micro):
         assert shared.makespan == pytest.approx(plain.makespan)
         assert shared.busy == pytest.approx(plain.busy)
         assert shared.peak_activations == plain.peak_activations
+        tail = [0.7, 0.0, 2.0, 0.1][:stages]
+        assert sched.simulate(lowered, f, b, slowdown=lambda busy: 1.0, latency=latency,
+                              tail=tail).finish == pytest.approx(
+            sched.simulate(lowered, f, b, latency=latency, tail=tail).finish)
 
 
 def test_latency_holds_up_only_a_receiver_that_waits():
@@ -93,6 +97,22 @@ def test_latency_holds_up_only_a_receiver_that_waits():
     base = sched.simulate(lowered, [1.0, 5.0], [1.0, 5.0]).makespan
     assert sched.simulate(lowered, [1.0, 5.0], [1.0, 5.0],
                           latency=0.25).makespan == pytest.approx(base + 0.5)
+
+
+def test_a_stage_s_tail_follows_its_own_last_backward():
+    # One microbatch over two stages: stage 1's backward ends at 4, stage 0's at 6.
+    lowered = sched.lower(sched.gpipe(2, 1), [[], [0]], [[1], []])
+    plain = sched.simulate(lowered, 1.0, 2.0, tail=[0.5, 1.5])
+    assert plain.makespan == pytest.approx(6.0)
+    assert plain.finish == pytest.approx(6.5)      # stage 1's tail ran in stage 0's backward
+    assert sched.simulate(lowered, 1.0, 2.0, tail=[0.5, 3.0]).finish == pytest.approx(7.0)
+    assert sched.simulate(lowered, 1.0, 2.0).finish == plain.makespan
+    # On one core, stage 1's tail takes half of it from stage 0's backward: both
+    # end together, all the work in a row (1 + 1 + 2 + 2 + 1.5 + 0.5).
+    one_core = sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy, tail=[0.5, 1.5])
+    assert one_core.finish == pytest.approx(8.0)
+    assert one_core.makespan == pytest.approx(7.5)  # the pipeline's end: without tails
+    assert one_core.bubble == pytest.approx(0.5)
 
 
 def test_stages_on_one_core_take_turns():
