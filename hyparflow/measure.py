@@ -98,24 +98,38 @@ def stage_costs(graph, model, rows, batches, repeats=5):
         # Those layers' share of the fused step: `rows` were fitted to the model's
         # compiled step at these very batch sizes (`profile.fit_model`).
         fused = sum(r[0] + r[1] * b for r in rows[:-1])
-        inputs = [profile._dummy(graph.tensors[t], b) for t in stage.input_ids]
-        seeds = {t: np.ones((b,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]), np.float32)
-                 for t in stage.output_ids if graph.tensors[t].floating}
-
-        def forward():
-            stage.forward(0, inputs)
-
-        def both():
-            stage.forward(0, inputs)
-            stage.backward(0, seeds)
-            stage.reset_grads()
-
-        both()
-        whole = profile.timed(both, repeats) * profile.slowdown()
+        ahead, whole = _taped(stage, b, repeats)
         out["taped"].append(max(1.0, whole / max(fused, 1e-12)))
-        out["forward"].append(min(0.9, profile.timed(forward, repeats) * profile.slowdown() / whole))
-    stage._saved.clear()
+        out["forward"].append(min(0.9, ahead / whole))
     return out
+
+
+def _taped(stage, batch, repeats):
+    """(forward, forward and backward) seconds of `stage` on `batch` random samples, as
+    the executor runs it: the forward kept on a tape, the backward from it with the
+    gradients of its outputs (ones), the weights' gradients summed into its buffers."""
+    import numpy as np
+
+    from . import profile
+
+    graph = stage.graph
+    inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
+    seeds = {t: np.ones((batch,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]), np.float32)
+             for t in stage.output_ids if graph.tensors[t].floating}
+
+    def forward():
+        stage.forward(0, inputs)
+
+    def both():
+        stage.forward(0, inputs)
+        stage.backward(0, seeds)
+        stage.reset_grads()
+
+    both()
+    whole = profile.timed(both, repeats) * profile.slowdown()
+    ahead = profile.timed(forward, repeats) * profile.slowdown()
+    stage._saved.clear()
+    return ahead, whole
 
 
 class StageTimer:
@@ -148,7 +162,6 @@ class StageTimer:
         return tuple(_between(x, (points[0][k], points[-1][k]), m) for k in range(2))
 
     def _time(self, counts, s, batch, fused):
-        import numpy as np
         import tensorflow as tf
 
         from . import profile
@@ -161,48 +174,33 @@ class StageTimer:
         stage = Stage(graph, plan, self.model, part, is_last=False)
         if s == len(counts) - 1:
             stage.output_ids = list(plan.outputs)  # the model's outputs: the loss's inputs
+        if not fused:
+            ahead, total = _taped(stage, batch, self.repeats)
+            ahead = min(ahead, total)
+            return ahead, total - ahead
         inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
-        seeds = {t: np.ones((batch,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]),
-                            np.float32)
-                 for t in stage.output_ids if graph.tensors[t].floating}
-        factor = profile.slowdown()
-        if fused:
-            diff = stage._diff
-            sources = list(stage.trainable)
+        diff = stage._diff
+        sources = list(stage.trainable)
 
-            @tf.function
-            def both(xs):
-                with tf.GradientTape() as tape:
-                    for k in diff:
-                        tape.watch(xs[k])
-                    outs, contribution = stage._compute(xs, [], [], tf.constant(1.0), "train")
-                    target = contribution + tf.add_n(
-                        [tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
-                         if o.dtype.is_floating] or [tf.zeros(())])
-                return tape.gradient(target, sources + [xs[k] for k in diff],
-                                     unconnected_gradients=tf.UnconnectedGradients.NONE)
+        @tf.function
+        def both(xs):
+            with tf.GradientTape() as tape:
+                for k in diff:
+                    tape.watch(xs[k])
+                outs, contribution = stage._compute(xs, [], [], tf.constant(1.0), "train")
+                target = contribution + tf.add_n(
+                    [tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
+                     if o.dtype.is_floating] or [tf.zeros(())])
+            return tape.gradient(target, sources + [xs[k] for k in diff],
+                                 unconnected_gradients=tf.UnconnectedGradients.NONE)
 
-            def step():
-                stage._ready()
-                stage._accumulate(both(inputs), [inputs[k] for k in diff])
-                stage.reset_grads()
-
-            step()
-            return 0.0, profile.timed(step, self.repeats) * factor
-
-        def forward():
-            stage.forward(0, inputs)
-
-        def whole():
-            stage.forward(0, inputs)
-            stage.backward(0, seeds)
+        def step():
+            stage._ready()
+            stage._accumulate(both(inputs), [inputs[k] for k in diff])
             stage.reset_grads()
 
-        whole()
-        total = profile.timed(whole, self.repeats) * factor
-        ahead = min(profile.timed(forward, self.repeats) * factor, total)
-        stage._saved.clear()
-        return ahead, total - ahead
+        step()
+        return 0.0, profile.timed(step, self.repeats) * profile.slowdown()
 
 
 def _between(points, values, x):
