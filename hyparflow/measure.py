@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["ping_pong", "rings", "compute", "stage_costs", "StageTimer"]
+__all__ = ["ping_pong", "rings", "compute", "stage_costs", "StageTimer", "tensor_stages"]
 
 
 def _mpi_lines(ranks, function, prefix, *args):
@@ -133,74 +133,161 @@ def _taped(stage, batch, repeats):
 
 
 class StageTimer:
-    """Each stage of a plan timed as hyparflow runs it, in this process: its layers
-    compiled into a `Stage`, forward kept on a tape and backward from it, or both in
-    one call for a last stage under 1F1B, the gradients summed into its buffers.
-    Layer profiles share the model's step out among its calls only roughly (one
-    eager call at a time), and a stage pays more than its calls' share (its own
-    compiled calls, the tape, the sums); this times the whole.
+    """Each stage of a plan timed as hyparflow runs it: its layers compiled into a
+    `Stage`, forward kept on a tape and backward from it, or both in one call for a
+    last stage under 1F1B, the gradients summed into its buffers. Layer profiles
+    share the model's step out among its calls only roughly (one eager call at a
+    time), and a stage pays more than its calls' share (its own compiled calls, the
+    tape, the sums); this times the whole.
 
     `timer(counts, s, m, fused)` -> (forward, backward) seconds of stage `s` of a
     partition into `counts` on `m` samples: measured at the two `batches` and
-    interpolated between them, each stage (first call, length, fused) once. A last
-    stage is timed with the sum of its outputs for the loss, as `profile.model_step`
-    times the whole model: the planner has no targets to feed the user's loss."""
+    interpolated between them, each stage (first call, length, fused) once, in this
+    process. A last stage is timed with the sum of its outputs for the loss, as
+    `profile.model_step` times the whole model: the planner has no targets to feed
+    the user's loss.
 
-    def __init__(self, graph, model, batches, repeats=5):
+    `timer(counts, s, m, fused, num_tensor)`, with the model's `source` and
+    `function` and the plan's `ranks` given: stage `s` with its layers split over
+    `num_tensor` ranks, timed under mpiexec with all `ranks` running it at once in
+    groups of `num_tensor` (`tensor_stages`): its split layers' exchanges included,
+    as they run inside the compiled stage, between ranks that share this node's
+    cores. `prepare` times many such stages in one run."""
+
+    def __init__(self, graph, model, batches, repeats=5, source=None, function=None,
+                 ranks=None):
         self.graph, self.model, self.repeats = graph, model, repeats
         self.batches = sorted(set(int(b) for b in batches))
+        self.source, self.function, self.ranks = source, function, ranks
         self._cache = {}
 
-    def __call__(self, counts, s, m, fused):
-        key = (sum(counts[:s]), counts[s], bool(fused))
+    @property
+    def splits(self):
+        """Whether stages with split layers can be timed (under mpiexec) here."""
+        return self.source is not None and bool(self.ranks)
+
+    def key(self, counts, s, fused, num_tensor=1):
+        return sum(counts[:s]), counts[s], len(counts) - 1 == s, bool(fused), num_tensor
+
+    def prepare(self, wanted):
+        """Time every (counts, s, fused, num_tensor) of `wanted` with split layers not
+        timed yet, in one run under mpiexec."""
+        keys = {self.key(c, s, f, t) for c, s, f, t in wanted if t > 1}
+        keys = sorted(k for k in keys if k not in self._cache)
+        if keys:
+            self._cache.update(tensor_stages(self.ranks, self.source, self.function,
+                                             self.batches, keys, self.repeats))
+
+    def __call__(self, counts, s, m, fused, num_tensor=1):
+        key = self.key(counts, s, fused, num_tensor)
         if key not in self._cache:
-            self._cache[key] = [self._time(counts, s, b, fused) for b in self.batches]
+            if num_tensor > 1:
+                self.prepare([(counts, s, fused, num_tensor)])
+            else:
+                self._cache[key] = [_stage_time(self.graph, self.model, key, b, self.repeats)
+                                    for b in self.batches]
         points = self._cache[key]
         if len(points) == 1:
             return points[0]
         x = (self.batches[0], self.batches[-1])
         return tuple(_between(x, (points[0][k], points[-1][k]), m) for k in range(2))
 
-    def _time(self, counts, s, batch, fused):
-        import tensorflow as tf
 
-        from . import profile
-        from .partition import partition
-        from .stage import Stage
+def _stage_time(graph, model, key, batch, repeats, shards=None):
+    """(forward, backward) seconds of the stage `key` (`StageTimer.key`: its first
+    call, how many, whether it is the last, whether fused) on `batch` samples; with
+    `shards`, its split layers' parts (`tensor.shard`)."""
+    import tensorflow as tf
 
-        graph = self.graph
-        part = partition(graph, len(counts), list(counts))
-        plan = part.stages[s]
-        stage = Stage(graph, plan, self.model, part, is_last=False)
-        if s == len(counts) - 1:
-            stage.output_ids = list(plan.outputs)  # the model's outputs: the loss's inputs
-        if not fused:
-            ahead, total = _taped(stage, batch, self.repeats)
-            ahead = min(ahead, total)
-            return ahead, total - ahead
-        inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
-        diff = stage._diff
-        sources = list(stage.trainable)
+    from . import profile
+    from .partition import partition
+    from .stage import Stage
 
-        @tf.function
-        def both(xs):
-            with tf.GradientTape() as tape:
-                for k in diff:
-                    tape.watch(xs[k])
-                outs, contribution = stage._compute(xs, [], [], tf.constant(1.0), "train")
-                target = contribution + tf.add_n(
-                    [tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
-                     if o.dtype.is_floating] or [tf.zeros(())])
-            return tape.gradient(target, sources + [xs[k] for k in diff],
-                                 unconnected_gradients=tf.UnconnectedGradients.NONE)
+    first, count, last, fused, _ = key
+    counts = [c for c in (first, count, len(graph.nodes) - first - count) if c]
+    s = 1 if first else 0
+    part = partition(graph, len(counts), counts)
+    plan = part.stages[s]
+    stage = Stage(graph, plan, model, part, is_last=False, shards=shards)
+    if last:
+        stage.output_ids = list(plan.outputs)  # the model's outputs: the loss's inputs
+    if not fused:
+        ahead, total = _taped(stage, batch, repeats)
+        ahead = min(ahead, total)
+        return ahead, total - ahead
+    inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
+    diff = stage._diff
+    sources = list(stage.trainable)
 
-        def step():
-            stage._ready()
-            stage._accumulate(both(inputs), [inputs[k] for k in diff])
-            stage.reset_grads()
+    @tf.function
+    def both(xs):
+        with tf.GradientTape() as tape:
+            for k in diff:
+                tape.watch(xs[k])
+            outs, contribution = stage._compute(xs, [], [], tf.constant(1.0), "train")
+            target = contribution + tf.add_n(
+                [tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
+                 if o.dtype.is_floating] or [tf.zeros(())])
+        return tape.gradient(target, sources + [xs[k] for k in diff],
+                             unconnected_gradients=tf.UnconnectedGradients.NONE)
 
-        step()
-        return 0.0, profile.timed(step, self.repeats) * profile.slowdown()
+    def step():
+        stage._ready()
+        stage._accumulate(both(inputs), [inputs[k] for k in diff])
+        stage.reset_grads()
+
+    step()
+    return 0.0, profile.timed(step, repeats) * profile.slowdown()
+
+
+def tensor_stages(ranks, source, function, batches, keys, repeats=5):
+    """{key: [(forward, backward) seconds at each of `batches`]} for stages `keys`
+    (`StageTimer.key`) whose layers are split over their tensor ranks: `ranks`
+    processes on this node run each stage at once, in groups of its tensor ranks,
+    as the ranks of a plan with that many tensor ranks per stage do."""
+    found = {}
+    for k, b, f, w in _mpi_lines(ranks, "_tensor_stages", "STAGE", source, function,
+                                 list(batches), [list(k) for k in keys], repeats):
+        key = keys[int(k)]
+        found.setdefault(key, {})[int(b)] = (float(f), float(w))
+    return {key: [found[key][b] for b in sorted(found[key])] for key in found}
+
+
+def _tensor_stages(source, function, batches, keys, repeats):
+    from . import _env
+
+    _env.start_tensorflow()
+    from mpi4py import MPI
+
+    from . import graph as G
+    from . import profile
+    from . import tensor as T
+    from .comm import MPICommunicator
+    from .partition import partition
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    model = profile.load_model(source, function)
+    graph = G.from_model(model)
+    for index, key in enumerate(keys):
+        first, count, last, fused, num_tensor = key = tuple(key)
+        comm = MPICommunicator(world.Split(rank // num_tensor, rank))
+        collectives = T.Collectives(comm)
+        shares = T.shares_of(None, num_tensor)
+        nodes = range(first, first + count)
+        shards = {i: T.shard(graph.nodes[i].op, split, comm.rank, shares, collectives)
+                  for i, split in T.choose(graph, nodes, num_tensor).items()}
+        for b in batches:
+            # Every group times its calls at the same time: each call exchanges with
+            # the group, so all its ranks make the same number of them.
+            _idle_barrier(world)
+            f, w = _stage_time(graph, model, key, b, repeats, shards)
+            both = world.allgather(f + w)
+            ahead = world.allgather(f)
+            if rank == 0:
+                print(f"STAGE {index} {b} {sum(ahead) / size:.6e} "
+                      f"{(sum(both) - sum(ahead)) / size:.6e}", flush=True)
+        comm.free()
 
 
 def _between(points, values, x):
@@ -220,13 +307,28 @@ def _idle_barrier(world):
         time.sleep(1e-3)
 
 
+def _waiting(done, stretch=0.02):
+    """Wait for request `done` as a pipeline stage waits for its next message: polls
+    that back off to 1 ms sleeps (`comm._poll`), starting over every `stretch`
+    seconds as a stage's waits do, each of whose wake-ups takes a core for a moment
+    from the ranks that compute."""
+    from .comm import _poll
+
+    while not done.Test():
+        until = time.monotonic() + stretch
+        _poll(lambda: done.Test() or time.monotonic() > until, None, "a measurement", 0.0)
+
+
 def _together(world, busy, fn, repeats=5):
-    """Median seconds of `fn` on ranks 0 .. busy-1 running it at the same time (one
-    untimed call first, so the timed ones all overlap); the mean over those ranks.
-    A rank done with its timed calls goes on calling `fn` until every busy rank is
-    done: time-slicing lets some ranks finish first, and the others, left with the
-    cores to themselves, would time less contention than a training step has (there
-    the allreduce holds every rank to the same pace)."""
+    """Seconds per call of `fn` on ranks 0 .. busy-1 running it at the same time (one
+    untimed call first, so the timed ones all overlap), while the other ranks wait
+    as pipeline stages do (`_waiting`); the slowest of those ranks' median call
+    (the median: this node's cores are shared with other machines, and one call
+    descheduled would weigh in a mean), since a step waits for its slowest rank at
+    every message and allreduce. A rank done
+    with its timed calls goes on calling `fn` until every busy rank is done:
+    time-slicing lets some ranks finish first, and the others, left with the cores
+    to themselves, would time less contention than a training step has."""
     from . import profile
 
     _idle_barrier(world)
@@ -238,11 +340,9 @@ def _together(world, busy, fn, repeats=5):
         while not done.Test():
             fn()
     else:
-        _idle_barrier(world)
+        _waiting(world.Ibarrier())
     _idle_barrier(world)  # MPICH's blocking calls spin: the last ones would lose cores
-    everyone = world.allgather(mine)
-    values = [t for t in everyone if t is not None]
-    return sum(values) / len(values)
+    return max(t for t in world.allgather(mine) if t is not None)
 
 
 def _compute(source, function, batches):

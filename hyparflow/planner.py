@@ -220,6 +220,12 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
     split = _tensor_costs(graph, num_tensor, m, network)
+    if slowdown is not None:
+        # The exchanges were timed with every rank of the node running (`measure.rings`),
+        # and the shared play slows whatever a stage does by how many ranks compute at
+        # once: their work alone is that time over the slowdown of all of them.
+        split = {i: (d, f / slowdown(on_node), b / slowdown(on_node))
+                 for i, (d, f, b) in split.items()}
     div = lambda i: split[i][0] if i in split else 1  # noqa: E731
     work = [share * sum((rows[i][0] + rows[i][1] * m) / div(i) for i in range(a, a + c))
             for a, c in zip(starts, counts)]
@@ -233,7 +239,19 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
     backward = [2 * c / 3 for c in work]
-    if stage_timer is not None and num_tensor == 1 and stages > 1:
+    if stage_timer is not None and num_tensor > 1 and getattr(stage_timer, "splits", False):
+        # Stages with split layers, timed with every rank of the node running them
+        # (their exchanges included): their work alone, as for the tails below, is
+        # that time over the slowdown of all the ranks computing.
+        alone = slowdown(on_node) if slowdown is not None else 1.0
+        for s in range(stages):
+            fused = s == stages - 1 and (schedule == "1f1b" or stages == 1)
+            f, b = stage_timer(counts, s, m, fused, num_tensor)
+            if fused:  # one call; a third of it forward, as the profiles have it
+                f, b = (f + b) / 3, 2 * (f + b) / 3
+            forward[s], backward[s] = f / alone, b / alone
+            exchange_f[s] = exchange_b[s] = 0.0
+    elif stage_timer is not None and num_tensor == 1 and stages > 1:
         for s in range(stages):
             fused = s == stages - 1 and schedule == "1f1b"
             f, b = stage_timer(counts, s, m, fused)
@@ -290,6 +308,18 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
         if ranks % t == 0 and (t == 1 or T.choose(graph, range(len(graph.nodes)), t)):
             shapes += [(s, t) for s in range(1, ranks // t + 1)
                        if (ranks // t) % s == 0 and s <= len(graph.nodes)]
+    if stage_timer is not None and getattr(stage_timer, "splits", False):
+        # Stages with split layers are timed under mpiexec: all of them in one run.
+        wanted = []
+        for stages, num_tensor in shapes:
+            replicas = ranks // (stages * num_tensor)
+            for micro in microbatches:
+                if num_tensor > 1 and batch >= replicas * micro:
+                    counts = B.solve([r[0] + r[1] * batch / (replicas * micro) for r in rows],
+                                     stages)
+                    wanted += [(counts, s, s == stages - 1 and (sched == "1f1b" or stages == 1),
+                                num_tensor) for s in range(stages) for sched in schedules]
+        stage_timer.prepare(wanted)
     plans = []
     for stages, num_tensor in shapes:
         replicas = ranks // (stages * num_tensor)
@@ -417,7 +447,8 @@ def main(argv=None):
         # Pipelines that run here: their stages timed whole (a stage pays more than
         # its calls' profiles say, and they share the step out only roughly).
         print("timing the pipelines' stages ...", flush=True)
-        timer = measure.StageTimer(graph, model, batches)
+        timer = measure.StageTimer(graph, model, batches, source=args.model,
+                                   function=args.function, ranks=ranks)
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,

@@ -124,6 +124,49 @@ def test_compute_is_measured_with_every_rank_running(tmp_path):
     assert compute.slowdown(8)(2) >= 1.0
 
 
+WIDE_MODEL = """import keras
+
+def build_model():
+    inp = keras.Input((256,))
+    h = keras.layers.Dense(512, activation="relu")(inp)    # split by columns ...
+    h = keras.layers.Dense(256, activation="relu")(h)      # ... and this one by rows
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+"""
+
+
+def test_stages_with_split_layers_are_timed_under_mpiexec(tmp_path):
+    source = tmp_path / "model.py"
+    source.write_text(WIDE_MODEL)
+    keys = [(0, 3, True, True, 2), (0, 2, False, False, 2), (2, 1, True, False, 2)]
+    found = measure.tensor_stages(2, str(source), "build_model", (4, 16), keys, repeats=2)
+    assert sorted(found) == sorted(keys) and all(len(v) == 2 for v in found.values())
+    assert all(f == 0.0 and 0 < b < 1.0 for f, b in found[keys[0]])  # one fused call
+    assert all(0 < f < 1.0 and 0 < b < 1.0 for key in keys[1:] for f, b in found[key])
+
+
+def test_stages_with_split_layers_use_their_timings_exchanges_included():
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-3, 1000, 0, 100)] * len(graph.nodes)
+    slow = planner.Network(1.0, 0.0)  # an exchange would cost a second: none is added
+    busy = planner.Compute({1: {8: 0.01, 64: 0.01}, 2: {8: 0.02, 64: 0.02}}, 0.0)
+    asked = []
+
+    class Timer:
+        splits = True
+
+        def __call__(self, counts, s, m, fused, num_tensor=1):
+            asked.append((tuple(counts), s, fused, num_tensor))
+            return (0.0, 0.09) if fused else (0.01, 0.02)
+
+    p = planner.predict(graph, rows, 0.0, slow, [5], 64, 1, 1, "1f1b", num_tensor=2,
+                        compute=busy, stage_timer=Timer())
+    # Timed with both ranks running (slowed 2x), played with both running: as timed.
+    assert asked == [((5,), 0, True, 2)]
+    assert p["step_s"] == pytest.approx(0.09)
+
+
 def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
