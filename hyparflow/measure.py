@@ -154,8 +154,10 @@ class StageTimer:
     as they run inside the compiled stage, between ranks that share this node's
     cores. `prepare` times many such stages in one run."""
 
-    def __init__(self, graph, model, batches, repeats=5, source=None, function=None,
+    def __init__(self, graph, model, batches, repeats=9, source=None, function=None,
                  ranks=None):
+        # The median of 9 calls: a stage's call of a few milliseconds varied twofold
+        # over 5 on this shared host (other machines' spells take its cores).
         self.graph, self.model, self.repeats = graph, model, repeats
         self.batches = sorted(set(int(b) for b in batches))
         self.source, self.function, self.ranks = source, function, ranks
@@ -391,19 +393,26 @@ def _rings():
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     small, large = 64 << 10, 32 << 20
+    work = _fixed_work()
     for g in [g for g in range(2, size + 1) if size % g == 0]:
         comm = MPICommunicator(world.Split(rank // g, rank))
         times = {}
         for nbytes in (small, large):
             buf = np.ones(nbytes // 4, np.float32)
             parts = np.array_split(buf, max(1, nbytes // BUCKET_BYTES))
-            runs = []
+            # The allreduce as a step meets it: right after the same computation on
+            # every rank, which ranks sharing cores finish at different moments, the
+            # ring waiting for the last. Its cost is what it adds to that computation.
+            runs = {False: [], True: []}
             for _ in range(5):
-                world.Barrier()
-                start = time.perf_counter()
-                wait_all([comm.iallreduce(p) for p in parts])
-                runs.append(time.perf_counter() - start)
-            times[nbytes] = sorted(runs)[2]
+                for reduce in (False, True):
+                    world.Barrier()
+                    start = time.perf_counter()
+                    work()
+                    if reduce:
+                        wait_all([comm.iallreduce(p) for p in parts])
+                    runs[reduce].append(time.perf_counter() - start)
+            times[nbytes] = max(sorted(runs[True])[2] - sorted(runs[False])[2], 1e-6)
         rounds = 2 * (g - 1)
         alpha = times[small] / rounds
         beta = max(times[large] - times[small], 0.0) / (rounds / g * (large - small))
@@ -416,6 +425,21 @@ def _rings():
     wait = _wait(world)
     if rank == 0:
         print(f"MEASURED WAIT {wait:.3e}", flush=True)
+
+
+def _fixed_work(calls=32):
+    """The same computation on every rank (a fixed number of products: 20 ms alone
+    here, about a step's compute), after which ranks meet in a collective."""
+    import tensorflow as tf
+
+    w = tf.random.normal((192, 192))
+    step = tf.function(lambda a: tf.matmul(tf.matmul(tf.matmul(a, w), w), w) / 192.0)
+    step(w).numpy()
+
+    def work():
+        for _ in range(calls):
+            step(w).numpy()
+    return work
 
 
 def _wait(world, work=0.01, repeats=15):
