@@ -149,10 +149,11 @@ class StageTimer:
 
     `timer(counts, s, m, fused, num_tensor)`, with the model's `source` and
     `function` and the plan's `ranks` given: stage `s` with its layers split over
-    `num_tensor` ranks, timed under mpiexec with all `ranks` running it at once in
-    groups of `num_tensor` (`tensor_stages`): its split layers' exchanges included,
-    as they run inside the compiled stage, between ranks that share this node's
-    cores. `prepare` times many such stages in one run."""
+    `num_tensor` ranks, timed under mpiexec (`tensor_stages`), its split layers'
+    exchanges included, as they run inside the compiled stage, between ranks that
+    share this node's cores: (forward, backward) with all `ranks` running it at once
+    in groups of `num_tensor`, then (forward, backward) with one group running it.
+    `prepare` times many such stages in one run."""
 
     def __init__(self, graph, model, batches, repeats=9, source=None, function=None,
                  ranks=None):
@@ -192,7 +193,8 @@ class StageTimer:
         if len(points) == 1:
             return points[0]
         x = (self.batches[0], self.batches[-1])
-        return tuple(_between(x, (points[0][k], points[-1][k]), m) for k in range(2))
+        return tuple(_between(x, (points[0][k], points[-1][k]), m)
+                     for k in range(len(points[0])))
 
 
 def _stage_time(graph, model, key, batch, repeats, shards=None):
@@ -243,15 +245,17 @@ def _stage_time(graph, model, key, batch, repeats, shards=None):
 
 
 def tensor_stages(ranks, source, function, batches, keys, repeats=5):
-    """{key: [(forward, backward) seconds at each of `batches`]} for stages `keys`
-    (`StageTimer.key`) whose layers are split over their tensor ranks: `ranks`
-    processes on this node run each stage at once, in groups of its tensor ranks,
-    as the ranks of a plan with that many tensor ranks per stage do."""
+    """{key: [(forward, backward, forward alone, backward alone) seconds at each of
+    `batches`]} for stages `keys` (`StageTimer.key`) whose layers are split over their
+    tensor ranks: `ranks` processes on this node run each stage at once, in groups of
+    its tensor ranks, as the ranks of a plan with that many tensor ranks per stage
+    do; then one group runs it, the other ranks waiting as pipeline stages wait (a
+    stage of a pipeline runs while the others wait for it)."""
     found = {}
-    for k, b, f, w in _mpi_lines(ranks, "_tensor_stages", "STAGE", source, function,
-                                 list(batches), [list(k) for k in keys], repeats):
+    for k, b, *times in _mpi_lines(ranks, "_tensor_stages", "STAGE", source, function,
+                                   list(batches), [list(k) for k in keys], repeats):
         key = keys[int(k)]
-        found.setdefault(key, {})[int(b)] = (float(f), float(w))
+        found.setdefault(key, {})[int(b)] = tuple(float(t) for t in times)
     return {key: [found[key][b] for b in sorted(found[key])] for key in found}
 
 
@@ -284,11 +288,19 @@ def _tensor_stages(source, function, batches, keys, repeats):
             # the group, so all its ranks make the same number of them.
             _idle_barrier(world)
             f, w = _stage_time(graph, model, key, b, repeats, shards)
-            both = world.allgather(f + w)
-            ahead = world.allgather(f)
+            every = world.allgather((f, w))
+            _idle_barrier(world)
+            if rank < num_tensor:  # then group 0 alone
+                one = _stage_time(graph, model, key, b, repeats, shards)
+                _waiting(world.Ibarrier())
+            else:
+                one = None
+                _waiting(world.Ibarrier())
+            alone = [t for t in world.allgather(one) if t is not None]
             if rank == 0:
-                print(f"STAGE {index} {b} {sum(ahead) / size:.6e} "
-                      f"{(sum(both) - sum(ahead)) / size:.6e}", flush=True)
+                mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+                print(f"STAGE {index} {b} {mean(every, 0):.6e} {mean(every, 1):.6e} "
+                      f"{mean(alone, 0):.6e} {mean(alone, 1):.6e}", flush=True)
         comm.free()
 
 

@@ -21,7 +21,8 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
 - tensor parallelism (T ranks per stage): a split layer's compute, weights and
   optimizer state are divided by T; each split call adds, per microbatch, an exchange
   between the T ranks forward and one backward ((T - 1) messages of its part, or of the
-  whole output for a sum).
+  whole output for a sum); when the plans run on this node, stages with split layers
+  are instead timed whole under mpiexec, exchanges included (`measure.tensor_stages`).
 
 alpha and beta are measured with MPI (a ping-pong between two ranks, and on one
 node every ring size with all the plan's ranks running: `measure.rings`) or given
@@ -161,6 +162,19 @@ def _between(points, values, x):
     return y0 + (y1 - y0) * min(max((x - x0) / (x1 - x0), 0.0), 1.0)
 
 
+def _work_and_wait(every, one, slowdown, ranks, num_tensor):
+    """(work, wait) of a computation that took `every` seconds with `ranks` ranks busy
+    and `one` with `num_tensor`: work * slowdown(busy) + wait through both points,
+    neither below zero (all work when nothing slows it)."""
+    if slowdown is None:
+        return every, 0.0
+    many, few = slowdown(ranks), slowdown(num_tensor)
+    if many <= few:
+        return every / many, 0.0
+    work = min(max((every - one) / (many - few), 0.0), every / many)
+    return work, max(every - work * many, 0.0)
+
+
 def _elements(graph, t):
     from .graph import numel
 
@@ -239,17 +253,22 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
     backward = [2 * c / 3 for c in work]
+    waits = [(0.0, 0.0)] * stages
     if stage_timer is not None and num_tensor > 1 and getattr(stage_timer, "splits", False):
-        # Stages with split layers, timed with every rank of the node running them
-        # (their exchanges included): their work alone, as for the tails below, is
-        # that time over the slowdown of all the ranks computing.
-        alone = slowdown(on_node) if slowdown is not None else 1.0
+        # Stages with split layers, timed (exchanges included) with every rank of the
+        # node running them and with only their own tensor ranks running. Compute
+        # slows with the ranks computing at once; the waits for peers inside the
+        # exchanges do not. Of a time `every` with all the ranks busy and `one` with
+        # T of them: work * slowdown(busy) + wait, fitted through both.
         for s in range(stages):
             fused = s == stages - 1 and (schedule == "1f1b" or stages == 1)
-            f, b = stage_timer(counts, s, m, fused, num_tensor)
+            f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
             if fused:  # one call; a third of it forward, as the profiles have it
-                f, b = (f + b) / 3, 2 * (f + b) / 3
-            forward[s], backward[s] = f / alone, b / alone
+                f, b, f1, b1 = (f + b) / 3, 2 * (f + b) / 3, (f1 + b1) / 3, 2 * (f1 + b1) / 3
+            parts = [_work_and_wait(every, one, slowdown, on_node, num_tensor)
+                     for every, one in ((f, f1), (b, b1))]
+            (forward[s], wait_f), (backward[s], wait_b) = parts
+            waits[s] = (wait_f, wait_b)
             exchange_f[s] = exchange_b[s] = 0.0
     elif stage_timer is not None and num_tensor == 1 and stages > 1:
         for s in range(stages):
@@ -280,7 +299,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     # work alone is that time over the slowdown of all the ranks computing.
     tail = reduce if slowdown is None else [r / slowdown(on_node) for r in reduce]
     sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
-                         network.wait, tail)
+                         network.wait, tail, waits)
     step = sim.finish
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):

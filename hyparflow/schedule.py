@@ -202,7 +202,7 @@ class Simulation:
 
 
 def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
-             latency=0.0, tail=None):
+             latency=0.0, tail=None, waits=None):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time`: one number for every stage, or a list
@@ -226,13 +226,20 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     allreduce and its optimizer step, which the executor starts as soon as the
     stage's last backward ends, while earlier stages still compute); `finish` is
     when the last tail ends. On shared cores a tail takes cores like a computation.
+
+    `waits`: per stage, (forward, backward) seconds of each F and B spent waiting
+    (for the other tensor ranks inside a split layer's exchange): they pass at full
+    speed and take no core, however many ranks compute.
     """
     n = len(lowered)
     f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
     tails = list(tail) if tail is not None else [0.0] * n
+    waits = list(waits) if waits is not None else [(0.0, 0.0)] * n
     if slowdown is not None:
-        return _shared(lowered, f_times, b_times, slowdown, copies, latency, tails)
+        return _shared(lowered, f_times, b_times, slowdown, copies, latency, tails, waits)
+    f_times = [f + w[0] for f, w in zip(f_times, waits)]
+    b_times = [b + w[1] for b, w in zip(b_times, waits)]
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -276,13 +283,16 @@ def _message(action, stage):
     return kind, action.peer, stage, action.microbatch
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None):
+def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None, waits=None):
     """`simulate` on shared cores: between two events (a computation ends, a message
-    arrives) every computing stage moves at 1 / slowdown(busy ranks) of its own
-    speed (processor sharing)."""
+    arrives, a wait ends) every computing stage moves at 1 / slowdown(busy ranks) of
+    its own speed (processor sharing); a stage in an F/B's wait (`waits`) moves at
+    full speed and is not busy."""
     n = len(lowered)
     tails = tails or [0.0] * n
+    waits = waits or [(0.0, 0.0)] * n
     pos, left = [0] * n, [None] * n  # left: work still to do in the F/B (or tail) under way
+    hold = [0.0] * n  # seconds of the F/B under way still to wait, before its work
     in_tail = [False] * n
     now, end, finish = 0.0, [0.0] * n, [0.0] * n
     busy, alive, peak = [0.0] * n, [0] * n, [0] * n
@@ -302,6 +312,7 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
                         sent[_message(a, s)] = now + latency
                     if a.kind in (F, B):
                         left[s] = f_times[s] if a.kind == F else b_times[s]
+                        hold[s] = waits[s][0 if a.kind == F else 1]
                         alive[s] += 1 if a.kind == F else -1
                         peak[s] = max(peak[s], alive[s])
                         break
@@ -319,9 +330,11 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
                 break
             stuck = {s: str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s])}
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
-        rate = 1.0 / max(slowdown(len(running) * copies), 1e-12)
-        first = min(running, key=lambda s: left[s]) if running else None
-        step = left[first] / rate if running else float("inf")
+        working = [s for s in running if hold[s] <= 0]
+        rate = 1.0 / max(slowdown(len(working) * copies), 1e-12)
+        ends = {s: hold[s] if hold[s] > 0 else left[s] / rate for s in running}
+        first = min(running, key=lambda s: ends[s]) if running else None
+        step = ends[first] if running else float("inf")
         arrival = min(arrivals) if arrivals else None
         if arrival is not None and arrival - now < step:
             step, first = arrival - now, None  # a message arrives first
@@ -330,6 +343,9 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
             tailing = pos[s] == len(lowered[s])
             if not tailing:
                 busy[s] += step
+            if hold[s] > 0:  # waiting: its work starts once the wait is over
+                hold[s] = 0.0 if s == first else hold[s] - step
+                continue
             left[s] = 0.0 if s == first else left[s] - step * rate
             if left[s] <= 1e-12 * max(f_times[s], b_times[s], tails[s], 1e-30):
                 left[s] = None

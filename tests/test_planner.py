@@ -142,15 +142,22 @@ def test_stages_with_split_layers_are_timed_under_mpiexec(tmp_path):
     keys = [(0, 3, True, True, 2), (0, 2, False, False, 2), (2, 1, True, False, 2)]
     found = measure.tensor_stages(2, str(source), "build_model", (4, 16), keys, repeats=2)
     assert sorted(found) == sorted(keys) and all(len(v) == 2 for v in found.values())
-    assert all(f == 0.0 and 0 < b < 1.0 for f, b in found[keys[0]])  # one fused call
-    assert all(0 < f < 1.0 and 0 < b < 1.0 for key in keys[1:] for f, b in found[key])
+    # Each batch: forward and backward with both ranks running, then the same alone
+    # (here one group of 2 is all the ranks: two timings of the same thing).
+    assert all(len(times) == 4 for v in found.values() for times in v)
+    assert all(f == f1 == 0.0 and 0 < b < 1.0 and 0 < b1 < 1.0
+               for f, b, f1, b1 in found[keys[0]])  # one fused call
+    assert all(0 < t < 1.0 for key in keys[1:] for times in found[key] for t in times)
 
 
 def test_stages_with_split_layers_use_their_timings_exchanges_included():
     graph = G.from_model(models.mlp())
     rows = [(0.0, 1e-3, 1000, 0, 100)] * len(graph.nodes)
-    slow = planner.Network(1.0, 0.0)  # an exchange would cost a second: none is added
-    busy = planner.Compute({1: {8: 0.01, 64: 0.01}, 2: {8: 0.02, 64: 0.02}}, 0.0)
+    # An exchange would cost a second: none is added to the timed stages.
+    slow = planner.Network(0.0, 0.0, exchanges={2: (1.0, 0.0)})
+    # Two ranks at once run as fast as one; four (on two cores) take twice as long.
+    busy = planner.Compute({1: {8: 0.01, 64: 0.01}, 2: {8: 0.01, 64: 0.01},
+                            4: {8: 0.02, 64: 0.02}}, 0.0)
     asked = []
 
     class Timer:
@@ -158,13 +165,20 @@ def test_stages_with_split_layers_use_their_timings_exchanges_included():
 
         def __call__(self, counts, s, m, fused, num_tensor=1):
             asked.append((tuple(counts), s, fused, num_tensor))
-            return (0.0, 0.09) if fused else (0.01, 0.02)
+            return (0.0, 0.09, 0.0, 0.06)  # fused: 90 ms with all 4 ranks, 60 with 2
 
-    p = planner.predict(graph, rows, 0.0, slow, [5], 64, 1, 1, "1f1b", num_tensor=2,
+    p = planner.predict(graph, rows, 0.0, slow, [5], 64, 2, 1, "1f1b", num_tensor=2,
                         compute=busy, stage_timer=Timer())
-    # Timed with both ranks running (slowed 2x), played with both running: as timed.
+    # Both replicas always run it at once: as timed with every rank busy.
     assert asked == [((5,), 0, True, 2)]
     assert p["step_s"] == pytest.approx(0.09)
+    # Of 90 and 60 ms, 30 ms are work (doubled with 4 busy) and 30 waits (never slowed):
+    # alone in its pipeline, with no replica, the stage takes 60 ms.
+    one = planner.predict(graph, rows, 0.0, slow, [5], 64, 1, 1, "1f1b", num_tensor=2,
+                          ranks_per_node=4, compute=busy, stage_timer=Timer())
+    assert one["step_s"] == pytest.approx(0.06)
+    assert planner._work_and_wait(0.09, 0.06, busy.slowdown(64), 4, 2) == pytest.approx((0.03, 0.03))
+    assert planner._work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
 
 
 def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):

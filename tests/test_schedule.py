@@ -133,3 +133,19 @@ def test_stages_on_one_core_take_turns():
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe'\]"):
         sched.build("zigzag", 2, 2)
+
+
+def test_waits_in_a_computation_pass_at_full_speed_and_take_no_core():
+    # One microbatch over two stages, each F 1 + a 1 s wait, each B 2 + a 1 s wait.
+    lowered = sched.lower(sched.gpipe(2, 1), [[], [0]], [[1], []])
+    waits = [(1.0, 1.0), (1.0, 1.0)]
+    assert sched.simulate(lowered, 1.0, 2.0, waits=waits).makespan == pytest.approx(10.0)
+    # Shared cores slow the work, never the waits: 2 copies on one core, doubled work.
+    shared = sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy, copies=2,
+                            waits=waits)
+    assert shared.makespan == pytest.approx(4 * 1.0 + 2 * (1 + 1 + 2 + 2))
+    # On one core, stage 1's 2 s tail (from 7) runs at full speed during stage 0's
+    # backward wait (7-8), then the two halve: the tail ends at 10, the backward at 11.
+    one_core = sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy,
+                              tail=[0.0, 2.0], waits=waits)
+    assert one_core.makespan == pytest.approx(11.0) and one_core.finish == pytest.approx(11.0)
