@@ -269,10 +269,9 @@ def _tensor_stages(source, function, batches, keys, repeats):
     from . import profile
     from . import tensor as T
     from .comm import MPICommunicator
-    from .partition import partition
 
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     model = profile.load_model(source, function)
     graph = G.from_model(model)
     for index, key in enumerate(keys):
@@ -339,10 +338,10 @@ def _together(world, busy, fn, repeats=5):
     as pipeline stages do (`_waiting`); the slowest of those ranks' median call
     (the median: this node's cores are shared with other machines, and one call
     descheduled would weigh in a mean), since a step waits for its slowest rank at
-    every message and allreduce. A rank done
-    with its timed calls goes on calling `fn` until every busy rank is done:
-    time-slicing lets some ranks finish first, and the others, left with the cores
-    to themselves, would time less contention than a training step has."""
+    every message and allreduce. A rank done with its timed calls goes on calling
+    `fn` until every busy rank is done: time-slicing lets some ranks finish first,
+    and the others, left with the cores to themselves, would time less contention
+    than a training step has."""
     from . import profile
 
     _idle_barrier(world)
