@@ -187,7 +187,8 @@ class StageTimer:
             if num_tensor > 1:
                 self.prepare([(counts, s, fused, num_tensor)])
             else:
-                self._cache[key] = [_stage_time(self.graph, self.model, key, b, self.repeats)
+                stage = _stage_for(self.graph, self.model, key)
+                self._cache[key] = [_stage_time(stage, fused, b, self.repeats)
                                     for b in self.batches]
         points = self._cache[key]
         if len(points) == 1:
@@ -197,24 +198,31 @@ class StageTimer:
                      for k in range(len(points[0])))
 
 
-def _stage_time(graph, model, key, batch, repeats, shards=None):
-    """(forward, backward) seconds of the stage `key` (`StageTimer.key`: its first
-    call, how many, whether it is the last, whether fused) on `batch` samples; with
-    `shards`, its split layers' parts (`tensor.shard`)."""
-    import tensorflow as tf
-
-    from . import profile
+def _stage_for(graph, model, key, shards=None):
+    """hyparflow's `Stage` for the stage `key` (`StageTimer.key`: its first call, how
+    many, whether it is the last); with `shards`, its split layers' parts
+    (`tensor.shard`)."""
     from .partition import partition
     from .stage import Stage
 
-    first, count, last, fused, _ = key
+    first, count, last = key[:3]
     counts = [c for c in (first, count, len(graph.nodes) - first - count) if c]
-    s = 1 if first else 0
     part = partition(graph, len(counts), counts)
-    plan = part.stages[s]
+    plan = part.stages[1 if first else 0]
     stage = Stage(graph, plan, model, part, is_last=False, shards=shards)
     if last:
         stage.output_ids = list(plan.outputs)  # the model's outputs: the loss's inputs
+    return stage
+
+
+def _stage_time(stage, fused, batch, repeats):
+    """(forward, backward) seconds of `stage` on `batch` samples: taped, or in one
+    call (`fused`)."""
+    import tensorflow as tf
+
+    from . import profile
+
+    graph = stage.graph
     if not fused:
         ahead, total = _taped(stage, batch, repeats)
         ahead = min(ahead, total)
@@ -282,19 +290,16 @@ def _tensor_stages(source, function, batches, keys, repeats):
         nodes = range(first, first + count)
         shards = {i: T.shard(graph.nodes[i].op, split, comm.rank, shares, collectives)
                   for i, split in T.choose(graph, nodes, num_tensor).items()}
+        stage = _stage_for(graph, model, key, shards)
         for b in batches:
             # Every group times its calls at the same time: each call exchanges with
             # the group, so all its ranks make the same number of them.
             _idle_barrier(world)
-            f, w = _stage_time(graph, model, key, b, repeats, shards)
-            every = world.allgather((f, w))
+            every = world.allgather(_stage_time(stage, fused, b, repeats))
             _idle_barrier(world)
-            if rank < num_tensor:  # then group 0 alone
-                one = _stage_time(graph, model, key, b, repeats, shards)
-                _waiting(world.Ibarrier())
-            else:
-                one = None
-                _waiting(world.Ibarrier())
+            # Then group 0 alone, the other ranks waiting for it.
+            one = _stage_time(stage, fused, b, repeats) if rank < num_tensor else None
+            _waiting(world.Ibarrier())
             alone = [t for t in world.allgather(one) if t is not None]
             if rank == 0:
                 mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731

@@ -175,6 +175,18 @@ def _work_and_wait(every, one, slowdown, ranks, num_tensor):
     return work, max(every - work * many, 0.0)
 
 
+def _fused(s, stages, schedule):
+    """Whether stage `s` runs forward and backward in one call: the last stage under
+    1F1B, or a stage alone; every other stage keeps a tape between its two calls."""
+    return s == stages - 1 and (schedule == "1f1b" or stages == 1)
+
+
+def _thirds(*pairs):
+    """(forward, backward) pairs of one fused call, split a third forward as the
+    profiles have it."""
+    return [t for f, b in pairs for t in ((f + b) / 3, 2 * (f + b) / 3)]
+
+
 def _elements(graph, t):
     from .graph import numel
 
@@ -261,10 +273,10 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # exchanges do not. Of a time `every` with all the ranks busy and `one` with
         # T of them: work * slowdown(busy) + wait, fitted through both.
         for s in range(stages):
-            fused = s == stages - 1 and (schedule == "1f1b" or stages == 1)
+            fused = _fused(s, stages, schedule)
             f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
-            if fused:  # one call; a third of it forward, as the profiles have it
-                f, b, f1, b1 = (f + b) / 3, 2 * (f + b) / 3, (f1 + b1) / 3, 2 * (f1 + b1) / 3
+            if fused:
+                f, b, f1, b1 = _thirds((f, b), (f1, b1))
             parts = [_work_and_wait(every, one, slowdown, on_node, num_tensor)
                      for every, one in ((f, f1), (b, b1))]
             (forward[s], wait_f), (backward[s], wait_b) = parts
@@ -272,17 +284,15 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             exchange_f[s] = exchange_b[s] = 0.0
     elif stage_timer is not None and num_tensor == 1 and stages > 1:
         for s in range(stages):
-            fused = s == stages - 1 and schedule == "1f1b"
+            fused = _fused(s, stages, schedule)
             f, b = stage_timer(counts, s, m, fused)
-            if fused:  # one call; a third of it forward, as the profiles have it
-                f, b = (f + b) / 3, 2 * (f + b) / 3
+            if fused:
+                f, b = _thirds((f, b))
             forward[s], backward[s] = share * f, share * b
     elif stage_costs:
         at = lambda key: _between(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
-            # The last stage fuses forward and backward in one call under 1F1B (or
-            # alone); every other stage keeps a tape between its two calls.
-            if not (s == stages - 1 and (schedule == "1f1b" or stages == 1)):
+            if not _fused(s, stages, schedule):
                 whole = work[s] * at("taped")  # the summing of gradients included
                 forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
             else:
@@ -327,35 +337,30 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
         if ranks % t == 0 and (t == 1 or T.choose(graph, range(len(graph.nodes)), t)):
             shapes += [(s, t) for s in range(1, ranks // t + 1)
                        if (ranks // t) % s == 0 and s <= len(graph.nodes)]
-    if stage_timer is not None and getattr(stage_timer, "splits", False):
-        # Stages with split layers are timed under mpiexec: all of them in one run.
-        wanted = []
-        for stages, num_tensor in shapes:
-            replicas = ranks // (stages * num_tensor)
-            for micro in microbatches:
-                if num_tensor > 1 and batch >= replicas * micro:
-                    counts = B.solve([r[0] + r[1] * batch / (replicas * micro) for r in rows],
-                                     stages)
-                    wanted += [(counts, s, s == stages - 1 and (sched == "1f1b" or stages == 1),
-                                num_tensor) for s in range(stages) for sched in schedules]
-        stage_timer.prepare(wanted)
-    plans = []
+    candidates = []
     for stages, num_tensor in shapes:
         replicas = ranks // (stages * num_tensor)
         for micro in microbatches:
             if batch < replicas * micro:
                 continue
             m = batch / (replicas * micro)
-            costs = [r[0] + r[1] * m for r in rows]
-            counts = B.solve(costs, stages)
-            for schedule in (schedules if stages > 1 else ("1f1b",)):
-                p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                            schedule, ranks_per_node, cores, num_tensor, compute,
-                            stage_costs, stage_timer)
-                p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
-                         schedule=schedule, counts=counts,
-                         fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
-                plans.append(p)
+            counts = B.solve([r[0] + r[1] * m for r in rows], stages)
+            candidates += [(stages, num_tensor, replicas, micro, counts, schedule)
+                           for schedule in (schedules if stages > 1 else ("1f1b",))]
+    if stage_timer is not None and getattr(stage_timer, "splits", False):
+        # Stages with split layers are timed under mpiexec: all of them in one run.
+        stage_timer.prepare([(counts, s, _fused(s, stages, schedule), num_tensor)
+                             for stages, num_tensor, _, _, counts, schedule in candidates
+                             if num_tensor > 1 for s in range(stages)])
+    plans = []
+    for stages, num_tensor, replicas, micro, counts, schedule in candidates:
+        p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
+                    schedule, ranks_per_node, cores, num_tensor, compute, stage_costs,
+                    stage_timer)
+        p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
+                 schedule=schedule, counts=counts,
+                 fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
+        plans.append(p)
     return sorted(plans, key=lambda p: (not p["fits"], p["step_s"]))
 
 
