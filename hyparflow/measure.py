@@ -14,6 +14,12 @@ import time
 
 __all__ = ["ping_pong", "rings", "compute", "stage_costs", "StageTimer", "tensor_stages"]
 
+# A pipeline stage's call follows a wait for its input, and on this host a compiled
+# call after 5-70 ms asleep took 4-7% longer than the same call back to back (the
+# median of 36 each: 7.0 ms back to back, 7.3-7.5 ms after a sleep). The stages of
+# a pipeline are timed each call after this long asleep, as they run.
+IDLE = 0.01
+
 
 def _mpi_lines(ranks, function, prefix, *args):
     from .launch import find_mpiexec
@@ -104,7 +110,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     return out
 
 
-def _taped(stage, batch, repeats):
+def _taped(stage, batch, repeats, idle=0.0):
     """(forward, forward and backward) seconds of `stage` on `batch` random samples, as
     the executor runs it: the forward kept on a tape, the backward from it with the
     gradients of its outputs (ones), the weights' gradients summed into its buffers."""
@@ -126,8 +132,8 @@ def _taped(stage, batch, repeats):
         stage.reset_grads()
 
     both()
-    whole = profile.timed(both, repeats) * profile.slowdown()
-    ahead = profile.timed(forward, repeats) * profile.slowdown()
+    whole = profile.timed(both, repeats, idle) * profile.slowdown()
+    ahead = profile.timed(forward, repeats, idle) * profile.slowdown()
     stage._saved.clear()
     return ahead, whole
 
@@ -188,7 +194,7 @@ class StageTimer:
                 self.prepare([(counts, s, fused, num_tensor)])
             else:
                 stage = _stage_for(self.graph, self.model, key)
-                self._cache[key] = [_stage_time(stage, fused, b, self.repeats)
+                self._cache[key] = [_stage_time(stage, fused, b, self.repeats, IDLE)
                                     for b in self.batches]
         points = self._cache[key]
         if len(points) == 1:
@@ -215,16 +221,16 @@ def _stage_for(graph, model, key, shards=None):
     return stage
 
 
-def _stage_time(stage, fused, batch, repeats):
+def _stage_time(stage, fused, batch, repeats, idle=0.0):
     """(forward, backward) seconds of `stage` on `batch` samples: taped, or in one
-    call (`fused`)."""
+    call (`fused`); each call after `idle` seconds asleep."""
     import tensorflow as tf
 
     from . import profile
 
     graph = stage.graph
     if not fused:
-        ahead, total = _taped(stage, batch, repeats)
+        ahead, total = _taped(stage, batch, repeats, idle)
         ahead = min(ahead, total)
         return ahead, total - ahead
     inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
@@ -249,7 +255,7 @@ def _stage_time(stage, fused, batch, repeats):
         stage.reset_grads()
 
     step()
-    return 0.0, profile.timed(step, repeats) * profile.slowdown()
+    return 0.0, profile.timed(step, repeats, idle) * profile.slowdown()
 
 
 def tensor_stages(ranks, source, function, batches, keys, repeats=5):
@@ -337,23 +343,27 @@ def _waiting(done, stretch=0.02):
         _poll(lambda: done.Test() or time.monotonic() > until, None, "a measurement", 0.0)
 
 
-def _together(world, busy, fn, repeats=5):
+def _together(world, busy, fn, repeats=5, window=0.3):
     """Seconds per call of `fn` on ranks 0 .. busy-1 running it at the same time (one
     untimed call first, so the timed ones all overlap), while the other ranks wait
-    as pipeline stages do (`_waiting`); the slowest of those ranks' median call
-    (the median: this node's cores are shared with other machines, and one call
-    descheduled would weigh in a mean), since a step waits for its slowest rank at
-    every message and allreduce. A rank done with its timed calls goes on calling
-    `fn` until every busy rank is done: time-slicing lets some ranks finish first,
-    and the others, left with the cores to themselves, would time less contention
-    than a training step has."""
-    from . import profile
-
+    as pipeline stages do (`_waiting`): the slowest of those ranks' mean call over at
+    least `repeats` calls and `window` seconds, since a step waits for its slowest
+    rank at every message and allreduce. The window, not a few calls: more ranks
+    than cores take turns in time slices of a few milliseconds, so a short call
+    runs now alone, now shared, and a handful of them said anything from 2x to 4x
+    for four ranks on two cores from one run to the next. A rank done with its
+    timed calls goes on calling `fn` until every busy rank is done: time-slicing
+    lets some ranks finish first, and the others, left with the cores to
+    themselves, would time less contention than a training step has."""
     _idle_barrier(world)
     mine = None
     if world.Get_rank() < busy:
         fn()
-        mine = profile.timed(fn, repeats)
+        calls, start = 0, time.perf_counter()
+        while calls < repeats or time.perf_counter() - start < window:
+            fn()
+            calls += 1
+        mine = (time.perf_counter() - start) / calls
         done = world.Ibarrier()
         while not done.Test():
             fn()

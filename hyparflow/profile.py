@@ -114,10 +114,12 @@ def calibrate(seconds=0.2):
     return count / elapsed
 
 
-def timed(fn, repeats=5):
-    """Median seconds of `repeats` calls of `fn`."""
+def timed(fn, repeats=5, idle=0.0):
+    """Median seconds of `repeats` calls of `fn`, each after `idle` seconds of sleep."""
     times = []
     for _ in range(repeats):
+        if idle:
+            time.sleep(idle)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
