@@ -347,11 +347,14 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             counts = B.solve([r[0] + r[1] * m for r in rows], stages)
             candidates += [(stages, num_tensor, replicas, micro, counts, schedule)
                            for schedule in (schedules if stages > 1 else ("1f1b",))]
-    if stage_timer is not None and getattr(stage_timer, "splits", False):
-        # Stages with split layers are timed under mpiexec: all of them in one run.
+    if stage_timer is not None:
+        # Every stage the plans time, timed together: those with split layers in one
+        # run under mpiexec, the others in passes over all of them.
+        splits = getattr(stage_timer, "splits", False)
         stage_timer.prepare([(counts, s, _fused(s, stages, schedule), num_tensor)
                              for stages, num_tensor, _, _, counts, schedule in candidates
-                             if num_tensor > 1 for s in range(stages)])
+                             if (num_tensor > 1 and splits) or (num_tensor == 1 and stages > 1)
+                             for s in range(stages)])
     plans = []
     for stages, num_tensor, replicas, micro, counts, schedule in candidates:
         p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
