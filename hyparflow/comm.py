@@ -105,6 +105,10 @@ class Communicator:
         """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
         self.allreduce(buf)
         return _Done()
+    def iallgatherv(self, send, recv, counts):
+        """Start gathering every rank's 1-D `send` (`counts[p]` values from rank p) into
+        `recv`, in rank order; returns a request (`test()`)."""
+        raise NotImplementedError
     def bcast(self, buf, root): raise NotImplementedError
     def bcast_obj(self, obj, root): raise NotImplementedError
     def allgather_obj(self, obj): raise NotImplementedError
@@ -236,6 +240,12 @@ class MPICommunicator(Communicator):
             self._rings = (getattr(self, "_rings", 0) + 1) % 4096
             return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
+
+    def iallgatherv(self, send, recv, counts):
+        if self.size == 1:
+            recv[...] = send
+            return _Done()
+        return _MPIRequest(self.comm.Iallgatherv(send, [recv, list(counts)]), (send, recv))
 
     def bcast(self, buf, root, timeout=None):
         if self.size == 1:

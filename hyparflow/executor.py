@@ -13,6 +13,7 @@ import numpy as np
 
 from . import overlap
 from . import schedule as sched
+from . import sparse as _sparse
 from .comm import CommTimeout, timeout_seconds, wait_all
 
 __all__ = ["Executor", "split_batch"]
@@ -56,6 +57,8 @@ class Executor:
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
         `early`: buckets start their allreduces from inside the step's last backward."""
         self.buckets = overlap.Buckets(self.stage, groups)
+        # Per group: {position: "s"/"d"/"-"} as its ranks agreed (see `_agree`).
+        self._kinds = [dict() for _ in self.buckets.groups]
         early = self.buckets.shared and early
         self.stage.on_arrival = self.buckets.arrive if early else None
 
@@ -213,6 +216,42 @@ class Executor:
         self._record("send wait", "wait", start)
         return total if training else (total, predictions)
 
+    def _sparse_exchanges(self, slices, held):
+        """Start gathering each group's sparse pairs; pairs of a variable its group
+        reduces densely go into the dense buffers first (`hyparflow.sparse`)."""
+        self._agree(held)
+        exchanges, trainable = [], self.stage.trainable
+        for (comm, positions), kinds in zip(self.buckets.groups, self._kinds):
+            mine = [k for k in positions if kinds.get(k) == _sparse.SPARSE]
+            if mine:
+                exchanges.append(_sparse.Exchange(
+                    comm, slices, {k: tuple(trainable[k].shape) for k in mine},
+                    dense_ok=_sparse.linear(self.optimizer)))
+        for k, (indices, values) in slices.items():
+            if not any(kinds.get(k) == _sparse.SPARSE for kinds in self._kinds):
+                self.stage.densify(k, indices, values)
+        return exchanges
+
+    def _agree(self, held):
+        """Which variables each group reduces as pairs: agreed by its ranks (an
+        allgather of what each holds) at the first step, and again at later steps
+        while some variable has had no gradient anywhere. Gradient kinds are fixed
+        by the model's graph, so one agreement per variable is enough."""
+        for (comm, positions), kinds in zip(self.buckets.groups, self._kinds):
+            if positions and all(kinds.get(k, _sparse.NONE) != _sparse.NONE for k in positions):
+                continue  # decided
+            mine = "".join(held[k] for k in positions)
+            everyone = comm.allgather_obj(mine) if comm is not None and comm.size > 1 else [mine]
+            for j, k in enumerate(positions):
+                kinds[k] = _sparse.merge([e[j] for e in everyone])
+
+    def _relay_sparse(self, positions):
+        """Sparse variables need no dense buffer nor a place in the allreduce buckets
+        (re-laid after a step's optimizer step, never within a step)."""
+        new = set(positions) - self.buckets.sparse
+        if new:
+            self.buckets.exclude(new)
+
     def _wait(self, reqs, timeout):
         where = f"rank {self.comm.rank} (stage {self.s}, replica {self.r})"
         try:
@@ -234,18 +273,27 @@ class Executor:
         start = time.perf_counter()
         if not self.buckets.shared:
             self.position = "STEP"
+            sparse_now = {k for k, c in enumerate(self.stage.kinds()) if c == "s"}
             self.stage.apply_local(self.optimizer)  # nothing to share: no buffers
+            self._relay_sparse(sparse_now)
             self._record("optimizer", "optimizer", start)
             return
+        held = self.stage.kinds()
+        slices = self.stage.take_slices()
+        exchanges = self._sparse_exchanges(slices, held)
         pending = self.buckets.finish()
         self.stage.reset_grads()
-        self._wait(pending, timeout_seconds())
+        self._wait(pending + exchanges, timeout_seconds())
         self._record("allreduce", "allreduce", start, buckets=len(self.buckets.buckets),
-                     inside=self.buckets.inside, early=self.buckets.early)
+                     inside=self.buckets.inside, early=self.buckets.early,
+                     sparse_bytes=sum(x.bytes for x in exchanges))
         self.position = "STEP"
         start = time.perf_counter()
-        self.stage.apply(self.optimizer, [bucket for _, bucket in self.buckets.buckets])
+        reduced = {k: v for x in exchanges for k, v in x.result().items()}
+        self.stage.apply(self.optimizer, [bucket for _, bucket in self.buckets.buckets], reduced)
         self._record("optimizer", "optimizer", start)
+        self._relay_sparse({k for kinds in self._kinds for k, c in kinds.items()
+                            if c == _sparse.SPARSE})
         if not self.buckets.learned:
             self.buckets.learn()
             if self.stage.on_arrival is not None:

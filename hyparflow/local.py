@@ -147,6 +147,19 @@ class LocalCommunicator(Communicator):
 
         return _LocalRequest(test)
 
+    def iallgatherv(self, send, recv, counts):
+        ready, done = self._deposit(np.array(send, copy=True)), []
+
+        def test():
+            if not done:
+                if not ready():
+                    return False
+                recv[...] = np.concatenate(self._take(ready.seq))
+                done.append(True)
+            return True
+
+        return _LocalRequest(test)
+
     def allreduce(self, buf, timeout=None):
         buf[...] = sum_in_order(self._exchange(np.array(buf, copy=True)))
         return buf

@@ -63,20 +63,29 @@ class Buckets:
     def __init__(self, stage, groups):
         self.stage, self.groups = stage, list(groups)
         self._lock = threading.Lock()
+        self.sparse = set()  # positions whose pairs are gathered instead (`hyparflow.sparse`)
         self._lay([positions for _, positions in self.groups])
         self.learned = False
         self.arm()
 
     def _lay(self, orders):
+        orders = [[k for k in order if k not in self.sparse] for order in orders]
         self.buckets = [(comm, bucket) for (comm, _), order in zip(self.groups, orders)
-                        for bucket in cut(order, self.stage.trainable)]
+                        for bucket in cut(order, self.stage.trainable) if bucket]
         self._bucket_of = {k: j for j, (_, bucket) in enumerate(self.buckets) for k in bucket}
-        self.stage.set_buckets([bucket for _, bucket in self.buckets])
+        self._orders = orders
+        self.stage.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
+
+    def exclude(self, positions):
+        """Take sparse variables out of the buckets (between steps)."""
+        self.sparse |= set(positions)
+        self._lay(self._orders)
+        self.arm()
 
     @property
     def shared(self):
-        """Whether any bucket is summed with another rank."""
-        return any(_shares(comm) for comm, _ in self.buckets)
+        """Whether any variable is summed with another rank."""
+        return any(_shares(comm) for comm, _ in self.groups)
 
     def arm(self):
         """Before a step: nothing arrived, nothing started."""

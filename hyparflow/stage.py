@@ -137,6 +137,7 @@ class Stage:
                       if k >= len(plan.data_inputs) and graph.tensors[t].floating]
         self._saved = {}
         self.touched = np.zeros(len(self.trainable), dtype=bool)
+        self._slices = {}  # position -> [(microbatch, indices, values)] this step
         # Gradients that a hook (`_arrive`) already summed during the current backward,
         # and who is told of each: the executor, to start allreduces early.
         self.arrived = np.zeros(len(self.trainable), dtype=bool)
@@ -222,7 +223,7 @@ class Stage:
         def identity(x):
             def grad(g):
                 if isinstance(g, tf.IndexedSlices):
-                    g = tf.convert_to_tensor(g)
+                    return g  # pairs are gathered after the backward (`sparse`)
                 out = tf.numpy_function(arrive, [g], g.dtype, stateful=False)
                 out.set_shape(g.shape)
                 return out
@@ -345,7 +346,7 @@ class Stage:
         sources = list(self.trainable) + diff_inputs
         result = tape.gradient(targets, sources, output_gradients=seeds,
                                unconnected_gradients=tf.UnconnectedGradients.NONE)
-        grads = self._accumulate(result, diff_inputs)
+        grads = self._accumulate(result, diff_inputs, i)
         self._lag(start)
         return grads
 
@@ -380,7 +381,7 @@ class Stage:
         contribution, result = self._functions[key](
             inputs, [tf.convert_to_tensor(a) for a in y],
             [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32))
-        grads = self._accumulate(result, [inputs[k] for k in self._diff])
+        grads = self._accumulate(result, [inputs[k] for k in self._diff], i)
         self._lag(start)
         return grads, contribution
 
@@ -402,15 +403,19 @@ class Stage:
             np.copyto(view, g)
         self.touched[k] = True
 
-    def _accumulate(self, result, diff_inputs):
+    def _accumulate(self, result, diff_inputs, microbatch=0):
         """Add the variables' part of `result` to the gradient buffers (those a hook
-        has not already added); return the inputs' part."""
+        has not already added), or keep it as microbatch `microbatch`'s (row, value)
+        pairs when it is sparse (see `hyparflow.sparse`); return the inputs' part."""
         n = len(self.trainable)
         for k, g in enumerate(result[:n]):
             if g is None or self.arrived[k]:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                g = tf.convert_to_tensor(g)
+                values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
+                self._slices.setdefault(k, []).append(
+                    (microbatch, np.asarray(g.indices, np.int64), np.asarray(values)))
+                continue
             self._add(k, np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32)))
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
@@ -420,11 +425,12 @@ class Stage:
             grads_in[t] = g
         return grads_in
 
-    def set_buckets(self, buckets):
+    def set_buckets(self, buckets, sparse=()):
         """Lay the gradient buffers out as `buckets` (lists of positions in
-        `trainable`, each one allreduce); positions in none get a bucket of their own.
-        The buffers are made at the first backward (none for inference)."""
-        covered = {k for b in buckets for k in b}
+        `trainable`, each one allreduce); positions in none get a bucket of their own,
+        but `sparse` ones (whose pairs are kept instead) none at all. The buffers are
+        made at the first backward (none for inference)."""
+        covered = {k for b in buckets for k in b} | set(sparse)
         rest = [k for k in range(len(self.trainable)) if k not in covered]
         self._layout = [list(b) for b in buckets] + ([rest] if rest else [])
         self._buffers, self._views = None, None
@@ -436,6 +442,33 @@ class Stage:
             self._buffers[tuple(bucket)] = packing
             for k, view in zip(bucket, packing.views):
                 self._views[k] = view
+
+    def kinds(self):
+        """Per trainable position: what this rank holds for the step so far ("d" a
+        dense sum, "s" sparse pairs, "-" nothing)."""
+        return "".join("d" if t else ("s" if k in self._slices else "-")
+                       for k, t in enumerate(self.touched))
+
+    def take_slices(self):
+        """{position: (indices, values)}: this step's pairs, microbatches in order,
+        forgotten here."""
+        out = {}
+        for k, pieces in self._slices.items():
+            pieces = sorted(pieces, key=lambda p: p[0])
+            out[k] = (np.concatenate([p[1] for p in pieces]),
+                      np.concatenate([p[2] for p in pieces]))
+        self._slices = {}
+        return out
+
+    def densify(self, k, indices, values):
+        """Add pairs into variable k's dense buffer (its group reduces it densely)."""
+        if self._views is None:
+            self._make_buffers()
+        view = self._views[k]
+        if not self.touched[k]:
+            view[...] = 0
+        np.add.at(view, indices, values)
+        self.touched[k] = True
 
     def flat_grads(self, positions):
         """The summed gradients of variables `positions` (a bucket of `set_buckets`) in
@@ -451,9 +484,11 @@ class Stage:
 
     def apply_local(self, optimizer):
         """Step `optimizer` with the summed gradients when no other rank shares them
-        (one replica): straight from the buffers."""
+        (one replica): straight from the buffers, and sparse pairs as they are."""
         grads = [_as_tensor(self._views[k]) if touched else None
                  for k, touched in enumerate(self.touched)]
+        for k, pairs in self.take_slices().items():
+            grads[k] = pairs
         self.reset_grads()
         self._step(optimizer, grads)
 
@@ -461,29 +496,46 @@ class Stage:
         self.touched[:] = False
         self.arrived[:] = False
 
-    def apply(self, optimizer, buckets):
+    def apply(self, optimizer, buckets, sparse=None):
         """Step `optimizer` with the reduced buffers of `flat_grads` (`buckets`: their
-        positions)."""
+        positions) and `sparse`: {position: (indices, values) or a dense sum}."""
         grads = [None] * len(self.trainable)
         for positions in buckets:
             packing = self._buffers[tuple(positions)]
             for k, view, flag in zip(positions, packing.views, packing.flags):
                 if flag > 0:
                     grads[k] = _as_tensor(view)
+        for k, value in (sparse or {}).items():
+            grads[k] = value
         self._step(optimizer, grads)
+
+    def _slices_of(self, k, pairs):
+        """(indices, values) -> the `tf.IndexedSlices` Keras would hand the optimizer."""
+        indices, values = pairs
+        v = self.trainable[k]
+        return tf.IndexedSlices(tf.cast(values, v.dtype), tf.convert_to_tensor(indices),
+                                tf.constant(tuple(v.shape), tf.int64))
 
     def _step(self, optimizer, grads):
         """When every variable got a gradient (the usual case) the step is one compiled
         call, as in Keras's own train function; otherwise the variables without one
-        are skipped, as Keras skips them."""
+        are skipped, as Keras skips them. Sparse gradients ((indices, values) pairs)
+        go in as `tf.IndexedSlices`, as Keras's own train step passes them."""
+        grads = [self._slices_of(k, g) if isinstance(g, tuple) else g
+                 for k, g in enumerate(grads)]
         if grads and all(g is not None for g in grads):
-            if "direct" not in self._functions:
+            sparse = tuple(k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
+            key = ("direct", sparse)
+            if key not in self._functions:
                 variables = self.trainable
                 step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
-                signature = [[tf.TensorSpec(v.shape, v.dtype) for v in variables]]
-                self._functions["direct"] = step if self._eager else tf.function(
+                signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
+                              if k in sparse else tf.TensorSpec(v.shape, v.dtype)
+                              for k, v in enumerate(variables)]]
+                self._functions[key] = step if self._eager else tf.function(
                     step, input_signature=signature)
-            self._functions["direct"]([tf.cast(g, v.dtype) for g, v in zip(grads, self.trainable)])
+            self._functions[key]([g if isinstance(g, tf.IndexedSlices) else tf.cast(g, v.dtype)
+                                  for g, v in zip(grads, self.trainable)])
             return
         pairs = [(g, v) for g, v in zip(grads, self.trainable) if g is not None]
         if pairs:

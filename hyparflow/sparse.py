@@ -1,0 +1,140 @@
+"""Sparse gradients: an Embedding's `tf.IndexedSlices`, kept as (row, value) pairs.
+
+Keras hands the optimizer an Embedding's gradient as `tf.IndexedSlices`: one
+(row, value) pair per looked-up id, duplicates included, in the order of the
+batch. The optimizers apply it pair by pair (Adam squares each pair's value
+for its second moment, then scatter-adds), so neither the summed (dense)
+gradient nor pairs merged by row give the same weights: the only way to end
+where `model.fit` ends is to hand the optimizer the same pairs in the same
+order. So a stage keeps each microbatch's pairs, and the replicas of a stage
+gather them (`Exchange`) in rank order, which is the global batch's order:
+replica r holds the r-th contiguous slice of every batch, its microbatches are
+contiguous slices of that, and the pairs of a microbatch come in its order.
+The bytes exchanged are those of the rows the batch touched, not the table's.
+
+The rule for reducing densely instead: only for an optimizer whose step is
+linear in the gradient (plain `keras.optimizers.SGD`, with or without
+momentum, where pairs and their sum step alike), and only when the dense
+table is smaller than the pairs every rank would receive. A variable whose
+gradient is dense on any rank of its group (an embedding tied to an output
+projection on another stage) is reduced densely: `model.fit` also gets a
+dense gradient for it, since TensorFlow adds a lookup's slices to a dense
+gradient as a dense sum.
+"""
+
+import numpy as np
+
+__all__ = ["Exchange", "linear", "merge"]
+
+SPARSE, DENSE, NONE = "s", "d", "-"
+
+
+def linear(optimizer):
+    """Whether `optimizer` steps a sum of gradients as it steps its parts."""
+    import keras
+
+    return type(optimizer) is keras.optimizers.SGD
+
+
+def merge(kinds):
+    """The group's kind for one variable from every member's: dense if any is dense,
+    sparse if any is sparse, else none (no gradient anywhere yet)."""
+    if DENSE in kinds:
+        return DENSE
+    return SPARSE if SPARSE in kinds else NONE
+
+
+class Exchange:
+    """Gathers the pairs of a group's sparse variables from every member (a request:
+    `test()` advances it; `result()` once done).
+
+    `local`: {position: (indices, values)} of this rank (missing: no pairs);
+    `shapes`: {position: the variable's shape}, for every position the group
+    treats as sparse. First every member's pair counts are gathered, then (in
+    one call each) the indices and the values, or, where `dense_ok` and the
+    table is smaller, each variable is scattered into a dense sum instead."""
+
+    def __init__(self, comm, local, shapes, dense_ok=False):
+        self.comm, self.shapes, self.dense_ok = comm, shapes, dense_ok
+        self.positions = sorted(shapes)
+        self.local = {k: local.get(k) for k in self.positions}
+        self.rows = {k: int(np.prod(shapes[k][1:])) for k in self.positions}
+        counts = np.array([0 if self.local[k] is None else len(self.local[k][0])
+                           for k in self.positions], np.int64)
+        self.counts = np.zeros(comm.size * len(self.positions), np.int64)
+        self._reqs = [comm.iallgatherv(counts, self.counts, [len(counts)] * comm.size)]
+        self._phase = 0
+        self._result = None
+        self.bytes = 0  # what this rank received, for the benchmark
+
+    def test(self):
+        if self._phase == 2:
+            return True
+        if not all(r.test() for r in self._reqs):
+            return False
+        if self._phase == 0:
+            self._start_pairs()
+            self._phase = 1
+            return self.test()
+        self._finish()
+        self._phase = 2
+        return True
+
+    def _start_pairs(self):
+        n = self.comm.size
+        counts = self.counts.reshape(n, len(self.positions))
+        self.per_rank = counts
+        totals = counts.sum(axis=0)
+        # Dense where allowed and smaller: the table against the pairs received.
+        self.dense = [k for j, k in enumerate(self.positions) if self.dense_ok and
+                      int(np.prod(self.shapes[k])) < int(totals[j]) * (self.rows[k] + 1)]
+        reqs = []
+        self.sums = {}
+        for k in self.dense:
+            table = np.zeros(self.shapes[k], np.float32)
+            if self.local[k] is not None:
+                indices, values = self.local[k]
+                np.add.at(table, indices, values)
+            self.sums[k] = table
+            reqs.append(self.comm.iallreduce(table.reshape(-1)))
+        sparse = [j for j, k in enumerate(self.positions) if k not in self.dense]
+        send_i = [self.local[self.positions[j]][0] for j in sparse
+                  if self.local[self.positions[j]] is not None]
+        send_v = [self.local[self.positions[j]][1].reshape(-1) for j in sparse
+                  if self.local[self.positions[j]] is not None]
+        self.sparse = [self.positions[j] for j in sparse]
+        index_counts = [int(counts[p, sparse].sum()) for p in range(n)]
+        value_counts = [int(sum(counts[p, j] * self.rows[self.positions[j]] for j in sparse))
+                        for p in range(n)]
+        self.indices = np.empty(sum(index_counts), np.int64)
+        self.values = np.empty(sum(value_counts), np.float32)
+        mine_i = np.concatenate(send_i).astype(np.int64) if send_i else np.zeros(0, np.int64)
+        mine_v = np.concatenate(send_v).astype(np.float32) if send_v else np.zeros(0, np.float32)
+        if self.sparse:
+            reqs.append(self.comm.iallgatherv(mine_i, self.indices, index_counts))
+            reqs.append(self.comm.iallgatherv(mine_v, self.values, value_counts))
+        self.bytes = 8 * len(self.indices) + 4 * len(self.values) + sum(
+            t.nbytes for t in self.sums.values())
+        self._sparse_columns = sparse
+        self._reqs = reqs
+
+    def _finish(self):
+        """Cut the gathered arrays back into each variable's pairs, rank by rank."""
+        counts, n = self.per_rank, self.comm.size
+        pieces = {k: ([], []) for k in self.sparse}
+        i = v = 0
+        for p in range(n):
+            for j in self._sparse_columns:
+                k, c = self.positions[j], int(counts[p, j])
+                width = self.rows[k]
+                pieces[k][0].append(self.indices[i:i + c])
+                pieces[k][1].append(self.values[v:v + c * width].reshape(
+                    (c,) + tuple(self.shapes[k][1:])))
+                i += c
+                v += c * width
+        self._result = {k: (np.concatenate(ix), np.concatenate(vs)) for k, (ix, vs) in pieces.items()}
+        self._result.update(self.sums)
+
+    def result(self):
+        """{position: (indices, values) in rank order, or a dense sum (an array)}."""
+        return self._result
