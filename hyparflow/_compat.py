@@ -72,6 +72,16 @@ def symbolic(shape, dtype):
     return _backend.KerasTensor(tuple(shape), _backend.standardize_dtype(dtype))
 
 
+def get_mask(value):
+    """The Keras mask (padding) a layer attached to a value, or None."""
+    return _backend.get_keras_mask(value)
+
+
+def set_mask(value, mask):
+    """Attach a Keras mask to a value, so the layers that take masks read it."""
+    _backend.set_keras_mask(value, mask)
+
+
 def compute_output_spec(fn, *args, **kwargs):
     return _backend.compute_output_spec(fn, *args, **kwargs)
 

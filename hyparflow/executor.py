@@ -14,11 +14,10 @@ import numpy as np
 from . import overlap
 from . import schedule as sched
 from . import sparse as _sparse
+from .boundary import Boundary
 from .comm import CommTimeout, timeout_seconds, wait_all
 
 __all__ = ["Executor", "split_batch"]
-
-_ACT, _GRAD = 0, 1
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -52,6 +51,7 @@ class Executor:
         self.position = None  # the action being run, for error messages
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
+        self.boundary = Boundary(comm, graph, self.plan, self._rank_of, len(partition.edges))
 
     def set_groups(self, groups, early=False):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
@@ -81,9 +81,6 @@ class Executor:
             self._lowered[key] = lowered[self.s]
         return self._lowered[key]
 
-    def _tag(self, micro, edge, kind):
-        return (micro * self.num_edges + edge.index) * 2 + kind
-
     def _rank_of(self, stage):
         return self.topo.rank(stage, self.r, self.t)
 
@@ -112,29 +109,12 @@ class Executor:
             return 0.0, []
         return self._pipeline(micro_indices, batch_size, data, 0, None, kind)
 
-    def _post_receives(self, micro_indices, training=True):
-        g, plan = self.graph, self.plan
-        recv_act, recv_grad = {}, {}
-        for i, idx in enumerate(micro_indices):
-            for e in plan.recv:
-                t = g.tensors[e.tensor]
-                buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
-                recv_act[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.src),
-                                                               self._tag(i, e, _ACT)))
-            for e in plan.send:
-                t = g.tensors[e.tensor]
-                if not t.floating or not training:
-                    continue
-                buf = np.empty((len(idx),) + tuple(t.shape[1:]), _np_dtype(t.dtype))
-                recv_grad[(i, e.index)] = (buf, self.comm.irecv(buf, self._rank_of(e.dst),
-                                                                self._tag(i, e, _GRAD)))
-        return recv_act, recv_grad
-
     def _pipeline(self, micro_indices, batch_size, data, first_id, seed, kind="train"):
         g, plan, stage = self.graph, self.plan, self.stage
         training = kind == "train"
         timeout = timeout_seconds()
-        recv_act, recv_grad = self._post_receives(micro_indices, training)
+        box = self.boundary
+        box.start([len(idx) for idx in micro_indices], training)
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
         actions = self.lowered(len(micro_indices), training)
@@ -150,12 +130,16 @@ class Executor:
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
-                self._wait([recv_act[(i, e.index)][1] for e in plan.recv if e.src == a.peer], timeout)
+                reqs = box.activation_requests(i, a.peer)
+                while reqs:  # a header first, where shapes are known only at run time
+                    self._wait(reqs, timeout)
+                    reqs = box.activation_requests(i, a.peer)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.F:
                 idx = micro_indices[i]
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
-                inputs += [recv_act.pop((i, e.index))[0] for e in plan.recv]
+                received, masks = box.activations(i)
+                inputs += received + masks
                 y, sw = (), ()
                 if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
@@ -177,36 +161,25 @@ class Executor:
                     out, c, pred = stage.infer(kind, inputs, y, sw, share=share)
                     if pred:
                         predictions.append([p.numpy() for p in pred])
-                outs[i] = {t: o.numpy() for t, o in zip(stage.output_ids, out)}
+                outs[i] = {t: o.numpy() for t, o in zip(
+                    stage.output_ids + [("mask", t) for t in stage.output_mask_ids], out)}
                 total += float(c)
                 if i not in fused:
                     self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
-                for e in plan.send:
-                    if e.dst == a.peer:
-                        sends.append(self.comm.isend(outs[i][e.tensor], self._rank_of(e.dst),
-                                                     self._tag(i, e, _ACT)))
+                sends += box.send_activations(i, a.peer, outs[i], training)
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.RECV_GRAD:
-                self._wait([recv_grad[(i, e.index)][1] for e in plan.send
-                            if e.dst == a.peer and (i, e.index) in recv_grad], timeout)
+                self._wait(box.gradient_requests(i, a.peer), timeout)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
-                out_grads = {}
-                for e in plan.send:
-                    if (i, e.index) in recv_grad:
-                        buf = recv_grad.pop((i, e.index))[0]
-                        # A tensor sent to several stages gets the sum of their gradients.
-                        out_grads[e.tensor] = buf if e.tensor not in out_grads else out_grads[e.tensor] + buf
+                out_grads = box.gradients(i)
                 outs.pop(i, None)
                 grads = stage.backward(i, out_grads)
                 grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
                 self._record(str(a), "backward", start, microbatch=i)
             elif a.kind == sched.SEND_GRAD:
-                for e in plan.recv:
-                    if e.src == a.peer and e.tensor in grads_in[i]:
-                        sends.append(self.comm.isend(grads_in[i][e.tensor], self._rank_of(e.src),
-                                                     self._tag(i, e, _GRAD)))
+                sends += box.send_gradients(i, a.peer, grads_in[i])
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind in (sched.ALLREDUCE, sched.STEP):
                 break  # the step closes with these for every replica alike, below
@@ -300,10 +273,3 @@ class Executor:
                 # From now on, report only gradients that can start a bucket early.
                 self.stage.hooks = tuple(self.buckets.early_positions())
 
-
-def _np_dtype(dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)

@@ -20,6 +20,13 @@ class Tensor:
     producer: object = None
     input_position: object = None
     keras_tensor: object = field(default=None, repr=False)
+    mask: tuple = None  # shape of its Keras mask (e.g. padding), batch first; None: no mask
+
+    @property
+    def dynamic(self):
+        """Whether a dimension besides the batch is known only at run time (a
+        sequence length, an image size), in the value or its mask."""
+        return any(d is None for d in tuple(self.shape[1:]) + tuple((self.mask or (0,))[1:]))
 
     @property
     def floating(self):
@@ -104,7 +111,9 @@ def from_model(model, x_shapes=None):
         key = id(kt)
         if key not in tensor_of:
             shape = tuple(kt.shape)
-            t = Tensor(len(tensors), shape, str(kt.dtype), producer, input_position, kt)
+            mask = getattr(kt, "_keras_mask", None)
+            t = Tensor(len(tensors), shape, str(kt.dtype), producer, input_position, kt,
+                       tuple(mask.shape) if mask is not None else None)
             tensors.append(t)
             tensor_of[key] = t.index
         return tensor_of[key]

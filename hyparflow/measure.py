@@ -119,7 +119,11 @@ def _taped(stage, batch, repeats, idle=0.0):
     from . import profile
 
     graph = stage.graph
+    import tensorflow as tf
+
     inputs = [profile._dummy(graph.tensors[t], batch) for t in stage.input_ids]
+    inputs += [tf.ones((batch,) + tuple(d or 8 for d in graph.tensors[t].mask[1:]), tf.bool)
+               for t in stage.mask_ids]
     seeds = {t: np.ones((batch,) + tuple(d or 8 for d in graph.tensors[t].shape[1:]), np.float32)
              for t in stage.output_ids if graph.tensors[t].floating}
 

@@ -227,14 +227,6 @@ class Runtime:
         self.model, self.comm = model, comm
         self.graph = graph
         self.part = part = _partition.partition(graph, num_stages, balance)
-        for e in part.edges:
-            t = graph.tensors[e.tensor]
-            if any(d is None for d in t.shape[1:]):
-                raise ValueError(
-                    f"Tensor {t.keras_tensor.name!r} crosses from stage {e.src} to stage {e.dst} "
-                    f"but its shape {t.shape} has unknown dimensions besides the batch. Give the "
-                    "model's Input a full shape, or choose a `balance` that cuts elsewhere."
-                )
         self.topo = topo = Topology(num_stages, num_replicas, num_tensor)
         splits, split_names = {}, []
         if num_tensor > 1:

@@ -101,6 +101,10 @@ class Stage:
         self.recompute = recompute
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
         self.output_ids = sorted({e.tensor for e in plan.send})
+        # Keras masks (padding) cross with their tensors: inputs and outputs end with
+        # the masks of these tensors, in this order.
+        self.mask_ids = [e.tensor for e in plan.recv if graph.tensors[e.tensor].mask is not None]
+        self.output_mask_ids = [t for t in self.output_ids if graph.tensors[t].mask is not None]
         # Split layers (tensor parallelism): this rank trains its parts in place of
         # the layers' variables; `originals` are the model variables they stand for.
         self.shards = dict(shards or {})
@@ -144,11 +148,15 @@ class Stage:
         self.on_arrival = None
         self.hooks = tuple(range(len(self.trainable)))  # whose gradients are reported
         self._in_specs = [_spec(graph.tensors[t]) for t in self.input_ids]
+        self._mask_specs = [tf.TensorSpec((None,) + tuple(graph.tensors[t].mask[1:]), tf.bool)
+                            for t in self.mask_ids]
+        # Which of `mask_ids` arrive with a mask: Keras attaches some only at run time
+        # (and MultiHeadAttention removes its query's), so the sender says (a header).
+        self.presence = (True,) * len(self.mask_ids)
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
         self._functions = {}
         self.set_buckets([])  # gradient buffers, until the executor lays them out
-        self._forward = self._function("train", has_sample_weight)
         self._slowdown = slowdown()
 
     def _lag(self, start):
@@ -159,7 +167,8 @@ class Stage:
 
     def _signature(self, with_y, with_sample_weight):
         """(inputs, targets, sample weights, share), batch dimension None."""
-        return [self._in_specs, self._y_specs if with_y else [],
+        masks = [spec for spec, present in zip(self._mask_specs, self.presence) if present]
+        return [self._in_specs + masks, self._y_specs if with_y else [],
                 [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
                 tf.TensorSpec((), tf.float32)]
 
@@ -167,7 +176,7 @@ class Stage:
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
         once per kind with a `None` batch dimension (or eager when asked). `hooked`:
         positions of the variables whose gradients the backward reports as it makes them."""
-        key = (kind, bool(has_sample_weight) and kind != "predict", hooked)
+        key = (kind, bool(has_sample_weight) and kind != "predict", hooked, self.presence)
         if key not in self._functions:
             signature = self._signature(self.is_last and kind != "predict", key[1])
 
@@ -186,6 +195,10 @@ class Stage:
             out = self.model(x, training=training)
             return {"opaque": _compat.tree.flatten(out)}
         values = {id(g.tensors[t].keras_tensor): v for t, v in zip(self.input_ids, inputs)}
+        masks = iter(inputs[len(self.input_ids):])
+        for t, present in zip(self.mask_ids, self.presence):
+            if present:
+                _compat.set_mask(values[id(g.tensors[t].keras_tensor)], next(masks))
         for i in self.plan.nodes:
             node = g.nodes[i]
             args, kwargs = _compat.fill_in(node.keras_node, values)
@@ -199,6 +212,21 @@ class Stage:
 
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
+
+    def _mask(self, values, t):
+        """The Keras mask a value carries at run time; an empty one when it has none."""
+        mask = _compat.get_mask(self._value(values, t))
+        return tf.zeros((0,), tf.bool) if mask is None else tf.cast(mask, tf.bool)
+
+    def _inputs(self, inputs):
+        """Received values and masks (None: that tensor came without one) as tensors,
+        noting which masks came (`presence`)."""
+        n = len(self.input_ids)
+        masks = list(inputs[n:])
+        self.presence = tuple(m is not None for m in masks) + (True,) * (
+            len(self.mask_ids) - len(masks))
+        return [tf.convert_to_tensor(a) for a in inputs[:n]] + [
+            tf.convert_to_tensor(m, tf.bool) for m in masks if m is not None]
 
     def _body(self, inputs, y, sample_weight, share, kind="train", hooked=()):
         if not hooked:
@@ -249,6 +277,7 @@ class Stage:
             flat_pred = values["opaque"]
         else:
             outs = [self._value(values, t) for t in self.output_ids]
+            outs += [self._mask(values, t) for t in self.output_mask_ids]
             flat_pred = [self._value(values, t) for t in self.plan.outputs]
         if self.is_last and kind == "predict":
             return outs, share * total, list(flat_pred)
@@ -270,10 +299,11 @@ class Stage:
         """Forward only, in inference mode ("evaluate": loss and metrics on the last
         stage; "predict": the model's outputs there). Returns (outputs, loss
         contribution, predictions)."""
+        inputs = self._inputs(inputs)
         fn = self._function(kind, bool(sample_weight))
         if kind == "predict":
             y, sample_weight = (), ()
-        return fn([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
+        return fn(inputs, [tf.convert_to_tensor(a) for a in y],
                   [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
                   tf.constant(share, tf.float32))
 
@@ -294,12 +324,12 @@ class Stage:
         hooked = self.hooks if hooked else ()
         if seed is not None:
             self.reseed(*seed)
-        args = ([tf.convert_to_tensor(a) for a in inputs], [tf.convert_to_tensor(a) for a in y],
+        args = (self._inputs(inputs), [tf.convert_to_tensor(a) for a in y],
                 [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
                 tf.constant(share, tf.float32))
         if self.recompute:
-            outs, contribution = self._forward(*args)
-            self._saved[i] = (args, seed, hooked)
+            outs, contribution = self._function("train", bool(args[2]))(*args)
+            self._saved[i] = (args, seed, hooked, self.presence)
         else:
             tape, outs, contribution = self._taped(args, hooked)
             self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, hooked)
@@ -307,7 +337,7 @@ class Stage:
         return outs, contribution
 
     def _taped(self, args, hooked=()):
-        forward = self._function("train", bool(args[2]), hooked) if hooked else self._forward
+        forward = self._function("train", bool(args[2]), hooked)
         tape = tf.GradientTape()
         with tape:
             for k in self._diff:
@@ -318,7 +348,7 @@ class Stage:
     def _replay(self, i):
         """Recompute microbatch `i`'s forward under a tape, leaving the layers' state
         (BatchNorm statistics, seed generators) as the first forward left it."""
-        args, seed, hooked = self._saved.pop(i)
+        args, seed, hooked, self.presence = self._saved.pop(i)
         before = [v.numpy() for v in self._state]
         if seed is not None:
             self.reseed(*seed)
@@ -360,7 +390,8 @@ class Stage:
         hooked = self.hooks if hooked else ()
         if seed is not None:
             self.reseed(*seed)
-        key = ("fused", bool(sample_weight), hooked)
+        inputs = self._inputs(inputs)
+        key = ("fused", bool(sample_weight), hooked, self.presence)
         if key not in self._functions:
             diff, variables = self._diff, self.trainable
 
@@ -376,7 +407,6 @@ class Stage:
             signature = self._signature(True, bool(sample_weight))
             self._functions[key] = fused if self._eager else tf.function(
                 fused, input_signature=signature, reduce_retracing=True)
-        inputs = [tf.convert_to_tensor(a) for a in inputs]
         self._ready()
         contribution, result = self._functions[key](
             inputs, [tf.convert_to_tensor(a) for a in y],
