@@ -24,6 +24,9 @@ CASES = {
     "resnet110.py": (["--samples", "64", "--epochs", "1"],
                      r"^resnet110: [0-9.]+ samples/s \(.* over 1 steps after the first\), "
                      r"schedule 1f1b, 2 ranks$"),
+    "gpt_text.py": (["--chars", "20000", "--epochs", "1", "--samples", "1"],
+                    r"^gpt_text: held-out loss [0-9.]+, perplexity [0-9.]+ per character on "
+                    r"\d+ windows of 64$"),
     "transformer_text.py": (["--samples", "256", "--epochs", "1"],
                             r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
                             r"held-out sequences$"),
