@@ -69,10 +69,14 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
                 rank_steps.setdefault(e["args"]["step"], []).append(e["dur"] / 1e6)
         per_step = [max(v) for k, v in sorted(rank_steps.items())][1:]  # skip the traced first
         step = statistics.median(per_step)
+        # Gradient bytes rank 0 exchanged per step: its dense buckets and sparse pairs.
+        sums = [e["args"].get("dense_bytes", 0) + e["args"].get("sparse_bytes", 0)
+                for e in data["traceEvents"] if e.get("cat") == "allreduce" and e.get("tid") == 0]
         print("RESULT " + json.dumps({
             "stages": s, "replicas": r, "microbatches": m, "schedule": schedule, "tensor": t,
             "step_s": step, "samples_s": batch / step, "bubble": timeline.bubble(data),
             "theory_bubble": timeline.theoretical_bubble(s, m), "peak_mb": peaks,
+            "grad_mb": statistics.median(sums[1:] or sums or [0]) / 2**20,
             "state_mb": states}), flush=True)
 
 

@@ -1,4 +1,9 @@
-"""Benchmark models with synthetic data: the MLP, ResNet-110 and a ResNet-1001-style net."""
+"""Benchmark models: the MLP, ResNet-110, a ResNet-1001-style net (synthetic data), the
+GPT-style language model of examples/gpt_text.py (the standard library's source) and a
+text classifier with a 200,000-row embedding (synthetic ids)."""
+
+import os
+import sys
 
 import keras
 import numpy as np
@@ -82,9 +87,44 @@ def resnet1001():
     return model, (32, 32, 3), ()
 
 
+def _gpt_text():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "examples"))
+    import gpt_text
+
+    return gpt_text
+
+
+def gpt(samples):
+    """examples/gpt_text.py at context 128, width 128, 4 blocks (0.8M weights), Adam, on
+    windows of the standard library's source."""
+    text = _gpt_text()
+    model = text.compile_model(text.build_model(context=128, dim=128, heads=4, blocks=4))
+    ids = text.encode(text.read_source(samples * 64 + 256))
+    x, y = text.windows(ids, 128, 64)
+    return model, x[:samples], y[:samples]
+
+
+def embed(samples, vocab=200_000, length=64):
+    """A bag-of-embeddings classifier: Embedding(200,000, 128) (25.6M weights) over 64
+    ids, pooled, two Dense layers, Adam. A batch touches a few thousand rows."""
+    ids = keras.Input((length,), dtype="int32")
+    x = L.GlobalAveragePooling1D()(L.Embedding(vocab, 128)(ids))
+    x = L.Dense(128, activation="relu")(x)
+    model = keras.Model(ids, L.Dense(10)(x), name="embed200k")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    # Zipf-like ids, as words in text: a few frequent, a long tail.
+    x = np.minimum(rng.zipf(1.3, size=(samples, length)), vocab) - 1
+    return model, x.astype("int32"), rng.integers(0, 10, samples)
+
+
 def make(name, samples):
     """(compiled model, x, y) with the same initial weights on every rank."""
     keras.utils.set_random_seed(0)
+    if name in ("gpt", "embed"):
+        return {"gpt": gpt, "embed": embed}[name](samples)
     builders = {"mlp": mlp, "wide": wide, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
     model, x_shape, y_shape = builders[name]()
     rng = np.random.default_rng(0)

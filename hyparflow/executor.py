@@ -259,7 +259,7 @@ class Executor:
         self._wait(pending + exchanges, timeout_seconds())
         self._record("allreduce", "allreduce", start, buckets=len(self.buckets.buckets),
                      inside=self.buckets.inside, early=self.buckets.early,
-                     sparse_bytes=sum(x.bytes for x in exchanges))
+                     dense_bytes=self.buckets.nbytes, sparse_bytes=sum(x.bytes for x in exchanges))
         self.position = "STEP"
         start = time.perf_counter()
         reduced = {k: v for x in exchanges for k, v in x.result().items()}

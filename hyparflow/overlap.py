@@ -83,6 +83,12 @@ class Buckets:
         self.arm()
 
     @property
+    def nbytes(self):
+        """Bytes of the dense buckets summed with other ranks each step."""
+        return sum(4 * int(np.prod(self.stage.trainable[k].shape))
+                   for comm, bucket in self.buckets if _shares(comm) for k in bucket)
+
+    @property
     def shared(self):
         """Whether any variable is summed with another rank."""
         return any(_shares(comm) for comm, _ in self.groups)

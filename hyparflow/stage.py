@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from . import sparse as _sparse
 from .profile import slowdown
 
 __all__ = ["Stage"]
@@ -142,6 +143,7 @@ class Stage:
         self._saved = {}
         self.touched = np.zeros(len(self.trainable), dtype=bool)
         self._slices = {}  # position -> [(microbatch, indices, values)] this step
+        self._keep_pairs = _sparse.enabled()
         # Gradients that a hook (`_arrive`) already summed during the current backward,
         # and who is told of each: the executor, to start allreduces early.
         self.arrived = np.zeros(len(self.trainable), dtype=bool)
@@ -441,6 +443,8 @@ class Stage:
         for k, g in enumerate(result[:n]):
             if g is None or self.arrived[k]:
                 continue
+            if isinstance(g, tf.IndexedSlices) and not self._keep_pairs:
+                g = tf.convert_to_tensor(g)
             if isinstance(g, tf.IndexedSlices):
                 values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
                 self._slices.setdefault(k, []).append(
