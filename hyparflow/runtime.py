@@ -118,6 +118,21 @@ def read_graph(model, num_stages, shapes):
     return graph
 
 
+def _target_specs(graph, sample):
+    """(shape, dtype) of each target leaf for the last stage's compiled function: the
+    batch dimension None, and so is every dimension the matching model output leaves
+    open (a sequence length that changes from batch to batch)."""
+    if sample.y is None:
+        return []
+    specs = []
+    for k, a in enumerate(sample.y):
+        out = graph.tensors[graph.outputs[k]].shape if k < len(graph.outputs) else ()
+        dims = [None if j < len(out) and out[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
 def _check_agreement(comm, facts):
     """All ranks must run the same model on the same data shape with the same
     settings; a mismatch would otherwise hang or silently mix models."""
@@ -263,7 +278,7 @@ class Runtime:
         _build_compiled(model, graph, sample)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
-        y_specs = [((None,) + a.shape[1:], a.dtype) for a in sample.y] if sample.y is not None else []
+        y_specs = _target_specs(graph, sample)
         self.stage = stage = Stage(graph, part.stages[s], model, part, is_last=(s == num_stages - 1),
                                    run_eagerly=eager, y_specs=y_specs,
                                    has_sample_weight=training and sample.sample_weight is not None,
