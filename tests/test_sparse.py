@@ -122,3 +122,10 @@ def test_linear_optimizer_reduces_densely_when_the_table_is_smaller():
     table = run_ranks(2, body, timeout=60)[0]
     assert table.shape == (5, 4)
     np.testing.assert_allclose(table[:, 0], [0, 60, 30, 30, 0])
+
+
+def test_sparse_pairs_with_allreduces_started_in_the_backward(monkeypatch):
+    """The early-allreduce hooks let an IndexedSlices gradient pass (it is gathered after
+    the backward) while the dense buckets start inside it."""
+    monkeypatch.setenv("HYPARFLOW_OVERLAP", "1")
+    check(lambda: embedding_model(OPTIMIZERS["adam"]), [(1, 2, 2), (2, 2, 1)])
