@@ -93,6 +93,7 @@ class Executor:
         list of index arrays into the data); returns the step's summed loss contribution."""
         start = time.perf_counter()
         contribution = 0.0
+        self.stage.begin_step()
         self.buckets.arm()
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches

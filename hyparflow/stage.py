@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from . import kernels
 from . import sparse as _sparse
 from .profile import slowdown
 
@@ -111,6 +112,7 @@ class Stage:
         self.shards = dict(shards or {})
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(plan.nodes, trainable=True)
+        self.transposed = self._transposed(graph, plan)
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
@@ -161,6 +163,26 @@ class Stage:
         self.set_buckets([])  # gradient buffers, until the executor lays them out
         self._slowdown = slowdown()
 
+    def _transposed(self, graph, plan):
+        """{node: kernels.Transposed} for the Dense calls whose input gradient is wanted."""
+        if not kernels.enabled() or graph.functional is None:
+            return {}
+        out, made = {}, {}
+        for i in plan.nodes:
+            node = graph.nodes[i]
+            if i in self.shards or len(node.inputs) != 1 or node.inputs[0] in plan.data_inputs:
+                continue
+            if kernels.eligible(node.op, graph.tensors[node.inputs[0]].dtype):
+                if id(node.op) not in made:
+                    made[id(node.op)] = kernels.Transposed(node.op)
+                out[i] = made[id(node.op)]
+        return out
+
+    def begin_step(self):
+        """Before a training step's first microbatch: the kept `W^T`s follow the weights."""
+        for t in {id(t): t for t in self.transposed.values()}.values():
+            t.refresh()
+
     def _lag(self, start):
         """HYPARFLOW_SLOWDOWN: act as a rank that many times slower (for tests of
         heterogeneous balancing)."""
@@ -206,6 +228,8 @@ class Stage:
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
                 out = self.shards[i](args, kwargs)
+            elif i in self.transposed and training:
+                out = self.transposed[i](args, kwargs)
             else:
                 out = _compat.call_operation(node.op, args, kwargs, training)
             for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
