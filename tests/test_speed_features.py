@@ -87,3 +87,43 @@ def test_trace_command_prints_the_bubble_and_draws(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "measured bubble" in out and "theoretical (S-1)/(M+S-1) = 0.200 (S=2, M=4" in out
     assert (tmp_path / "run.png").stat().st_size > 1000
+
+
+def test_dense_backward_uses_the_kept_transpose():
+    """Stages multiply by a kept W^T for every Dense call whose input gradient is wanted
+    (not the first layer, whose input is data); its gradients are TensorFlow's, for 2-D
+    and 3-D inputs, and a mask on the input is passed on as Dense passes it."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from hyparflow import _compat, kernels
+    from hyparflow.graph import from_model
+    from hyparflow.partition import partition
+    from hyparflow.stage import Stage
+
+    model = models.mlp()
+    graph = from_model(model)
+    part = partition(graph, 2, [2, 3])
+    first = Stage(graph, part.stages[0], model, part, is_last=False)
+    last = Stage(graph, part.stages[1], model, part, is_last=True)
+    assert [graph.nodes[i].op.name for i in first.transposed] == ["hidden_1"]
+    assert [graph.nodes[i].op.name for i in last.transposed] == ["hidden_2", "hidden_3", "logits"]
+
+    rng = np.random.default_rng(0)
+    for shape in [(4, 3), (2, 6, 3)]:
+        x = tf.constant(rng.normal(size=shape).astype("float32"))
+        layer = keras.layers.Dense(5, activation="tanh")
+        layer.build(shape)
+        fast = kernels.Transposed(layer)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            want, got = layer(x), fast([x], {})
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        for a, b in zip(tape.gradient(got, [x, layer.kernel.value, layer.bias.value]),
+                        tape.gradient(want, [x, layer.kernel.value, layer.bias.value])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    mask = tf.constant([[True, False, True, True, True, False]] * 2)
+    masked = tf.identity(x)
+    _compat.set_mask(masked, mask)
+    np.testing.assert_array_equal(_compat.get_mask(fast([masked], {})), mask)
