@@ -105,7 +105,11 @@ def test_stage_costs_are_measured_on_a_real_stage():
     rows, _ = __import__("hyparflow.profile", fromlist=["fit_model"]).fit_model(graph, model, (8, 32))
     costs = measure.stage_costs(graph, model, rows, (8, 32), repeats=3)
     assert costs["batches"] == [8, 32] and len(costs["taped"]) == len(costs["forward"]) == 2
-    assert all(t >= 1.0 for t in costs["taped"]) and all(0 < f < 1 for f in costs["forward"])
+    # A real stage's taped forward and backward cost more than its share of the fused
+    # step (values are clamped below at 1), the more so on fewer samples, where the
+    # per-call overhead weighs more.
+    assert costs["taped"][0] > costs["taped"][1] >= 1.0 and costs["taped"][0] < 50, costs
+    assert all(0.1 < f < 0.9 for f in costs["forward"]), costs["forward"]
     assert 0 < costs["add_s_per_byte"] < 1e-8
     assert measure.stage_costs(G.from_model(keras.Sequential([keras.Input((3,)),
                                                               keras.layers.Dense(2)])),
@@ -121,7 +125,18 @@ def test_compute_is_measured_with_every_rank_running(tmp_path):
     assert all(0 < t < 1.0 for row in times.values() for t in row.values())
     assert 0 < optimizer < 1e-3
     compute = planner.Compute(times, optimizer)
-    assert compute.slowdown(8)(2) >= 1.0
+    # Two busy ranks on this machine's cores: slowed, but not past the share of a core
+    # each gets when the cores are fewer than the ranks (factors below 1 are clamped).
+    assert 1.0 <= compute.slowdown(8)(2) < 2.5
+
+
+def test_slowdown_is_the_measured_ratio_and_extrapolates_linearly():
+    compute = planner.Compute({1: {8: 0.010, 16: 0.020}, 2: {8: 0.015, 16: 0.024}}, 0.0)
+    slow = compute.slowdown(8)
+    assert slow(1) == pytest.approx(1.0)
+    assert slow(2) == pytest.approx(1.5)
+    assert slow(4) == pytest.approx(3.0)  # more ranks than measured: in proportion
+    assert compute.slowdown(16)(2) == pytest.approx(1.2)
 
 
 WIDE_MODEL = """import keras
