@@ -553,6 +553,7 @@ class Stage:
     def reset_grads(self):
         self.touched[:] = False
         self.arrived[:] = False
+        self._slices = {}
 
     def apply(self, optimizer, buckets, sparse=None):
         """Step `optimizer` with the reduced buffers of `flat_grads` (`buckets`: their
