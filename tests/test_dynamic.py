@@ -49,8 +49,10 @@ def batches(n_batches=6, batch=8, seed=4):
 
 
 def dataset(data):
-    """One element per batch, in order; the cardinality known, so that model.fit runs
-    every epoch (with an unknown one it stops after the first)."""
+    """One element per batch, in order, the cardinality known: with an unknown one,
+    Keras's `model.fit` (3.15) counts one more optimizer iteration per epoch when it
+    reaches the end of the data, which moves Adam's bias correction (hyparflow counts
+    the steps it takes)."""
 
     def gen():
         yield from data
