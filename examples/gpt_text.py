@@ -158,8 +158,12 @@ def main():
     vx, vy = windows(ids[cut:], args.context, args.context)
     model = compile_model(build_model(context=args.context, dim=args.dim, heads=args.heads,
                                       blocks=args.blocks))
+    # With tensor ranks: every block's attention split by heads and its feed-forward
+    # pair by columns then rows (these layers are too small to be chosen by size).
+    split = [f"block{b}_{part}" for b in range(args.blocks)
+             for part in ("attention", "ff1", "ff2")]
     layout = dict(num_stages=args.stages, num_tensor=args.tensor,
-                  num_microbatches=args.microbatches)
+                  num_microbatches=args.microbatches, tensor_layers=split)
     hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, seed=1,
            verbose=2 if hf.is_main() else 0, **layout)
     loss = hf.evaluate(model, vx, vy, batch_size=args.batch_size,
