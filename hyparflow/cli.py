@@ -176,10 +176,18 @@ def _trace(args):
 
 
 def _add_plan(sub):
+    # Listed here for `hyparflow --help`; main() hands everything after `plan` to the
+    # planner's own parser (argparse would take `--help` for an option of this one).
     p = sub.add_parser("plan", help="profile a model and rank (stages, replicas, microbatches) plans",
                        add_help=False, description="See `hyparflow plan --help`.")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: __import__("hyparflow.planner", fromlist=["main"]).main(args.rest))
+    p.set_defaults(func=lambda args: _plan(args.rest))
+
+
+def _plan(argv):
+    from . import planner
+
+    return planner.main(argv)
 
 
 def build_parser():
@@ -198,6 +206,9 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

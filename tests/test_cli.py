@@ -113,6 +113,26 @@ def test_run_propagates_the_exit_code(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
 
 
+def _subcommands():
+    parser = cli.build_parser()
+    return sorted(next(a for a in parser._actions if a.dest == "command").choices)
+
+
+def test_every_subcommand_is_checked_here():
+    assert _subcommands() == ["export", "info", "plan", "run", "slurm", "trace"]
+
+
+@pytest.mark.parametrize("command", _subcommands())
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_subcommand_has_help(capsys, command, flag):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, flag])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 0, err
+    assert out.startswith(f"usage: hyparflow {command}"), out + err
+    assert "error" not in err, err
+
+
 def test_info_has_the_fields(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
