@@ -14,6 +14,29 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.path
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")
 
 
+def clean_environment(**extra):
+    """The caller's environment without Slurm's or hyparflow's layout variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "HYPARFLOW_NUM_"))}
+    env.update(HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun for a test: take -n, drop srun's options, run the command under mpiexec outside Slurm.
+n="${{SLURM_NTASKS:-1}}"   # srun in a job script takes the allocation's task count
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -n) n="$2"; shift 2 ;;
+        --*) shift ;;
+        *) break ;;
+    esac
+done
+for v in $(env | grep -o '^SLURM_[A-Z_]*'); do unset "$v"; done
+exec {mpiexec} -n "$n" "$@"
+"""
+
+
 def mpiexec(n, *args, timeout=600):
     env = dict(os.environ, HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1")
     start = time.monotonic()
@@ -42,3 +65,34 @@ def test_failure_on_one_rank_ends_all_quickly(fail_rank):
     assert out.stderr.count(f"hyparflow: rank {fail_rank} (stage {fail_rank}, replica 0) failed") == 1
     assert "aborting all ranks" in out.stderr
     assert seconds < 60, f"took {seconds:.0f} s to stop"
+
+
+@pytest.mark.parametrize("how", ["mpiexec", "hyparflow run", "srun", "sbatch template"])
+def test_a_script_choosing_its_stages_runs_however_launched(how, tmp_path):
+    """`hf.fit(num_stages=2)` with the replicas left out, on 2 ranks: no launcher imposes
+    a replica count it derived for another number of stages."""
+    script = os.path.join(HERE, "mpi", "own_layout_script.py")
+    srun = tmp_path / "srun"
+    srun.write_text(FAKE_SRUN.format(mpiexec=MPIEXEC))
+    srun.chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
+             "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    if how == "mpiexec":
+        argv, env = [MPIEXEC, "-n", "2", sys.executable, script], clean_environment()
+    elif how == "hyparflow run":
+        argv = [sys.executable, "-m", "hyparflow", "run", "-n", "2", script]
+        env = clean_environment()
+    elif how == "srun":   # hyparflow run inside an allocation: srun, -n from SLURM_NTASKS
+        argv = [sys.executable, "-m", "hyparflow", "run", script]
+        env = clean_environment(**slurm)
+    else:                 # the rendered job script, run as sbatch would run it
+        job = tmp_path / "job.sbatch"
+        render = subprocess.run([sys.executable, "-m", "hyparflow", "slurm", "--tasks-per-node",
+                                 "2", "--output", str(job), script], capture_output=True,
+                                text=True, timeout=60, env=clean_environment())
+        assert render.returncode == 0, render.stderr
+        argv, env = ["bash", str(job)], clean_environment(**slurm)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "own layout: 2 ranks, max weight difference" in out.stdout, out.stdout
+    assert "environment []" in out.stdout, out.stdout   # nothing was asked for, none set
