@@ -6,7 +6,7 @@ from . import _compat
 from . import data as _data
 from .logs import GlobalLogs
 from .progress import callback_list, resolve_verbose
-from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph, x_shapes
+from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph
 
 __all__ = ["run_evaluation", "evaluate", "predict"]
 
@@ -28,7 +28,7 @@ def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_mic
     if tensor.get("tensor_shares") == "measure":
         # Shares change only the speed of inference, never its results.
         tensor = dict(tensor, tensor_shares=None)
-    graph = read_graph(model, num_stages, x_shapes(x))
+    graph = read_graph(model, num_stages, x, batch_size)
     source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
                                   steps_per_epoch=steps, need_y=(kind == "evaluate"))
     runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,

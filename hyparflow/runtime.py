@@ -19,7 +19,8 @@ from .stage import Stage
 from .timeline import Timeline
 from .topology import Topology
 
-__all__ = ["Runtime", "check_positive", "agree_on_error", "fail", "x_shapes", "read_graph"]
+__all__ = ["Runtime", "check_positive", "agree_on_error", "fail", "x_shapes", "read_graph",
+           "build_like_fit"]
 
 
 def check_positive(**values):
@@ -102,12 +103,42 @@ def _check_optimizer(optimizer, num_stages, num_tensor=1):
                 "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
 
 
-def read_graph(model, num_stages, shapes):
-    """The model's LayerGraph; a subclassed model only with one stage."""
+def _first_batch(x, batch_size):
+    """The inputs of the first batch, in x's structure (what model.fit builds from)."""
+    from .data import is_dataset
+
+    if is_dataset(x):
+        return keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
+    return _compat.tree.map_structure(lambda a: np.asarray(a)[:batch_size], x)
+
+
+def build_like_fit(model, x, batch_size):
+    """Build an unbuilt model as `model.fit` does: symbolically, from the shapes and
+    dtypes of the first batch. Every rank does it (before rank 0's weights are
+    broadcast), so every rank has the same variables."""
+    batch = _compat.tree.map_structure(
+        lambda a: None if a is None else _compat.symbolic(np.shape(a), getattr(a, "dtype", "float32")),
+        _first_batch(x, batch_size))
+    try:
+        _compat.compute_output_spec(model, batch, training=False)
+    except ValueError:
+        raise  # the user's input does not fit the model: Keras's own message
+    except Exception as error:  # noqa: BLE001 - as Keras: say what to do instead
+        raise ValueError(
+            f"Unable to automatically build the model {model.name!r} from the first batch "
+            f"(as model.fit would). Build it yourself before hyparflow.fit: call it once on a "
+            f"batch, or model.build(input_shape). Exception encountered: {error!r}") from error
+
+
+def read_graph(model, num_stages, x, batch_size=None):
+    """The model's LayerGraph (built from the first batch of `x` if it is not yet); a
+    subclassed model only with one stage."""
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
     check_positive(num_stages=num_stages)
-    graph = _graph.from_model(model, shapes)
+    if not model.built:
+        build_like_fit(model, x, batch_size)
+    graph = _graph.from_model(model, x_shapes(x))
     if graph.functional is None and num_stages > 1:
         raise ValueError(
             f"Model {model.name!r} is a subclassed keras.Model whose `call` hyparflow cannot "

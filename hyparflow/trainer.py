@@ -12,7 +12,7 @@ from . import data as _data
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
-from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph, x_shapes
+from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
 
@@ -56,7 +56,7 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                                  "pass `validation_data`.")
             (x, y, sample_weight), validation_data = _data.validation_split(
                 x, y, sample_weight, validation_split)
-        graph = read_graph(model, num_stages, x_shapes(x))
+        graph = read_graph(model, num_stages, x, batch_size)
         if plan is not None:
             balance = _plan.counts_for(plan, graph)
         source, sample = _data.source(graph, x, y, batch_size=batch_size,

@@ -328,3 +328,55 @@ def test_progress_of_evaluate_and_predict_as_keras(monkeypatch, capsys):
     run(2, models.mlp, start, body)
     bars = terminal.getvalue()
     assert "\x1b[" in bars and bars.count("\n") == 2, bars   # two finished bars, one rank
+
+
+class Unbuilt(keras.Model):
+    """A subclassed model whose variables exist only once it has seen a batch."""
+
+    def __init__(self):
+        super().__init__(name="net")
+        seeded = keras.initializers.GlorotUniform
+        self.a = keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=1))
+        self.b = keras.layers.Dense(4, kernel_initializer=seeded(seed=2))
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def unbuilt(kind):
+    if kind == "subclassed":
+        model = Unbuilt()
+    else:   # a Sequential without an Input: also built by model.fit from the first batch
+        seeded = keras.initializers.GlorotUniform
+        model = keras.Sequential([
+            keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=1)),
+            keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=3)),
+            keras.layers.Dense(4, kernel_initializer=seeded(seed=2))], name="net")
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    assert not model.built
+    return model
+
+
+@pytest.mark.parametrize("kind,stages", [("subclassed", 1), ("sequential", 2)])
+def test_an_unbuilt_model_is_built_as_model_fit_builds_it(kind, stages):
+    x, y = models.mlp_data(48)
+    reference = unbuilt(kind)
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+
+    def body(comm):
+        model = unbuilt(kind)
+        history = hf.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         num_stages=stages, comm=comm)
+        return model.get_weights(), history.history
+
+    for weights, history in run_ranks(2, body, timeout=300):   # S=1 x R=2, or S=2
+        assert max_diff(weights, reference.get_weights()) < 1e-5
+        close(history, expected)
+    # evaluate builds an unbuilt model too, as model.evaluate does (same seeded start).
+    expected_eval = unbuilt(kind).evaluate(x, y, batch_size=8, verbose=0)
+    for got in run_ranks(2, lambda comm: hf.evaluate(unbuilt(kind), x, y, batch_size=8,
+                                                     verbose=0, num_stages=stages, comm=comm),
+                         timeout=300):
+        np.testing.assert_allclose(got, expected_eval, rtol=1e-5)
