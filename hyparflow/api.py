@@ -3,6 +3,7 @@
 import os
 
 from . import inference, trainer
+from .errors import user_errors
 from .comm import wrap
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
@@ -45,6 +46,7 @@ def _layout(comm, num_stages, num_replicas, num_microbatches, num_tensor, check=
     return stages, replicas, microbatches, tensor
 
 
+@user_errors
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="1f1b",
@@ -161,6 +163,7 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             communicator.free()
 
 
+@user_errors
 def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=None, steps=None,
              callbacks=None, return_dict=False, num_stages=None, num_replicas=None,
              num_microbatches=None, balance=None, comm=None, num_tensor=None, tensor_layers=None,
@@ -190,6 +193,7 @@ def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=N
             communicator.free()
 
 
+@user_errors
 def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=None,
             gather="all", num_stages=None, num_replicas=None, num_microbatches=None,
             balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None):

@@ -97,7 +97,8 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                           recompute=recompute, trace=trace, num_tensor=num_tensor,
                           tensor_layers=tensor_layers, tensor_shares=tensor_shares,
                           facts={"samples": len(sample), "steps": source.steps,
-                                 "batch_size": batch_size, "epochs": epochs})
+                                 "batch_size": batch_size, "epochs": epochs},
+                          batch_rows=min(effective, len(sample)))
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(comm, error)

@@ -1,6 +1,7 @@
 """Real MPI runs (mpiexec from the environment), each under an outer timeout."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,3 +97,41 @@ def test_a_script_choosing_its_stages_runs_however_launched(how, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "own layout: 2 ranks, max weight difference" in out.stdout, out.stdout
     assert "environment []" in out.stdout, out.stdout   # nothing was asked for, none set
+
+
+def _error_line(text, kind):
+    """The line of the message that names the user's mistake."""
+    marker = "Received a label value" if kind == "labels" else "ValueError: "
+    lines = [line for line in text.splitlines() if line.startswith(marker)]
+    assert lines, text[-3000:]
+    return lines[-1].split("  Label values:")[0]   # the labels listed depend on the batch
+
+
+@pytest.mark.parametrize("kind", ["shape", "labels", "loss"])
+def test_a_users_mistake_is_reported_once_as_model_fit_reports_it(kind):
+    """Wrong input shape, a label out of range, a loss that does not match the output:
+    the user's error comes once, first, from the rank where it happened, in model.fit's
+    words; the user's frame heads the traceback; hyparflow's context comes after."""
+    script = os.path.join(HERE, "mpi", "user_error_script.py")
+    keras_run = subprocess.run([sys.executable, script, kind, "keras"], capture_output=True,
+                               text=True, timeout=120, env=clean_environment())
+    assert keras_run.returncode != 0
+    expected = _error_line(keras_run.stderr, kind)
+    out, seconds = mpiexec(2, script, kind, "hf", timeout=120)
+    err = out.stderr
+    assert out.returncode != 0 and "finished without the error" not in out.stdout
+    assert err.count("Traceback (most recent call last):") == 1, err[-6000:]
+    assert err.count(expected) == 1, (expected, err[-6000:])
+    assert _error_line(err, kind) == expected
+    # Python's order: the user's frame first, the error, then where it was in hyparflow.
+    first_frame = err.split("Traceback (most recent call last):\n", 1)[1].splitlines()[0]
+    assert first_frame.startswith(f'  File "{script}"'), first_frame
+    context = "set-up failed on every rank (2) alike" if kind != "labels" else \
+        "hyparflow: rank 1 (stage 1, replica 0) failed at F0 with the error above"
+    assert context in err and err.index(expected) < err.index(context), err[-3000:]
+    # hyparflow's frames are hidden, as Keras hides its own (each leaves the one frame
+    # that re-raises with the shorter traceback).
+    frames = re.findall(r'^  File "([^"]+)"', err.split(expected)[0].split("Detected at node")[0],
+                        re.M)
+    assert [f for f in frames if "/hyparflow/" in f and not f.endswith("errors.py")] == [], err
+    assert seconds < 60
