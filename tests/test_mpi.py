@@ -135,3 +135,22 @@ def test_a_users_mistake_is_reported_once_as_model_fit_reports_it(kind):
                         re.M)
     assert [f for f in frames if "/hyparflow/" in f and not f.endswith("errors.py")] == [], err
     assert seconds < 60
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="no `script` to make a terminal")
+def test_progress_on_rank_0_bar_on_a_terminal_one_line_otherwise(tmp_path):
+    script = os.path.join(HERE, "mpi", "progress_script.py")
+    out, _ = mpiexec(2, script, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\x1b" not in out.stdout and "\b" not in out.stdout, repr(out.stdout)
+    # One line per epoch and one for evaluate, from rank 0 only.
+    assert out.stdout.count("Epoch 1/2") == 1
+    assert len(re.findall(r"^4/4 - \d+s - ", out.stdout, re.M)) == 3, out.stdout
+    # mpiexec writing to a terminal: its ranks write to pipes, yet rank 0 draws Keras's bar.
+    log = tmp_path / "terminal.log"
+    command = " ".join([MPIEXEC, "-n", "2", sys.executable, script])
+    run = subprocess.run(["script", "-qec", command, str(log)], capture_output=True,
+                         text=True, timeout=180, env=clean_environment(), cwd=HERE)
+    text = log.read_text(errors="replace")
+    assert run.returncode == 0, text[-3000:]
+    assert "\x1b[" in text and text.count("Epoch 1/2") == 1, repr(text[-2000:])
