@@ -35,7 +35,8 @@ def _layout(comm, num_stages, num_replicas, num_microbatches, num_tensor, check=
             and stages * tensor * replicas != comm.size):
         # The environment's R was given for another S (e.g. `hyparflow run --replicas`
         # while the script passes its own num_stages): say where each number came from.
-        where = "this script's" if num_stages is not None else "$HYPARFLOW_NUM_STAGES or the default"
+        where = ("this script's" if num_stages is not None
+                 else "$HYPARFLOW_NUM_STAGES or the default")
         raise ValueError(
             f"HYPARFLOW_NUM_REPLICAS={replicas} (from the environment: `hyparflow run "
             f"--replicas` or a job script) x num_stages={stages} ({where})"

@@ -35,7 +35,8 @@ def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_mic
                       num_replicas=num_replicas, num_microbatches=num_microbatches,
                       balance=balance, training=False, **tensor,
                       facts={"samples": len(sample), "steps": source.steps, "kind": kind},
-                      batch_rows=len(sample) if _data.is_dataset(x) else min(batch_size, len(sample)))
+                      batch_rows=(len(sample) if _data.is_dataset(x)
+                                  else min(batch_size, len(sample))))
     return runtime, source
 
 

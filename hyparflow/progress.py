@@ -73,8 +73,9 @@ def callback_list(model, comm, callbacks, verbose, *, epochs, steps, add_history
     per-batch logs (a collective) are computed, on every rank alike."""
     main = comm.rank == 0
     user = [c for c in (callbacks or []) if main or not isinstance(c, MAIN_ONLY_CALLBACKS)]
-    cbs = keras.callbacks.CallbackList(user, add_history=add_history, add_progbar=verbose != 0 and main,
-                                       model=model, verbose=verbose, epochs=epochs, steps=steps)
+    cbs = keras.callbacks.CallbackList(user, add_history=add_history,
+                                       add_progbar=verbose != 0 and main, model=model,
+                                       verbose=verbose, epochs=epochs, steps=steps)
     # Ranks may differ in verbosity (`verbose=1 if hf.is_main() else 0` is common)
     # or callbacks; per-step logs are a collective, so all join if any wants them.
     per_step = any(comm.allgather_obj(verbose == 1 or bool(callbacks)))

@@ -115,7 +115,8 @@ def build_like_fit(model, x, batch_size):
     dtypes of the first batch. Every rank does it (before rank 0's weights are
     broadcast), so every rank has the same variables."""
     batch = _compat.tree.map_structure(
-        lambda a: None if a is None else _compat.symbolic(np.shape(a), getattr(a, "dtype", "float32")),
+        lambda a: None if a is None else _compat.symbolic(np.shape(a),
+                                                          getattr(a, "dtype", "float32")),
         _first_batch(x, batch_size))
     try:
         _compat.compute_output_spec(model, batch, training=False)
