@@ -3,6 +3,7 @@
 import os
 
 from . import inference, trainer
+from .errors import user_errors
 from .comm import wrap
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
@@ -21,6 +22,32 @@ def _from_env(value, name, default):
     return default
 
 
+def _layout(comm, num_stages, num_replicas, num_microbatches, num_tensor, check=True):
+    """(S, R, M, T) from the arguments, else HYPARFLOW_NUM_* (what the user asked the
+    launcher for), else the defaults; R stays None (derived later as world // (S x T))
+    unless given. An argument always wins over the environment."""
+    stages = _from_env(num_stages, "num_stages", 1)
+    tensor = _from_env(num_tensor, "num_tensor", 1)
+    replicas = _from_env(num_replicas, "num_replicas", None)
+    microbatches = _from_env(num_microbatches, "num_microbatches", 1)
+    if (check and num_replicas is None and replicas is not None
+            and isinstance(stages, int) and isinstance(tensor, int)
+            and stages * tensor * replicas != comm.size):
+        # The environment's R was given for another S (e.g. `hyparflow run --replicas`
+        # while the script passes its own num_stages): say where each number came from.
+        where = ("this script's" if num_stages is not None
+                 else "$HYPARFLOW_NUM_STAGES or the default")
+        raise ValueError(
+            f"HYPARFLOW_NUM_REPLICAS={replicas} (from the environment: `hyparflow run "
+            f"--replicas` or a job script) x num_stages={stages} ({where})"
+            + (f" x num_tensor={tensor}" if tensor != 1 else "")
+            + f" = {stages * tensor * replicas} ranks, but {comm.size} were launched. Leave "
+            f"--replicas out (the replicas are then world size // (stages x tensor)), or pass "
+            f"num_replicas to hyparflow.")
+    return stages, replicas, microbatches, tensor
+
+
+@user_errors
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
         balance=None, comm=None, sample_weight=None, class_weight=None, schedule="1f1b",
@@ -63,8 +90,10 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             e.g. relative speeds; "measure": a short calibration); None: even.
         shuffle: one permutation per epoch, the same on every rank, from `seed`.
         seed: the shuffling seed; None draws one on rank 0 and shares it.
-        verbose: 0, 1, 2 or "auto" (= 1), as in `model.fit`; the progress bar is
-            printed by rank 0 only, with global values.
+        verbose: 0, 1, 2 or "auto", as in `model.fit`; the progress bar is
+            printed by rank 0 only, with global values. "auto" is 1 (Keras's bar)
+            when the output is a terminal (the launcher's, under mpiexec or srun),
+            else 2 (one line per epoch, no escape codes).
         callbacks: Keras callbacks; they run on every rank with the global logs.
         balance: how to cut the layer calls into stages: None or "estimate"
             (estimated compute, no measuring), "time" (each call profiled here),
@@ -113,11 +142,13 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
     """
     communicator, owned = wrap(comm)
     try:
+        stages, replicas, microbatches, tensor = _layout(
+            communicator, num_stages, num_replicas, num_microbatches, num_tensor,
+            check=plan is None)
         return trainer.train(
             model, x, y, comm=communicator, batch_size=batch_size, epochs=epochs,
-            num_stages=_from_env(num_stages, "num_stages", 1),
-            num_replicas=_from_env(num_replicas, "num_replicas", None),
-            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1), shuffle=shuffle, seed=seed, verbose=verbose,
+            num_stages=stages, num_replicas=replicas, num_microbatches=microbatches,
+            shuffle=shuffle, seed=seed, verbose=verbose,
             callbacks=callbacks, balance=balance, sample_weight=sample_weight,
             class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly,
             recompute=recompute, trace=trace, validation_data=validation_data,
@@ -126,56 +157,70 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
             resume=resume, check_finite=check_finite, speeds=speeds,
-            memory_limit=memory_limit, plan=plan, **_tensor_args(num_tensor, tensor_layers,
-                                                                 tensor_shares))
+            memory_limit=memory_limit, plan=plan, num_tensor=tensor, tensor_layers=tensor_layers,
+            tensor_shares=tensor_shares)
     finally:
         if owned:
             communicator.free()
 
 
-def evaluate(model, x, y=None, *, batch_size=32, num_stages=None, num_replicas=None,
-             num_microbatches=None, sample_weight=None, steps=None, return_dict=False,
-             balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
+@user_errors
+def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=None, steps=None,
+             callbacks=None, return_dict=False, num_stages=None, num_replicas=None,
+             num_microbatches=None, balance=None, comm=None, num_tensor=None, tensor_layers=None,
+             tensor_shares=None):
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
-    with the metrics, or a dict with `return_dict=True`), the same on every rank."""
+    with the metrics, or a dict with `return_dict=True`), the same on every rank.
+
+    Takes `model.evaluate`'s arguments (`batch_size`, `verbose`, `sample_weight`,
+    `steps`, `callbacks`, `return_dict`): `verbose=0` prints nothing; otherwise rank 0
+    prints Keras's progress bar (`"auto"`: the bar on a terminal, else one line);
+    callbacks get `on_test_begin` / `on_test_batch_end` / `on_test_end` with the
+    global logs (those that print or write files on rank 0 only, as in `fit`). The
+    layout arguments are `fit`'s."""
     communicator, owned = wrap(comm)
     try:
+        stages, replicas, microbatches, tensor = _layout(
+            communicator, num_stages, num_replicas, num_microbatches, num_tensor)
         return inference.evaluate(
-            model, x, y, comm=communicator, batch_size=batch_size,
-            num_stages=_from_env(num_stages, "num_stages", 1),
-            num_replicas=_from_env(num_replicas, "num_replicas", None),
-            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
-            balance=balance, sample_weight=sample_weight, steps=steps, return_dict=return_dict,
-            tensor=_tensor_args(num_tensor, tensor_layers, tensor_shares))
+            model, x, y, comm=communicator, batch_size=batch_size, num_stages=stages,
+            num_replicas=replicas, num_microbatches=microbatches, balance=balance,
+            sample_weight=sample_weight, steps=steps, return_dict=return_dict,
+            tensor=_tensor_args(tensor, tensor_layers, tensor_shares), verbose=verbose,
+            callbacks=callbacks)
     finally:
         if owned:
             communicator.free()
 
 
-def predict(model, x, *, batch_size=32, num_stages=None, num_replicas=None,
-            num_microbatches=None, steps=None, gather="all", balance=None, comm=None,
-            num_tensor=None, tensor_layers=None, tensor_shares=None):
+@user_errors
+def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=None,
+            gather="all", num_stages=None, num_replicas=None, num_microbatches=None,
+            balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
-    rank 0 (`gather="main"`, None elsewhere) for big outputs."""
+    rank 0 (`gather="main"`, None elsewhere) for big outputs.
+
+    Takes `model.predict`'s arguments (`batch_size`, `verbose`, `steps`, `callbacks`),
+    which behave as in `evaluate`; callbacks get `on_predict_*`, with each batch's
+    predictions as `logs["outputs"]`."""
     communicator, owned = wrap(comm)
     try:
+        stages, replicas, microbatches, tensor = _layout(
+            communicator, num_stages, num_replicas, num_microbatches, num_tensor)
         return inference.predict(
-            model, x, comm=communicator, batch_size=batch_size,
-            num_stages=_from_env(num_stages, "num_stages", 1),
-            num_replicas=_from_env(num_replicas, "num_replicas", None),
-            num_microbatches=_from_env(num_microbatches, "num_microbatches", 1),
-            balance=balance, steps=steps, gather=gather,
-            tensor=_tensor_args(num_tensor, tensor_layers, tensor_shares))
+            model, x, comm=communicator, batch_size=batch_size, num_stages=stages,
+            num_replicas=replicas, num_microbatches=microbatches, balance=balance, steps=steps,
+            gather=gather, tensor=_tensor_args(tensor, tensor_layers, tensor_shares),
+            verbose=verbose, callbacks=callbacks)
     finally:
         if owned:
             communicator.free()
 
 
 def _tensor_args(num_tensor, layers, shares):
-    return {"num_tensor": _from_env(num_tensor, "num_tensor", 1), "tensor_layers": layers,
-            "tensor_shares": shares}
+    return {"num_tensor": num_tensor, "tensor_layers": layers, "tensor_shares": shares}
 
 
 def _world():

@@ -14,17 +14,24 @@ def _add_run(sub):
     p = sub.add_parser(
         "run", help="start a training script on N ranks (srun in a Slurm job, else mpiexec)",
         description="Start SCRIPT on N ranks: `srun --mpi=pmi2` inside a Slurm allocation, "
-                    "else the mpiexec beside this Python. Sets HYPARFLOW_NUM_STAGES/REPLICAS/"
-                    "MICROBATCHES (hyparflow.fit's defaults), HYPARFLOW_THREADS, "
-                    "PYTHONUNBUFFERED=1 and TF_CPP_MIN_LOG_LEVEL=2; exits with the run's code.")
+                    "else the mpiexec beside this Python. Passes on only the counts given "
+                    "here, as HYPARFLOW_NUM_STAGES/REPLICAS/MICROBATCHES/TENSOR (the defaults "
+                    "of hyparflow.fit's arguments the script leaves out; the script's own "
+                    "arguments win); sets HYPARFLOW_THREADS, PYTHONUNBUFFERED=1 and "
+                    "TF_CPP_MIN_LOG_LEVEL=2; exits with the run's code.")
     p.add_argument("-n", "--ranks", type=int, default=None,
                    help="number of ranks (default: $SLURM_NTASKS inside a Slurm job)")
-    p.add_argument("--stages", type=int, help="pipeline stages S (default $HYPARFLOW_NUM_STAGES or 1)")
-    p.add_argument("--tensor", type=int, default=1,
-                   help="tensor ranks T per stage, which split its widest layers (default 1)")
-    p.add_argument("--replicas", type=int, help="replicas R (default N // S)")
+    p.add_argument("--stages", type=int,
+                   help="pipeline stages S, for scripts that do not choose them (default: "
+                        "the script's num_stages, else $HYPARFLOW_NUM_STAGES, else 1)")
+    p.add_argument("--tensor", type=int,
+                   help="tensor ranks T per stage, which split its widest layers (default: "
+                        "the script's num_tensor, else 1)")
+    p.add_argument("--replicas", type=int,
+                   help="replicas R (default: derived by fit as N // (S x T))")
     p.add_argument("--microbatches", type=int,
-                   help="microbatches M (default $HYPARFLOW_NUM_MICROBATCHES or 1)")
+                   help="microbatches M (default: the script's num_microbatches, else "
+                        "$HYPARFLOW_NUM_MICROBATCHES, else 1)")
     p.add_argument("--threads", type=int,
                    help="intra-op threads per rank (default cores // N on this node)")
     p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
@@ -67,8 +74,12 @@ def _add_slurm(sub):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--tasks-per-node", type=int, default=1,
                    help="ranks per node; a multiple of --stages keeps each pipeline on one node")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages S")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches M")
+    p.add_argument("--stages", type=int,
+                   help="pipeline stages S, for scripts that do not choose them (exported as "
+                        "HYPARFLOW_NUM_STAGES; default: the script's num_stages, else 1)")
+    p.add_argument("--microbatches", type=int,
+                   help="microbatches M (exported as HYPARFLOW_NUM_MICROBATCHES; default: the "
+                        "script's num_microbatches, else 1)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs (and threads) per rank")
     p.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS (default 01:00:00)")
     p.add_argument("--partition")
@@ -176,10 +187,18 @@ def _trace(args):
 
 
 def _add_plan(sub):
+    # Listed here for `hyparflow --help`; main() hands everything after `plan` to the
+    # planner's own parser (argparse would take `--help` for an option of this one).
     p = sub.add_parser("plan", help="profile a model and rank (stages, replicas, microbatches) plans",
                        add_help=False, description="See `hyparflow plan --help`.")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: __import__("hyparflow.planner", fromlist=["main"]).main(args.rest))
+    p.set_defaults(func=lambda args: _plan(args.rest))
+
+
+def _plan(argv):
+    from . import planner
+
+    return planner.main(argv)
 
 
 def build_parser():
@@ -198,6 +217,9 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

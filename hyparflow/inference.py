@@ -5,7 +5,8 @@ import numpy as np
 from . import _compat
 from . import data as _data
 from .logs import GlobalLogs
-from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph, x_shapes
+from .progress import callback_list, resolve_verbose
+from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph
 
 __all__ = ["run_evaluation", "evaluate", "predict"]
 
@@ -27,13 +28,15 @@ def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_mic
     if tensor.get("tensor_shares") == "measure":
         # Shares change only the speed of inference, never its results.
         tensor = dict(tensor, tensor_shares=None)
-    graph = read_graph(model, num_stages, x_shapes(x))
+    graph = read_graph(model, num_stages, x, batch_size)
     source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
                                   steps_per_epoch=steps, need_y=(kind == "evaluate"))
     runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
                       num_replicas=num_replicas, num_microbatches=num_microbatches,
                       balance=balance, training=False, **tensor,
-                      facts={"samples": len(sample), "steps": source.steps, "kind": kind})
+                      facts={"samples": len(sample), "steps": source.steps, "kind": kind},
+                      batch_rows=(len(sample) if _data.is_dataset(x)
+                                  else min(batch_size, len(sample))))
     return runtime, source
 
 
@@ -55,17 +58,37 @@ def _run(comm, build, body):
 
 
 def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-             balance=None, sample_weight=None, steps=None, return_dict=False, tensor=None):
+             balance=None, sample_weight=None, steps=None, return_dict=False, tensor=None,
+             verbose="auto", callbacks=None):
     """The body of `hyparflow.evaluate` for one rank."""
     if not _compat.is_compiled(model):
         raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
                          "hyparflow.evaluate, as before model.evaluate.")
+    verbose = resolve_verbose(verbose)
 
     def body(runtime, source):
-        logs = run_evaluation(model, runtime, source)
+        comm = runtime.comm
+        # As model.evaluate: on_test_* callbacks, the progress bar (here on rank 0).
+        cbs, per_step = callback_list(model, comm, callbacks, verbose, epochs=1,
+                                      steps=source.steps)
+        logs = GlobalLogs(model, comm, runtime.counted)
+        logs.reset()
+        model.stop_evaluating = False
+        cbs.on_test_begin()
+        for step, (data, batch) in enumerate(source.epoch(0)):
+            cbs.on_test_batch_begin(step)
+            contribution, _ = runtime.executor.infer("evaluate", runtime.microbatches(batch),
+                                                     len(batch), data)
+            logs.add(contribution, len(batch))
+            if per_step:
+                cbs.on_test_batch_end(step, logs.result())
+                if comm.bcast_obj(bool(getattr(model, "stop_evaluating", False)), 0):
+                    break
+        result = logs.result()
+        cbs.on_test_end(result)
         if return_dict:
-            return logs
-        values = list(logs.values())
+            return result
+        values = list(result.values())
         return values[0] if len(values) == 1 else values
 
     return _run(comm, lambda: _runtime(
@@ -75,22 +98,45 @@ def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, nu
 
 
 def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-            balance=None, steps=None, gather="all", tensor=None):
+            balance=None, steps=None, gather="all", tensor=None, verbose="auto", callbacks=None):
     """The body of `hyparflow.predict` for one rank."""
     if gather not in ("all", "main"):
         raise ValueError(f"`gather` must be 'all' or 'main'. Received: gather={gather!r}")
+    verbose = resolve_verbose(verbose)
 
     def body(runtime, source):
+        comm = runtime.comm
+        cbs, per_step = callback_list(model, comm, callbacks, verbose, epochs=1,
+                                      steps=source.steps)
+        # A callback sees each batch's predictions, as from model.predict: gathered
+        # per batch only when some rank has a callback.
+        batch_outputs = any(comm.allgather_obj(bool(callbacks)))
         pieces = []  # (global sample positions, [one array per output])
         # Array batches index the whole data; a dataset's batches count from zero.
         relative = isinstance(source, _data.DatasetSource)
         offset = 0
-        for data, batch in source.epoch(0):
+        model.stop_predicting = False
+        cbs.on_predict_begin()
+        for step, (data, batch) in enumerate(source.epoch(0)):
+            cbs.on_predict_batch_begin(step)
             micro = runtime.microbatches(batch)
             _, preds = runtime.executor.infer("predict", micro, len(batch), data)
-            for idx, outs in zip(micro, preds if runtime.counted else ()):
-                pieces.append(((offset if relative else 0) + np.asarray(idx), outs))
+            mine = [(np.asarray(idx), outs)
+                    for idx, outs in zip(micro, preds if runtime.counted else ())]
+            pieces += [((offset if relative else 0) + idx, outs) for idx, outs in mine]
             offset += len(batch)
+            if per_step:
+                logs = None
+                if batch_outputs:
+                    within = {int(v): k for k, v in enumerate(np.asarray(batch))}
+                    logs = {"outputs": _assemble(
+                        [(np.array([within[int(v)] for v in idx], dtype=np.int64), outs)
+                         for rank_pieces in comm.allgather_obj(mine)
+                         for idx, outs in rank_pieces], len(batch), runtime.graph)}
+                cbs.on_predict_batch_end(step, logs)
+                if comm.bcast_obj(bool(getattr(model, "stop_predicting", False)), 0):
+                    break
+        cbs.on_predict_end()
         if gather == "all":
             everyone = runtime.comm.allgather_obj(pieces)
         else:

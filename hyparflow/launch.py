@@ -7,7 +7,8 @@ import sys
 from dataclasses import dataclass, field
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
-           "layout", "run_environment", "plan", "describe", "execute", "report"]
+           "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
+           "execute", "report"]
 
 
 class LaunchError(ValueError):
@@ -22,6 +23,7 @@ class Plan:
     argv: list
     env: dict = field(default_factory=dict)   # only the variables set or changed
     reason: str = ""                   # why this launcher
+    layout: str = ""                   # how the ranks will be used, as far as the flags say
 
 
 def in_slurm_allocation(environ=None):
@@ -59,20 +61,34 @@ def _positive(name, value):
     return number
 
 
-def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=1):
-    """Check and complete (ranks, stages, replicas, microbatches).
+def _given(value, environ, name):
+    """A count the user asked for: the flag, else HYPARFLOW_<NAME> already in the environment
+    (which the ranks inherit anyway), else None."""
+    return value if value is not None else (environ.get(f"HYPARFLOW_{name}") or None)
 
-    Unset values come from HYPARFLOW_NUM_* in `environ`, then the defaults of `fit`
-    (1 stage, ranks // (stages x tensor) replicas, 1 microbatch). `tensor`: ranks per
-    stage (`--tensor`), which a pipeline needs `stages x tensor` of.
+
+def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=None):
+    """Check (ranks, stages, replicas, microbatches) against each other and complete them.
+
+    Only counts the user gave (a flag, or HYPARFLOW_NUM_* in `environ`) are checked; the
+    rest are completed with `fit`'s defaults (1 stage, ranks // (stages x tensor)
+    replicas, 1 microbatch) for describing the run, but a run exports only what was given
+    (`requested`): a script's own `hf.fit(num_stages=...)` decides the rest. `tensor`:
+    ranks per stage (`--tensor`), which a pipeline needs `stages x tensor` of.
     """
     environ = os.environ if environ is None else environ
     ranks = _positive("the number of ranks (-n)", ranks)
-    tensor = _positive("--tensor", tensor) or 1
-    stages = _positive("--stages", stages if stages is not None
-                       else environ.get("HYPARFLOW_NUM_STAGES") or 1)
-    microbatches = _positive("--microbatches", microbatches if microbatches is not None
-                             else environ.get("HYPARFLOW_NUM_MICROBATCHES") or 1)
+    given = requested(stages, replicas, microbatches, tensor, environ)
+    tensor = given.get("tensor", 1)
+    stages = given.get("stages")
+    microbatches = given.get("microbatches", 1)
+    replicas = given.get("replicas")
+    if stages is None:
+        # The script may choose its own stages: only a given replica count can be checked.
+        if replicas is not None and ranks % (replicas * tensor):
+            raise LaunchError(f"-n {ranks} ranks cannot be split into --replicas {replicas}"
+                              + (f" x --tensor {tensor}" if tensor > 1 else "") + " pipelines.")
+        stages = ranks // (replicas * tensor) if replicas is not None else 1
     pipeline = stages * tensor
     what = f"{stages} stages" + (f" x {tensor} tensor ranks" if tensor > 1 else "")
     flag = "--stages" + (" x --tensor" if tensor > 1 else "")
@@ -82,8 +98,8 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
         raise LaunchError(
             f"{ranks} ranks cannot be split into pipelines of {what}: the number of "
             f"ranks must be a multiple of {flag} (e.g. {options}).")
-    replicas = _positive("--replicas", replicas if replicas is not None
-                         else environ.get("HYPARFLOW_NUM_REPLICAS") or ranks // pipeline)
+    if replicas is None:
+        replicas = ranks // pipeline
     if pipeline * replicas != ranks:
         raise LaunchError(f"{flag} {pipeline} x --replicas {replicas} = {pipeline * replicas} "
                           f"ranks, but -n is {ranks}; give -n {pipeline * replicas} or leave "
@@ -91,23 +107,40 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
     return ranks, stages, replicas, microbatches
 
 
-def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=None,
-                    environ=None, tensor=1):
-    """The variables a run sets: S, R, M for `fit`, threads per rank, quiet unbuffered Python.
+def requested(stages=None, replicas=None, microbatches=None, tensor=None, environ=None):
+    """{name: count} of the counts the user gave, checked: flags, else HYPARFLOW_NUM_*
+    already set. What is not here, `fit` takes from its own arguments or derives."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name, value, flag in (("stages", stages, "--stages"), ("replicas", replicas, "--replicas"),
+                              ("microbatches", microbatches, "--microbatches"),
+                              ("tensor", tensor, "--tensor")):
+        value = _given(value, environ, f"NUM_{name.upper()}")
+        if value is not None:
+            out[name] = _positive(flag, value)
+    return out
+
+
+def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
+                    ranks_on_node=None, environ=None, tensor=None):
+    """The variables a run sets: the S, R, M, T the user asked for (none else: a count
+    that is only derived, like the replicas = ranks // S, must be derived again where the
+    script's own S is known), threads per rank, quiet unbuffered Python.
 
     Threads: `threads` if given, else an HYPARFLOW_THREADS already set, else Slurm's
     SLURM_CPUS_PER_TASK, else cores // ranks_on_node when that is known (all ranks on
     this node); otherwise left unset and each rank works it out at start-up.
     """
     environ = os.environ if environ is None else environ
-    env = {
-        "HYPARFLOW_NUM_STAGES": str(stages),
-        "HYPARFLOW_NUM_REPLICAS": str(replicas),
-        "HYPARFLOW_NUM_MICROBATCHES": str(microbatches),
-        "HYPARFLOW_NUM_TENSOR": str(tensor),
+    env = {}
+    for name, value in (("STAGES", stages), ("REPLICAS", replicas),
+                        ("MICROBATCHES", microbatches), ("TENSOR", tensor)):
+        if value is not None:
+            env[f"HYPARFLOW_NUM_{name}"] = str(value)
+    env.update({
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-    }
+    })
     threads = _positive("--threads", threads)
     if threads is None and environ.get("HYPARFLOW_THREADS"):
         threads = _positive("HYPARFLOW_THREADS", environ["HYPARFLOW_THREADS"])
@@ -122,8 +155,18 @@ def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=
     return env
 
 
+def describe_layout(ranks, given):
+    """One line on how `ranks` ranks will be used, given the counts in `given`."""
+    if not given:
+        return (f"{ranks} ranks; stages, replicas and microbatches as the script's hf.fit "
+                f"says (without arguments: 1 stage x {ranks} replicas)")
+    parts = [f"{name} {value}" for name, value in given.items()]
+    rest = "" if "replicas" in given else "; replicas = ranks // (stages x tensor)"
+    return f"{ranks} ranks; {', '.join(parts)} (the script's own hf.fit arguments win){rest}"
+
+
 def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
-         threads=None, launcher="auto", environ=None, python=None, tensor=1):
+         threads=None, launcher="auto", environ=None, python=None, tensor=None):
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix."""
     environ = os.environ if environ is None else environ
     python = python or sys.executable
@@ -131,8 +174,10 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
         raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
-    ranks, stages, replicas, microbatches = layout(ranks, stages, replicas, microbatches, environ,
-                                                   tensor)
+    ranks = layout(ranks, stages, replicas, microbatches, environ, tensor)[0]
+    # Export only the flags: a count in the environment already reaches the ranks.
+    flags = requested(stages, replicas, microbatches, tensor, environ={})
+    given = requested(stages, replicas, microbatches, tensor, environ)
     if not script:
         raise LaunchError("give the script to run, e.g. `hyparflow run -n 4 train.py`.")
     if not os.path.isfile(script):
@@ -161,14 +206,16 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
     else:
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
-    env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ,
-                          tensor or 1)
-    return Plan(launcher, argv, env, reason)
+    env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
+                          threads, ranks_on_node, environ, flags.get("tensor"))
+    return Plan(launcher, argv, env, reason, describe_layout(ranks, given))
 
 
 def describe(run_plan):
     """Shell text for --dry-run: the exports, then the command."""
     lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
+    if run_plan.layout:
+        lines.append(f"# layout: {run_plan.layout}")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
     lines.append(shlex.join(run_plan.argv))
     return "\n".join(lines)

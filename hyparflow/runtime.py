@@ -2,12 +2,12 @@
 
 import socket
 import sys
-import traceback
 
 import keras
 import numpy as np
 
 from . import _compat
+from . import errors as errors_
 from . import graph as _graph
 from . import overlap
 from . import partition as _partition
@@ -19,7 +19,8 @@ from .stage import Stage
 from .timeline import Timeline
 from .topology import Topology
 
-__all__ = ["Runtime", "check_positive", "agree_on_error", "fail", "x_shapes", "read_graph"]
+__all__ = ["Runtime", "check_positive", "agree_on_error", "fail", "x_shapes", "read_graph",
+           "build_like_fit"]
 
 
 def check_positive(**values):
@@ -29,17 +30,17 @@ def check_positive(**values):
 
 
 def agree_on_error(comm, error):
-    """Raise on every rank if set-up failed on any rank (so none waits for the others)."""
+    """Raise on every rank if set-up failed on any rank (so none waits for the others);
+    the error is printed once, by the first rank that had it (see errors.agreed)."""
     errors = comm.allgather_obj(None if error is None else (type(error).__name__, str(error)))
-    if error is not None:
-        raise error
-    for r, e in enumerate(errors):
-        if e is not None:
-            raise RuntimeError(f"hyparflow set-up failed on rank {r}: {e[0]}: {e[1]}")
+    if any(e is not None for e in errors):
+        raise errors_.agreed(comm, error, errors)
 
 
 def fail(comm, runtime, exc):
-    """End every rank with this rank's error: print it once, here, then abort."""
+    """End every rank with this rank's error: print it once, here, then abort. The
+    user's error comes first, as Python and Keras print it (hyparflow's frames hidden);
+    where it happened in the pipeline comes after."""
     if comm.size == 1:
         return
     if runtime is not None:
@@ -48,10 +49,8 @@ def fail(comm, runtime, exc):
                  f"{topo.replica(comm.rank)}) failed at {runtime.executor.position}")
     else:
         where = f"rank {comm.rank} failed"
-    sys.stderr.write(
-        f"hyparflow: {where}: {type(exc).__name__}: {exc}\n"
-        + "".join(traceback.format_exception(exc)) + "hyparflow: aborting all ranks.\n"
-    )
+    sys.stderr.write(errors_.format_error(exc)
+                     + f"hyparflow: {where} with the error above; aborting all ranks.\n")
     sys.stderr.flush()
     comm.abort(1)
 
@@ -102,12 +101,43 @@ def _check_optimizer(optimizer, num_stages, num_tensor=1):
                 "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
 
 
-def read_graph(model, num_stages, shapes):
-    """The model's LayerGraph; a subclassed model only with one stage."""
+def _first_batch(x, batch_size):
+    """The inputs of the first batch, in x's structure (what model.fit builds from)."""
+    from .data import is_dataset
+
+    if is_dataset(x):
+        return keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
+    return _compat.tree.map_structure(lambda a: np.asarray(a)[:batch_size], x)
+
+
+def build_like_fit(model, x, batch_size):
+    """Build an unbuilt model as `model.fit` does: symbolically, from the shapes and
+    dtypes of the first batch. Every rank does it (before rank 0's weights are
+    broadcast), so every rank has the same variables."""
+    batch = _compat.tree.map_structure(
+        lambda a: None if a is None else _compat.symbolic(np.shape(a),
+                                                          getattr(a, "dtype", "float32")),
+        _first_batch(x, batch_size))
+    try:
+        _compat.compute_output_spec(model, batch, training=False)
+    except ValueError:
+        raise  # the user's input does not fit the model: Keras's own message
+    except Exception as error:  # noqa: BLE001 - as Keras: say what to do instead
+        raise ValueError(
+            f"Unable to automatically build the model {model.name!r} from the first batch "
+            f"(as model.fit would). Build it yourself before hyparflow.fit: call it once on a "
+            f"batch, or model.build(input_shape). Exception encountered: {error!r}") from error
+
+
+def read_graph(model, num_stages, x, batch_size=None):
+    """The model's LayerGraph (built from the first batch of `x` if it is not yet); a
+    subclassed model only with one stage."""
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
     check_positive(num_stages=num_stages)
-    graph = _graph.from_model(model, shapes)
+    if not model.built:
+        build_like_fit(model, x, batch_size)
+    graph = _graph.from_model(model, x_shapes(x))
     if graph.functional is None and num_stages > 1:
         raise ValueError(
             f"Model {model.name!r} is a subclassed keras.Model whose `call` hyparflow cannot "
@@ -147,14 +177,16 @@ def _check_agreement(comm, facts):
             )
 
 
-def _build_compiled(model, graph, data):
+def _build_compiled(model, graph, data, rows=None):
     """Create the compiled loss's and metrics' state on every rank, symbolically
-    (as Keras's own fit does), without building the optimizer for all variables."""
+    (as Keras's own fit does, on a batch of `rows` samples, so that a mistake in the
+    data is reported in the words of model.fit), without building the optimizer for
+    all variables."""
     if data.y is None:
         return
-    x_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.x]
-    y_sym = [_compat.symbolic((None,) + a.shape[1:], a.dtype) for a in data.y]
-    sw_sym = _compat.symbolic((None,), "float32") if data.sample_weight is not None else None
+    x_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.x]
+    y_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.y]
+    sw_sym = _compat.symbolic((rows,), "float32") if data.sample_weight is not None else None
     if graph.functional is not None:
         x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
     else:
@@ -201,7 +233,7 @@ class Runtime:
     def __init__(self, model, comm, *, graph, sample, num_stages, num_replicas, num_microbatches,
                  balance=None, schedule="1f1b", run_eagerly=None, recompute=False,
                  trace=None, training=True, facts=None, num_tensor=1, tensor_layers=None,
-                 tensor_shares=None):
+                 tensor_shares=None, batch_rows=None):
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
         if sample.y is not None and not _compat.is_compiled(model):
@@ -275,7 +307,7 @@ class Runtime:
             "counts": part.counts, "schedule": schedule, "num_tensor": num_tensor,
             "tensor_layers": split_names,
         })
-        _build_compiled(model, graph, sample)
+        _build_compiled(model, graph, sample, batch_rows)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         y_specs = _target_specs(graph, sample)

@@ -29,8 +29,8 @@ class JobSpec:
     script_args: list = field(default_factory=list)
     nodes: int = 1
     tasks_per_node: int = 1
-    stages: int = 1
-    microbatches: int = 1
+    stages: int = None             # None: the script's hf.fit decides (nothing exported)
+    microbatches: int = None
     time: str = "01:00:00"
     partition: str = None
     account: str = None
@@ -138,11 +138,33 @@ def _choose_template(spec):
     return "single" if spec.nodes == 1 else "hybrid"
 
 
+def _layout_text(ntasks, spec, replicas):
+    if spec.stages is None:
+        text = f"{ntasks} ranks; stages and replicas as the script's hf.fit says"
+    else:
+        text = f"{ntasks} ranks = {spec.stages} stages x {replicas} replicas"
+    if spec.microbatches is not None:
+        text += f", {spec.microbatches} microbatches"
+    return text
+
+
+def _layout_exports(spec):
+    """Only what was asked for: a replica count derived here from --stages would be
+    imposed on a script that chooses its own stages (fit derives it where S is known)."""
+    exports = [f"HYPARFLOW_NUM_{name}={value}" for name, value in
+               (("STAGES", spec.stages), ("MICROBATCHES", spec.microbatches)) if value is not None]
+    if not exports:
+        return "# (none given: the script's hf.fit arguments, else its defaults)"
+    return "export " + " ".join(exports)
+
+
 def render(spec):
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
     warnings = []
     for name in ("nodes", "tasks_per_node", "stages", "microbatches"):
         value = getattr(spec, name)
+        if value is None and name in ("stages", "microbatches"):
+            continue
         if not isinstance(value, int) or value < 1:
             raise LaunchError(f"--{name.replace('_', '-')} must be a positive integer. "
                               f"Received: {value!r}")
@@ -163,7 +185,7 @@ def render(spec):
         raise LaunchError(f"--array needs the array template, not {template}.")
     if spec.array and not re.fullmatch(r"[0-9,\-:%]+", spec.array):
         raise LaunchError(f"--array {spec.array!r} is not a Slurm array spec (e.g. 0-7, 1,3,5, 0-15%4).")
-    if spec.tasks_per_node % stages and stages % spec.tasks_per_node:
+    if spec.stages and spec.tasks_per_node % stages and stages % spec.tasks_per_node:
         warnings.append(
             f"--tasks-per-node {spec.tasks_per_node} is not a multiple of --stages {stages}: some "
             f"pipelines will span two nodes and send activations over the network every "
@@ -193,7 +215,11 @@ def render(spec):
     launch, other = _launch_lines(spec, _command(spec, python, array))
     values = {
         "job_name": job_name, "nodes": spec.nodes, "tasks_per_node": spec.tasks_per_node,
-        "ntasks": ntasks, "stages": stages, "replicas": replicas, "microbatches": microbatches,
+        "ntasks": ntasks, "stages": spec.stages or "S",
+        "replicas": replicas if spec.stages else "N // S",
+        "microbatches": spec.microbatches or "M",
+        "layout": _layout_text(ntasks, spec, replicas),
+        "layout_exports": _layout_exports(spec),
         "time": spec.time, "log": log, "workdir": spec.workdir or os.getcwd(),
         "signal_lead": signal_lead(limit), "sbatch_options": "\n".join(options),
         "activate": activate, "launch": launch, "other_launch": other,

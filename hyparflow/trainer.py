@@ -11,24 +11,10 @@ from . import plan as _plan
 from . import data as _data
 from .inference import run_evaluation
 from .logs import GlobalLogs
-from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph, x_shapes
+from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
+from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
-
-# Callbacks that write files or print: run on rank 0 only (they see the same logs
-# and, at epoch ends, the whole model there). Every other callback runs on every
-# rank, so that decisions (early stopping, learning-rate changes) are taken alike.
-MAIN_ONLY_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
-                       keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger,
-                       keras.callbacks.BackupAndRestore)
-
-
-def resolve_verbose(verbose):
-    if verbose == "auto":
-        return 1
-    if verbose not in (0, 1, 2):
-        raise ValueError(f"`verbose` must be 0, 1, 2 or 'auto'. Received: verbose={verbose!r}")
-    return verbose
 
 
 def _validation_epochs(freq, epochs):
@@ -70,7 +56,7 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                                  "pass `validation_data`.")
             (x, y, sample_weight), validation_data = _data.validation_split(
                 x, y, sample_weight, validation_split)
-        graph = read_graph(model, num_stages, x_shapes(x))
+        graph = read_graph(model, num_stages, x, batch_size)
         if plan is not None:
             balance = _plan.counts_for(plan, graph)
         source, sample = _data.source(graph, x, y, batch_size=batch_size,
@@ -111,7 +97,8 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                           recompute=recompute, trace=trace, num_tensor=num_tensor,
                           tensor_layers=tensor_layers, tensor_shares=tensor_shares,
                           facts={"samples": len(sample), "steps": source.steps,
-                                 "batch_size": batch_size, "epochs": epochs})
+                                 "batch_size": batch_size, "epochs": epochs},
+                          batch_rows=min(effective, len(sample)))
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(comm, error)
@@ -167,15 +154,8 @@ def _checkpoint(runtime, state, epoch, step, global_step):
 def _loop(model, runtime, source, state, epochs, callbacks):
     comm, executor = runtime.comm, runtime.executor
     verbose = state["verbose"]
-    main = comm.rank == 0
-    user_callbacks = [c for c in (callbacks or [])
-                      if main or not isinstance(c, MAIN_ONLY_CALLBACKS)]
-    cbs = keras.callbacks.CallbackList(
-        user_callbacks, add_history=True, add_progbar=verbose != 0 and main,
-        model=model, verbose=verbose, epochs=epochs, steps=source.steps)
-    # Ranks may differ in verbosity (`verbose=1 if hf.is_main() else 0` is common)
-    # or callbacks; per-step logs are a collective, so all join if any wants them.
-    per_step = any(comm.allgather_obj(verbose == 1 or bool(callbacks)))
+    cbs, per_step = callback_list(model, comm, callbacks, verbose, epochs=epochs,
+                                  steps=source.steps, add_history=True)
     logs = GlobalLogs(model, comm, runtime.counted)
     model.stop_training = False
     if runtime.timeline is not None:

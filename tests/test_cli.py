@@ -40,8 +40,10 @@ def test_run_dry_run_local(clean_env, capsys):
                                     EXAMPLE, "--epochs", "2", "--stages", "2")
     assert "# launcher: mpiexec" in out
     assert exports["HYPARFLOW_NUM_STAGES"] == "2"
-    assert exports["HYPARFLOW_NUM_REPLICAS"] == "2"
     assert exports["HYPARFLOW_NUM_MICROBATCHES"] == "3"
+    # Replicas are derived where S is known (the script may pass its own num_stages).
+    assert "HYPARFLOW_NUM_REPLICAS" not in exports and "HYPARFLOW_NUM_TENSOR" not in exports
+    assert "# layout: 4 ranks; stages 2, microbatches 3" in out
     assert exports["HYPARFLOW_THREADS"] == str(max(1, launch.usable_cores() // 4))
     assert exports["PYTHONUNBUFFERED"] == "1"
     assert exports["TF_CPP_MIN_LOG_LEVEL"] == "2"
@@ -51,17 +53,27 @@ def test_run_dry_run_local(clean_env, capsys):
 
 
 def test_run_dry_run_threads_and_defaults(clean_env, capsys):
-    exports, _, _ = dry_run(capsys, "-n", "3", "--threads", "5", EXAMPLE)
+    exports, _, out = dry_run(capsys, "-n", "3", "--threads", "5", EXAMPLE)
     assert exports["HYPARFLOW_THREADS"] == "5"
-    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"],
-            exports["HYPARFLOW_NUM_MICROBATCHES"]) == ("1", "3", "1")
-    clean_env.setenv("HYPARFLOW_NUM_STAGES", "3")  # the shell's setting is the default
-    exports, _, _ = dry_run(capsys, "-n", "6", EXAMPLE)
-    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"]) == ("3", "2")
-    # --tensor: each stage takes T ranks, the replicas what is left.
+    # Nothing asked for, nothing imposed: the script's hf.fit arguments decide.
+    assert not [name for name in exports if name.startswith("HYPARFLOW_NUM_")], exports
+    assert "as the script's hf.fit says (without arguments: 1 stage x 3 replicas)" in out
+    clean_env.setenv("HYPARFLOW_NUM_STAGES", "3")  # the shell's setting is checked, inherited
+    exports, _, out = dry_run(capsys, "-n", "6", EXAMPLE)
+    assert not [name for name in exports if name.startswith("HYPARFLOW_NUM_")], exports
+    assert "# layout: 6 ranks; stages 3" in out
+    assert cli.main(["run", "--dry-run", "-n", "4", EXAMPLE]) == 2
+    assert "4 ranks cannot be split into pipelines of 3 stages" in capsys.readouterr().err
+    clean_env.delenv("HYPARFLOW_NUM_STAGES")
+    # --tensor: each stage takes T ranks, the replicas what is left (derived, not exported).
     exports, _, _ = dry_run(capsys, "-n", "12", "--stages", "2", "--tensor", "2", EXAMPLE)
-    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_TENSOR"],
-            exports["HYPARFLOW_NUM_REPLICAS"]) == ("2", "2", "3")
+    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_TENSOR"]) == ("2", "2")
+    assert "HYPARFLOW_NUM_REPLICAS" not in exports
+    # --replicas alone: the script chooses its stages; only divisibility is checked.
+    exports, _, _ = dry_run(capsys, "-n", "4", "--replicas", "2", EXAMPLE)
+    assert exports["HYPARFLOW_NUM_REPLICAS"] == "2" and "HYPARFLOW_NUM_STAGES" not in exports
+    assert cli.main(["run", "--dry-run", "-n", "5", "--replicas", "2", EXAMPLE]) == 2
+    assert "cannot be split into --replicas 2" in capsys.readouterr().err
 
 
 def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
@@ -76,7 +88,7 @@ def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     assert "# launcher: srun (inside Slurm job 1234)" in out
     assert command.startswith(f"{fake} --mpi=pmi2 -n 4 ")
     assert exports["HYPARFLOW_THREADS"] == "3"
-    assert exports["HYPARFLOW_NUM_REPLICAS"] == "2"
+    assert exports["HYPARFLOW_NUM_STAGES"] == "2" and "HYPARFLOW_NUM_REPLICAS" not in exports
     exports, command, _ = dry_run(capsys, "-n", "2", "--launcher", "mpiexec", EXAMPLE)
     assert command.split()[:3] == [MPIEXEC, "-n", "2"]
 
@@ -105,12 +117,32 @@ def test_run_propagates_the_exit_code(tmp_path):
     script.write_text("import os, sys\n"
                       "from mpi4py import MPI\n"
                       "assert MPI.COMM_WORLD.Get_size() == 2\n"
-                      "assert os.environ['HYPARFLOW_NUM_REPLICAS'] == '2'\n"
+                      "assert 'HYPARFLOW_NUM_REPLICAS' not in os.environ\n"
                       "sys.exit(3 if MPI.COMM_WORLD.Get_rank() == 0 else 0)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run([sys.executable, "-m", "hyparflow", "run", "-n", "2", str(script)],
                          capture_output=True, text=True, timeout=100, env=env)
     assert out.returncode == 3, out.stdout + out.stderr
+
+
+def _subcommands():
+    parser = cli.build_parser()
+    return sorted(next(a for a in parser._actions if a.dest == "command").choices)
+
+
+def test_every_subcommand_is_checked_here():
+    assert _subcommands() == ["export", "info", "plan", "run", "slurm", "trace"]
+
+
+@pytest.mark.parametrize("command", _subcommands())
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_subcommand_has_help(capsys, command, flag):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, flag])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 0, err
+    assert out.startswith(f"usage: hyparflow {command}"), out + err
+    assert "error" not in err, err
 
 
 def test_info_has_the_fields(capsys):
@@ -161,7 +193,7 @@ def sbatch_lines(text):
     return [line for line in text.splitlines() if line.startswith("#SBATCH")]
 
 
-def assert_common(text, stages, replicas, microbatches):
+def assert_common(text, exports):
     assert text.startswith("#!/bin/bash\n")
     assert f"source {sys.prefix}/bin/activate" in text or f"export PATH={os.path.dirname(sys.executable)}" in text
     assert "#SBATCH --signal=B:USR1@120" in text
@@ -172,8 +204,10 @@ def assert_common(text, stages, replicas, microbatches):
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert ('export OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK" '
             'HYPARFLOW_THREADS="$SLURM_CPUS_PER_TASK"') in text
-    assert (f"export HYPARFLOW_NUM_STAGES={stages} HYPARFLOW_NUM_REPLICAS={replicas} "
-            f"HYPARFLOW_NUM_MICROBATCHES={microbatches}") in text
+    # Only the counts given are exported: a script's own num_stages must not meet a
+    # replica count derived from another S.
+    assert exports in text.splitlines()
+    assert "HYPARFLOW_NUM_REPLICAS" not in text
     assert not re.search(r"\$\{[a-z_]+\}", text), "a placeholder was left"
     # The shell accepts it.
     check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
@@ -191,7 +225,8 @@ def test_slurm_single(capsys):
                      f"#SBATCH --chdir={os.getcwd()}"):
         assert expected in lines, (expected, lines)
     assert not any("--ntasks-per-node" in line for line in lines)
-    assert_common(text, 2, 2, 4)
+    assert_common(text, "export HYPARFLOW_NUM_STAGES=2 HYPARFLOW_NUM_MICROBATCHES=4")
+    assert text.splitlines()[1] == "# hyparflow on one node: 4 ranks = 2 stages x 2 replicas, 4 microbatches."
     launch_line = [line for line in text.splitlines() if line.startswith("srun ")]
     assert launch_line == [f"srun --mpi=pmi2 --kill-on-bad-exit=1 --distribution=block:block "
                            f"python {EXAMPLE} --epochs 2 &"]
@@ -209,7 +244,7 @@ def test_slurm_hybrid(capsys, launcher):
         assert expected in lines, (expected, lines)
     assert "rank = replica * 2 + stage" in text
     assert "gradient allreduce" in text
-    assert_common(text, 2, 6, 1)
+    assert_common(text, "export HYPARFLOW_NUM_STAGES=2")
     command = f"python {EXAMPLE} --save 'my model.keras' &"
     launch_lines = [line for line in text.splitlines() if line.endswith(" &")]
     if launcher == "srun":
@@ -225,7 +260,8 @@ def test_slurm_array(capsys):
     lines = sbatch_lines(text)
     assert "#SBATCH --array=0-7%2" in lines
     assert f"#SBATCH --output={os.path.splitext(os.path.basename(EXAMPLE))[0]}-%A_%a.out" in lines
-    assert_common(text, 1, 2, 1)
+    assert_common(text, "# (none given: the script's hf.fit arguments, else its defaults)")
+    assert "each on 1 node(s): 2 ranks; stages and replicas as the script's hf.fit says." in text
     assert f'python {EXAMPLE} --seed="$SLURM_ARRAY_TASK_ID" &' in text
     # Without {task}, the index is the last argument.
     text, _ = render(capsys, "--array", "1,3", EXAMPLE, "--epochs", "2")

@@ -140,6 +140,22 @@ def test_stage_and_microbatch_defaults_come_from_the_environment(monkeypatch):
         fit_on(1, models.mlp, x, y)
 
 
+def test_fit_arguments_win_over_the_environment(monkeypatch):
+    """What `hyparflow run --stages/--replicas` exports is a default; the script's own
+    argument wins, and a replica count given for another S says where it came from."""
+    x, y = models.mlp_data(32)
+    monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "1")
+    monkeypatch.setenv("HYPARFLOW_NUM_MICROBATCHES", "4")
+    history = fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2, num_microbatches=1)
+    assert len(history[0].history["loss"]) == 1
+    monkeypatch.setenv("HYPARFLOW_NUM_REPLICAS", "2")
+    with pytest.raises(ValueError, match=r"HYPARFLOW_NUM_REPLICAS=2 \(from the environment: "
+                       r"`hyparflow run --replicas` or a job script\) x num_stages=2 \(this "
+                       r"script's\) = 4 ranks, but 2 were launched. Leave --replicas out"):
+        fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2)
+    fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2, num_replicas=1)   # given: fine
+
+
 def test_optimizers_that_would_train_differently_are_refused():
     x, y = models.mlp_data(32)
 

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 
 import keras
 import numpy as np
@@ -220,3 +221,162 @@ def test_initial_epoch_and_steps_per_epoch():
         m, x, y, batch_size=16, epochs=4, initial_epoch=1, steps_per_epoch=3, verbose=0,
         num_stages=2, comm=comm).history)
     assert len(results[0]["loss"]) == 3 and results[0] == results[1]
+
+
+class Recorder(keras.callbacks.Callback):
+    """Every callback event, with its logs (predict's outputs as arrays)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def _add(self, name, batch=None, logs=None):
+        logs = dict(logs or {})
+        if "outputs" in logs:
+            logs["outputs"] = np.asarray(logs["outputs"])
+        self.events.append((name, batch, logs))
+
+    def on_test_begin(self, logs=None):
+        self._add("test_begin")
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._add("test_batch_begin", batch)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._add("test_batch_end", batch, logs)
+
+    def on_test_end(self, logs=None):
+        self._add("test_end", None, logs)
+
+    def on_predict_begin(self, logs=None):
+        self._add("predict_begin")
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._add("predict_batch_begin", batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._add("predict_batch_end", batch, logs)
+
+    def on_predict_end(self, logs=None):
+        self._add("predict_end")
+
+
+def same_events(got, expected):
+    assert [(n, b) for n, b, _ in got] == [(n, b) for n, b, _ in expected]
+    for (_, _, a), (_, _, b) in zip(got, expected):
+        assert sorted(a) == sorted(b)
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_and_predict_take_keras_arguments_and_callbacks(capsys):
+    x, y = models.mlp_data(40)
+    model = models.mlp()
+    start = model.get_weights()
+    sw = np.linspace(0.5, 1.5, 40).astype("float32")
+    keras_eval, keras_pred = Recorder(), Recorder()
+    expected = model.evaluate(x, y, batch_size=8, verbose=0, sample_weight=sw, steps=4,
+                              callbacks=[keras_eval], return_dict=True)
+    expected_pred = model.predict(x, batch_size=8, verbose=0, callbacks=[keras_pred])
+    capsys.readouterr()
+
+    def body(mdl, comm):
+        ev_cb, pr_cb = Recorder(), Recorder()
+        got = hf.evaluate(mdl, x, y, batch_size=8, verbose=0, sample_weight=sw, steps=4,
+                          callbacks=[ev_cb], return_dict=True, num_stages=2,
+                          num_microbatches=2, comm=comm)
+        pred = hf.predict(mdl, x, batch_size=8, verbose=0, callbacks=[pr_cb], num_stages=2,
+                          num_microbatches=2, comm=comm)
+        return got, pred, ev_cb.events, pr_cb.events
+
+    for got, pred, ev_events, pr_events in run(2, models.mlp, start, body):
+        close(got, expected)
+        np.testing.assert_allclose(pred, expected_pred, rtol=1e-5, atol=1e-6)
+        same_events(ev_events, keras_eval.events)
+        same_events(pr_events, keras_pred.events)
+    assert capsys.readouterr().out == ""   # verbose=0 prints nothing, on any rank
+
+
+class Terminal(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+def _without_times(text):
+    return re.sub(r" - \d+s - \d+m?s/step", " - T", text)
+
+
+def test_progress_of_evaluate_and_predict_as_keras(monkeypatch, capsys):
+    x, y = models.mlp_data(40)
+    model = models.mlp()
+    start = model.get_weights()
+    model.evaluate(x, y, batch_size=8, verbose=2)
+    model.predict(x, batch_size=8, verbose=2)
+    keras_lines = _without_times(capsys.readouterr().out)
+    assert keras_lines.count("\n") == 2 and "\x1b" not in keras_lines
+
+    def body(mdl, comm):
+        hf.evaluate(mdl, x, y, batch_size=8, num_stages=2, comm=comm)   # verbose="auto"
+        hf.predict(mdl, x, batch_size=8, num_stages=2, comm=comm)
+
+    # Output that is not a terminal: "auto" prints Keras's one-line style, rank 0 only.
+    run(2, models.mlp, start, body)
+    assert _without_times(capsys.readouterr().out) == keras_lines
+    # On a terminal, "auto" is Keras's bar (escape codes and all), still on rank 0 only.
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    run(2, models.mlp, start, body)
+    bars = terminal.getvalue()
+    assert "\x1b[" in bars and bars.count("\n") == 2, bars   # two finished bars, one rank
+
+
+class Unbuilt(keras.Model):
+    """A subclassed model whose variables exist only once it has seen a batch."""
+
+    def __init__(self):
+        super().__init__(name="net")
+        seeded = keras.initializers.GlorotUniform
+        self.a = keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=1))
+        self.b = keras.layers.Dense(4, kernel_initializer=seeded(seed=2))
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def unbuilt(kind):
+    if kind == "subclassed":
+        model = Unbuilt()
+    else:   # a Sequential without an Input: also built by model.fit from the first batch
+        seeded = keras.initializers.GlorotUniform
+        model = keras.Sequential([
+            keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=1)),
+            keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed=3)),
+            keras.layers.Dense(4, kernel_initializer=seeded(seed=2))], name="net")
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    assert not model.built
+    return model
+
+
+@pytest.mark.parametrize("kind,stages", [("subclassed", 1), ("sequential", 2)])
+def test_an_unbuilt_model_is_built_as_model_fit_builds_it(kind, stages):
+    x, y = models.mlp_data(48)
+    reference = unbuilt(kind)
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+
+    def body(comm):
+        model = unbuilt(kind)
+        history = hf.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         num_stages=stages, comm=comm)
+        return model.get_weights(), history.history
+
+    for weights, history in run_ranks(2, body, timeout=300):   # S=1 x R=2, or S=2
+        assert max_diff(weights, reference.get_weights()) < 1e-5
+        close(history, expected)
+    # evaluate builds an unbuilt model too, as model.evaluate does (same seeded start).
+    expected_eval = unbuilt(kind).evaluate(x, y, batch_size=8, verbose=0)
+    for got in run_ranks(2, lambda comm: hf.evaluate(unbuilt(kind), x, y, batch_size=8,
+                                                     verbose=0, num_stages=stages, comm=comm),
+                         timeout=300):
+        np.testing.assert_allclose(got, expected_eval, rtol=1e-5)
