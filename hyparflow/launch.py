@@ -22,6 +22,7 @@ class Plan:
     argv: list
     env: dict = field(default_factory=dict)   # only the variables set or changed
     reason: str = ""                   # why this launcher
+    placement: list = field(default_factory=list)  # "rank k: host (stage, replica)" lines
 
 
 def in_slurm_allocation(environ=None):
@@ -123,10 +124,19 @@ def run_environment(stages, replicas, microbatches, threads=None, ranks_on_node=
 
 
 def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
-         threads=None, launcher="auto", environ=None, python=None, tensor=1):
-    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix."""
+         threads=None, launcher="auto", environ=None, python=None, tensor=1, hosts=None):
+    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
+
+    `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
+    on, filled in order; -n defaults to their slots."""
     environ = os.environ if environ is None else environ
     python = python or sys.executable
+    if hosts is not None:
+        if launcher == "srun":
+            raise LaunchError("--hosts/--hostfile start the ranks with mpiexec; inside a Slurm "
+                              "job leave them out (srun uses the allocation's nodes).")
+        if ranks is None:
+            ranks = sum(slots for _, slots in hosts)
     if ranks is None and (environ.get("SLURM_NTASKS") or "").isdigit() and in_slurm_allocation(environ):
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
@@ -138,7 +148,19 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
     if not os.path.isfile(script):
         raise LaunchError(f"script not found: {script!r} (from {os.getcwd()})")
 
-    if launcher == "auto":
+    placement = []
+    if hosts is not None:
+        from . import hosts as _hosts
+
+        try:
+            where = _hosts.place(hosts, ranks)
+        except _hosts.HostError as error:
+            raise LaunchError(str(error)) from None
+        placement = _hosts.describe_placement(where, stages, replicas, tensor or 1)
+        hosts = [(h, s) for h, s in hosts if h in where]
+    if launcher == "auto" and hosts is not None:
+        launcher, reason = "mpiexec", "--hosts/--hostfile"
+    elif launcher == "auto":
         launcher = "srun" if in_slurm_allocation(environ) else "mpiexec"
         reason = (f"inside Slurm job {environ.get('SLURM_JOB_ID')}" if launcher == "srun"
                   else "no Slurm allocation: SLURM_JOB_ID unset or no srun")
@@ -156,19 +178,27 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         if mpiexec is None:
             raise LaunchError("mpiexec not found beside Python or on PATH; install the `mpich` "
                               "wheel (pip install mpich) or load your cluster's MPI.")
-        argv = [mpiexec, "-n", str(ranks), *command]
-        # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
-        ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
+        if hosts is not None:
+            # Filled in order (hydra's default); each rank counts the ranks on its own host
+            # (MPI_LOCALNRANKS) to choose its threads, since hosts may differ.
+            argv = [mpiexec, "-hosts", ",".join(f"{h}:{s}" for h, s in hosts), "-n", str(ranks),
+                    *command]
+            ranks_on_node = None
+        else:
+            argv = [mpiexec, "-n", str(ranks), *command]
+            # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
+            ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
     else:
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ,
                           tensor or 1)
-    return Plan(launcher, argv, env, reason)
+    return Plan(launcher, argv, env, reason, placement)
 
 
 def describe(run_plan):
     """Shell text for --dry-run: the exports, then the command."""
     lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
+    lines += [f"# {line}" for line in run_plan.placement]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
     lines.append(shlex.join(run_plan.argv))
     return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""Runs across hosts on the emulated cluster of scripts/emulated-cluster.sh (`up 2`).
+
+Each host is a network namespace with its own host name; `hyparflow run --hosts` starts
+the ranks there through mpiexec, and they talk over TCP through a bridge. Without the
+cluster (not root, not up) every test here is skipped with the reason.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "mpi", "hosts_script.py")
+CLUSTER = os.path.join(ROOT, "scripts", "emulated-cluster.sh")
+DETECT_LIMIT = 30   # seconds from a host's loss until every surviving rank has ended
+
+
+def _find_cluster():
+    """(environment pointing mpiexec at the hosts, [host names]) or (None, reason)."""
+    if not os.path.isdir("/run/netns") or os.geteuid() != 0:
+        return None, "no emulated cluster: needs root and network namespaces"
+    try:
+        out = subprocess.run(["bash", CLUSTER, "env"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"no emulated cluster: {error}"
+    if out.returncode != 0:
+        return None, ("no emulated cluster (start one with `bash scripts/emulated-cluster.sh up "
+                      f"2`): {out.stderr.strip()}")
+    env = dict(os.environ)
+    for line in out.stdout.splitlines():
+        if line.startswith("export ") and "=" in line:
+            name, value = line[len("export "):].split("=", 1)
+            env[name] = value
+    hosts = env["HYPARFLOW_EMULATED_HOSTS"].split(",")
+    missing = [h for h in hosts if not os.path.exists(f"/run/netns/{h}")]
+    if len(hosts) < 2 or missing:
+        return None, f"emulated cluster incomplete: hosts {hosts}, missing {missing}"
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               HYPARFLOW_TIMEOUT="300")
+    env.pop("HYPARFLOW_OVERLAP", None)   # the default across hosts is under test
+    env.pop("HYPARFLOW_THREADS", None)
+    return env, hosts
+
+
+ENV, HOSTS = _find_cluster()
+pytestmark = pytest.mark.skipif(ENV is None, reason=str(HOSTS))
+
+
+def hyparflow_run(hosts, *options, args=(), timeout=240, **popen):
+    argv = [sys.executable, "-m", "hyparflow", "run", "--hosts", hosts, *options, SCRIPT, *args]
+    return subprocess.Popen(argv, env=ENV, cwd=ROOT, text=True, start_new_session=True, **popen)
+
+
+def _contract(tmp_path, hosts, *options):
+    proc = hyparflow_run(hosts, *options, args=["contract", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        _end(proc)
+    assert proc.returncode == 0, out[-5000:]
+    reports = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
+    return reports, json.load(open(tmp_path / "run.json"))
+
+
+@pytest.mark.timeout(300)
+def test_stages_across_hosts_match_model_fit(tmp_path):
+    """A 2-stage pipeline with one stage per host: activations and gradients cross TCP."""
+    h1, h2 = HOSTS[:2]
+    reports, _ = _contract(tmp_path, f"{h1}:1,{h2}:1", "--stages", "2", "--microbatches", "2")
+    assert [r["host"] for r in reports] == [h1, h2]
+    for r in reports:
+        assert r["diff"] <= 1e-5, r
+
+
+@pytest.mark.timeout(300)
+def test_replicas_across_hosts_overlap_and_threads(tmp_path):
+    """Three replicas, two on the first host and one on the second: the weights are
+    model.fit's; gradient buckets start inside the backward without HYPARFLOW_OVERLAP
+    (ranks span hosts); each rank's threads are its host's cores over its host's ranks."""
+    h1, h2 = HOSTS[:2]
+    reports, trace = _contract(tmp_path, f"{h1}:2,{h2}:1")
+    assert [r["host"] for r in reports] == [h1, h1, h2]
+    for r in reports:
+        assert r["diff"] <= 1e-5, r
+        expected = max(1, r["cores"] // (2 if r["host"] == h1 else 1))
+        assert r["local_ranks"] == (2 if r["host"] == h1 else 1), r
+        assert r["threads"] == r["intra_op"] == expected, r
+    steps = [e["args"] for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e.get("cat") == "allreduce"]
+    assert steps, "no allreduce in the trace"
+    for args in steps:
+        # One bucket per layer here: all but the last start inside the backward (the last
+        # starts at its end anyway); with overlap off none would.
+        assert args["buckets"] >= 2 and args["inside"] >= args["buckets"] - 1, args
+
+
+# ------------------------------------------------------------------ losing a host
+
+def _children():
+    kids = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = open(stat).read()
+        except OSError:
+            continue
+        pid, rest = int(text.split(" ", 1)[0]), text.rsplit(")", 1)[1].split()
+        kids.setdefault(int(rest[1]), []).append(pid)
+    return kids
+
+
+def _tree(root):
+    """The pids below `root` (the run's launcher)."""
+    kids, out, todo = _children(), [], [root]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _on_host(pids, host, name=None):
+    """Those of `pids` running in `host`'s namespace (and called `name`)."""
+    target = os.stat(f"/run/netns/{host}").st_ino
+    found = []
+    for pid in pids:
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino != target:
+                continue
+            if name and open(f"/proc/{pid}/comm").read().strip() != name:
+                continue
+        except OSError:
+            continue
+        found.append(pid)
+    return found
+
+
+def _end(proc):
+    """Kill what is left of a run (its process group), waiting for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill", "cut", "stop"])
+def test_losing_a_host_ends_the_run_quickly(tmp_path, how):
+    """One stage per host; once both trained an epoch, the second host is lost: its rank
+    killed (TCP resets), its link cut (silence), or its processes frozen (SIGSTOP).
+    Every rank left on the first host must end within DETECT_LIMIT seconds, non-zero,
+    and (cut, stop: the heartbeat's verdict) name the lost rank and host."""
+    h1, h2 = HOSTS[:2]
+    marker = str(tmp_path / "epoch")
+    log = open(tmp_path / "run.log", "w+")
+    proc = hyparflow_run(f"{h1}:1,{h2}:1", "--stages", "2", args=["long", marker],
+                         stdout=log, stderr=subprocess.STDOUT)
+    frozen = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
+            assert proc.poll() is None, open(tmp_path / "run.log").read()
+            assert time.monotonic() < deadline, "no epoch trained in 120 s"
+            time.sleep(0.2)
+        tree = _tree(proc.pid)
+        survivors = _on_host(tree, h1, "python")
+        assert survivors, "no rank on the first host"
+        start = time.monotonic()
+        if how == "kill":
+            for pid in _on_host(tree, h2, "python"):
+                os.kill(pid, signal.SIGKILL)
+        elif how == "cut":
+            subprocess.run(["bash", CLUSTER, "cut", h2], check=True, timeout=20)
+        else:
+            frozen = _on_host(tree, h2)   # the host's proxy and rank
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        while any(os.path.exists(f"/proc/{p}") and
+                  open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+                  for p in survivors):
+            assert time.monotonic() - start < DETECT_LIMIT + 30, "survivors still running"
+            time.sleep(0.1)
+        seconds = time.monotonic() - start
+    finally:
+        if how == "cut":
+            subprocess.run(["bash", CLUSTER, "heal", h2], timeout=20)
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        _end(proc)
+    log.seek(0)
+    text = log.read()
+    print(f"{how}: the ranks on {h1} ended {seconds:.1f} s after the loss\n{text[-3000:]}")
+    assert seconds < DETECT_LIMIT, f"{how}: {seconds:.1f} s\n{text[-3000:]}"
+    assert "finished without a failure" not in text
+    if how == "kill":
+        assert h2 in text, text[-3000:]    # mpiexec names the host whose rank was killed
+    else:
+        assert f"hyparflow: rank 0 on host {h1}: lost rank 1 on host {h2}" in text, text[-3000:]
+        assert "exit code 75" in text
