@@ -60,6 +60,8 @@ def _run(args):
     if args.dry_run:
         print(launch.describe(plan))
         return 0
+    if plan.supervise:
+        return launch.supervise(plan)
     launch.execute(plan)  # does not return
 
 

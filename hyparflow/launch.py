@@ -1,13 +1,14 @@
 """Pick a launcher (srun or mpiexec) and build the command and environment of a run."""
 
 import os
+import re
 import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
-           "layout", "run_environment", "plan", "describe", "execute", "report"]
+           "layout", "run_environment", "plan", "describe", "execute", "supervise", "report"]
 
 
 class LaunchError(ValueError):
@@ -23,6 +24,7 @@ class Plan:
     env: dict = field(default_factory=dict)   # only the variables set or changed
     reason: str = ""                   # why this launcher
     placement: list = field(default_factory=list)  # "rank k: host (stage, replica)" lines
+    supervise: bool = False            # run under `supervise` (ranks on other hosts)
 
 
 def in_slurm_allocation(environ=None):
@@ -192,7 +194,7 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(stages, replicas, microbatches, threads, ranks_on_node, environ,
                           tensor or 1)
-    return Plan(launcher, argv, env, reason, placement)
+    return Plan(launcher, argv, env, reason, placement, supervise=hosts is not None)
 
 
 def describe(run_plan):
@@ -211,6 +213,62 @@ def execute(run_plan, environ=None):
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(run_plan.argv[0], run_plan.argv, environ)
+
+
+LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported a lost peer
+_LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
+
+
+def supervise(run_plan, environ=None):
+    """Run the launcher as a child, passing its output through; return its exit code.
+
+    When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
+    mpiexec then waits for the lost host's proxy, which cannot answer (a cut link, a frozen
+    host). Once a rank has reported a lost peer, mpiexec gets LOST_GRACE seconds, then
+    SIGTERM (it ends the proxies it can reach and exits), then SIGKILL; the run exits with
+    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from .heartbeat import EXIT_CODE
+
+    environ = dict(os.environ if environ is None else environ)
+    environ.update(run_plan.env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = subprocess.Popen(run_plan.argv, env=environ, stderr=subprocess.PIPE)
+    lost = []
+
+    def relay():
+        for raw in iter(child.stderr.readline, b""):
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            if not lost and _LOST.match(raw.decode(errors="replace")):
+                lost.append(time.monotonic())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    forwarded = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number))
+                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stage = 0
+        while child.poll() is None:
+            time.sleep(0.2)
+            if lost and stage < 2 and time.monotonic() - lost[0] > LOST_GRACE * (1 + stage):
+                child.send_signal(signal.SIGTERM if stage == 0 else signal.SIGKILL)
+                if stage == 0:
+                    sys.stderr.write(f"hyparflow run: a host was lost; ending {run_plan.launcher} "
+                                     f"(it was still waiting for the lost host)\n")
+                stage += 1
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+    reader.join(timeout=5)
+    if lost:
+        return EXIT_CODE
+    return 128 - child.returncode if child.returncode < 0 else child.returncode
 
 
 def _version(module):
