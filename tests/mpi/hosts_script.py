@@ -1,7 +1,8 @@
 """A run across hosts, started by tests/test_hosts_emulated.py with `hyparflow run --hosts`.
 
     python hosts_script.py contract OUTDIR   # fit (S, R, M from hyparflow run) against model.fit
-    python hosts_script.py long MARKER       # train until stopped; MARKER once an epoch is done
+    python hosts_script.py long MARKER       # train until stopped; MARKER.K once an epoch is done
+    python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
 
 `contract`: every rank writes OUTDIR/rank-K.json with its host, its threads, the largest
 weight difference from plain `model.fit` (Adam) and, per step, how many gradient buckets
@@ -62,10 +63,28 @@ def long():
         def on_epoch_end(self, epoch, logs=None):
             if epoch == 0:
                 with open(f"{TARGET}.{hf.rank()}", "w") as f:
-                    f.write(socket.gethostname())
+                    f.write(f"{socket.gethostname()} {os.getpid()}")
 
     hf.fit(model, x, y, batch_size=32, epochs=100000, verbose=0, callbacks=[Mark()])
     print("finished without a failure", flush=True)
 
 
-{"contract": contract, "long": long}[MODE]()
+def pause():
+    """Silence outside fit is no loss: rank 0 works alone for longer than the peer timeout
+    between two fits (the others wait in the second fit's set-up), and again after the
+    last fit while the others have finished."""
+    import time
+
+    x, y = models.mlp_data(64)
+    model = models.mlp()
+    hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+    if hf.rank() == 0:
+        time.sleep(float(TARGET))
+    hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+    print(f"rank {hf.rank()} finished both fits", flush=True)
+    if hf.rank() == 0:
+        time.sleep(float(TARGET))
+        print("rank 0 finished its own work", flush=True)
+
+
+{"contract": contract, "long": long, "pause": pause}[MODE]()
