@@ -125,13 +125,13 @@ reachable() {
 }
 
 net_down() {
-    local h i
+    local h pid
     for h in $(hosts); do
         # Programs still running on the host would keep its namespace alive: end them.
         for pid in $(ip netns pids "$h" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
         ip netns del "$h" 2>/dev/null || true
+        ip link del "hfv${h#"$PREFIX"}" 2>/dev/null || true
     done
-    for i in $(seq 64); do ip link del "hfv$i" 2>/dev/null || true; done
     [ -f "$DIR/bridge" ] && ip link del "$BRIDGE" 2>/dev/null || true
     rm -f "$HOSTS_FILE" "$DIR/bridge" "$DIR/enter-host"
 }
