@@ -44,6 +44,7 @@ def _find_cluster():
     env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                HYPARFLOW_TIMEOUT="300")
     env.pop("HYPARFLOW_OVERLAP", None)   # the default across hosts is under test
+    env.pop("HYPARFLOW_NUM_STAGES", None)
     env.pop("HYPARFLOW_THREADS", None)
     return env, hosts
 
@@ -219,3 +220,71 @@ def _alive(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ Slurm across hosts
+
+# `env` prints SLURM_CONF only when the cluster's slurmctld runs (`up 2 --slurm`).
+SLURM = ENV is not None and os.path.isfile(ENV.get("SLURM_CONF", "")) \
+    and ENV["SLURM_CONF"].startswith(ENV["HYPARFLOW_EMULATED_DIR"])
+
+
+def _sbatch(tmp_path, *options, script_args=()):
+    """Render with `hyparflow slurm`, sbatch --wait on the emulated cluster; the log."""
+    from hyparflow import cli
+
+    job_file = tmp_path / "job.sbatch"
+    name = f"hf-hosts-{tmp_path.name[-8:]}"
+    assert cli.main(["slurm", *options, "--time", "00:05:00", "--job-name", name,
+                     "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
+                     SCRIPT, *script_args]) == 0
+    try:
+        out = subprocess.run(["sbatch", "--wait", str(job_file)], capture_output=True,
+                             text=True, timeout=200, env=ENV, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", name], env=ENV, timeout=30)
+        raise
+    logs = sorted(tmp_path.glob("job-*.out"))
+    log = "".join(p.read_text() for p in logs) or f"(no log; sbatch: {out.stdout}{out.stderr})"
+    print(log)
+    return out.returncode, log
+
+
+def _reports(directory):
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(directory, "rank-*.json")))]
+
+
+slurm_only = pytest.mark.skipif(not SLURM, reason="the emulated cluster has no Slurm "
+                                "(`bash scripts/emulated-cluster.sh up 2 --slurm`)")
+
+
+@slurm_only
+@pytest.mark.timeout(240)
+def test_sbatch_templates_on_two_nodes(tmp_path):
+    """The hybrid template on 2 nodes (one stage on each), the array template on 2 nodes
+    (one replica on each), and the single template on one node of the 2-node cluster:
+    each job trains to model.fit's weights, its ranks on the nodes Slurm gave it."""
+    h1, h2 = HOSTS[:2]
+    hybrid = tmp_path / "hybrid"
+    code, log = _sbatch(tmp_path, "--template", "hybrid", "--nodes", "2", "--tasks-per-node", "1",
+                        "--stages", "2", "--microbatches", "2",
+                        script_args=["contract", str(hybrid)])
+    assert code == 0, log
+    assert [r["host"] for r in _reports(hybrid)] == [h1, h2], log
+    assert all(r["diff"] <= 1e-5 for r in _reports(hybrid)), _reports(hybrid)
+    array = tmp_path / "array"
+    (tmp_path / "a").mkdir()
+    code, log = _sbatch(tmp_path / "a", "--array", "0", "--nodes", "2", "--tasks-per-node", "1",
+                        script_args=["contract", str(array) + "-{task}"])
+    assert code == 0, log
+    reports = _reports(str(array) + "-0")
+    assert sorted(r["host"] for r in reports) == [h1, h2], log
+    assert all(r["diff"] <= 1e-5 for r in reports), reports
+    single = tmp_path / "single"
+    (tmp_path / "s").mkdir()
+    code, log = _sbatch(tmp_path / "s", "--template", "single", "--tasks-per-node", "2",
+                        "--stages", "2", script_args=["contract", str(single)])
+    assert code == 0, log
+    reports = _reports(single)
+    assert len(reports) == 2 and len({r["host"] for r in reports}) == 1, log
+    assert all(r["diff"] <= 1e-5 for r in reports), reports

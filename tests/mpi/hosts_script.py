@@ -25,6 +25,8 @@ from hyparflow import _env, overlap  # noqa: E402
 import models  # noqa: E402
 
 MODE, TARGET = sys.argv[1], sys.argv[2]
+if MODE == "contract":
+    os.makedirs(TARGET, exist_ok=True)
 
 
 def contract():
