@@ -294,6 +294,8 @@ print_env() {
     # kernel, one /dev/shm): TCP only, as between real hosts. Ranks on one host still share
     # memory through MPICH's own shm, which goes by host name.
     echo "export UCX_TLS=tcp"
+    # And only over the host's link (every host's is eth0): not another host's loopback.
+    echo "export UCX_NET_DEVICES=eth0"
     if [ -f "$PIDS" ] && live_pid slurmctld >/dev/null; then echo "export SLURM_CONF=$CONF"; fi
 }
 
