@@ -290,12 +290,14 @@ print_env() {
     echo "export HYDRA_LAUNCHER=ssh"
     echo "export HYDRA_LAUNCHER_EXEC=$DIR/enter-host"
     echo "export HYDRA_IFACE=$BRIDGE"
-    # UCX (MPICH's netmod here) would reach the other "hosts" through shared memory (one
-    # kernel, one /dev/shm): TCP only, as between real hosts. Ranks on one host still share
-    # memory through MPICH's own shm, which goes by host name.
-    echo "export UCX_TLS=tcp"
-    # And only over the host's link (every host's is eth0): not another host's loopback.
-    echo "export UCX_NET_DEVICES=eth0"
+    # MPICH's libfabric TCP transport between hosts, over the host's link (eth0 on every
+    # host). Its default, UCX, would reach the other "hosts" through shared memory (one
+    # kernel, one /dev/shm), and its long addresses overflow Slurm 22.05's PMI-2 messages
+    # now and then ("mpi/pmi2: value not properly terminated"). Ranks on one host still
+    # share memory through MPICH's own shm, which goes by host name.
+    echo "export MPIR_CVAR_CH4_NETMOD=ofi"
+    echo "export FI_PROVIDER=tcp"
+    echo "export FI_TCP_IFACE=eth0"
     if [ -f "$PIDS" ] && live_pid slurmctld >/dev/null; then echo "export SLURM_CONF=$CONF"; fi
 }
 
