@@ -9,7 +9,7 @@
 #   bash scripts/emulated-cluster.sh down             # remove everything `up` made
 #
 # Each host is a Linux network namespace named like the host (hfnode1, hfnode2, ...: prefix
-# $HYPARFLOW_EMU_PREFIX) with one veth link to the bridge hfbr0 and its own address
+# $HYPARFLOW_EMU_PREFIX) with one veth link to the bridge hfbr0 ($HYPARFLOW_EMU_BRIDGE) and its own address
 # 10.213.0.(10+i)/24; this machine is 10.213.0.1 on the bridge. Traffic between hosts is real
 # TCP through the kernel, so a host can be cut off (`cut`: its link down, no TCP reset, as a
 # dead switch port or a frozen node looks to the others). Programs run "on" a host through
@@ -33,7 +33,7 @@ set -euo pipefail
 DIR="${HYPARFLOW_EMU_DIR:-/tmp/hyparflow-emu}"
 PREFIX="${HYPARFLOW_EMU_PREFIX:-hfnode}"
 BRIDGE="${HYPARFLOW_EMU_BRIDGE:-hfbr0}"
-NET="10.213.0"                 # a private /24 used only between these namespaces
+NET="${HYPARFLOW_EMU_NET:-10.213.0}"   # a private /24 used only between these namespaces
 RATE="${HYPARFLOW_EMU_RATE:-}"
 SLURM_PORT="${HYPARFLOW_EMU_SLURM_PORT:-6837}"
 HOSTS_FILE="$DIR/hosts"        # one "name address" per line
@@ -46,6 +46,7 @@ die() { say "error: $*"; exit 1; }
 
 hosts() { [ -f "$HOSTS_FILE" ] && awk '{print $1}' "$HOSTS_FILE" || true; }
 address() { awk -v h="$1" '$1 == h {print $2}' "$HOSTS_FILE"; }
+veth() { echo "${BRIDGE}v${1#"$PREFIX"}"; }   # a host's link, on the bridge side
 known() { [ -f "$HOSTS_FILE" ] && [ -n "$(address "$1")" ] || die "no host $1 (hosts: $(hosts | xargs))"; }
 
 # The stand-in for ssh that hydra calls: `enter-host [ssh options] HOST COMMAND...`.
@@ -78,14 +79,14 @@ make_host() {
     local i="$1" name="$PREFIX$1" addr="$NET.$((10 + $1))"
     ip netns add "$name"
     echo "$name $addr" >> "$HOSTS_FILE"
-    ip link add "hfv$i" type veth peer name "hfp$i"
-    ip link set "hfp$i" netns "$name"
-    ip link set "hfv$i" master "$BRIDGE" up
-    ip -n "$name" link set "hfp$i" name eth0
+    ip link add "$(veth "$name")" type veth peer name "${BRIDGE}p$i"
+    ip link set "${BRIDGE}p$i" netns "$name"
+    ip link set "$(veth "$name")" master "$BRIDGE" up
+    ip -n "$name" link set "${BRIDGE}p$i" name eth0
     ip -n "$name" addr add "$addr/24" dev eth0
     ip -n "$name" link set eth0 up
     ip -n "$name" link set lo up
-    limit_rate "hfv$i"                       # into the host
+    limit_rate "$(veth "$name")"              # into the host
     limit_rate eth0 ip netns exec "$name"    # out of the host
 }
 
@@ -130,7 +131,7 @@ net_down() {
         # Programs still running on the host would keep its namespace alive: end them.
         for pid in $(ip netns pids "$h" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
         ip netns del "$h" 2>/dev/null || true
-        ip link del "hfv${h#"$PREFIX"}" 2>/dev/null || true
+        ip link del "$(veth "$h")" 2>/dev/null || true
     done
     [ -f "$DIR/bridge" ] && ip link del "$BRIDGE" 2>/dev/null || true
     rm -f "$HOSTS_FILE" "$DIR/bridge" "$DIR/enter-host"
@@ -330,8 +331,8 @@ case "$cmd" in
     down) slurm_down; net_down; say "down" ;;
     status) status ;;
     env) print_env ;;
-    cut) known "$1"; ip link set "hfv${1#"$PREFIX"}" down; say "cut $1" ;;
-    heal) known "$1"; ip link set "hfv${1#"$PREFIX"}" up; say "healed $1" ;;
+    cut) known "$1"; ip link set "$(veth "$1")" down; say "cut $1" ;;
+    heal) known "$1"; ip link set "$(veth "$1")" up; say "healed $1" ;;
     exec) known "$1"; h="$1"; shift; exec nsenter --net="/run/netns/$h" unshare --uts sh -c "hostname $h && exec \"\$@\"" sh "$@" ;;
     *) echo "usage: $0 up N [--slurm] | down | status | env | cut HOST | heal HOST | exec HOST CMD..." >&2
        exit 2 ;;
