@@ -36,19 +36,39 @@ def _add_run(sub):
                    help="intra-op threads per rank (default cores // N on this node)")
     p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
                    help="default auto: srun inside a Slurm allocation, else mpiexec")
-    p.add_argument("--dry-run", action="store_true", help="print the environment and command only")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--hosts", metavar="H1:N1,H2:N2",
+                       help="hosts for mpiexec (no Slurm), filled in order with as many ranks "
+                            "as slots: a pipeline stays within a host when each host's slots "
+                            "are a multiple of its stages (default -n: all slots)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="the hosts from a file: one per line, NAME, NAME:SLOTS or "
+                            "NAME slots=SLOTS")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print where each rank runs, the environment and the command only")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     p.set_defaults(func=_run)
 
 
 def _run(args):
+    hosts = None
+    if args.hosts is not None or args.hostfile is not None:
+        from . import hosts as _hosts
+
+        try:
+            hosts = (_hosts.parse_hosts(args.hosts) if args.hosts is not None
+                     else _hosts.read_hostfile(args.hostfile))
+        except _hosts.HostError as error:
+            raise launch.LaunchError(str(error)) from None
     plan = launch.plan(args.script, args.args, ranks=args.ranks, stages=args.stages,
                        replicas=args.replicas, microbatches=args.microbatches, tensor=args.tensor,
-                       threads=args.threads, launcher=args.launcher)
+                       threads=args.threads, launcher=args.launcher, hosts=hosts)
     if args.dry_run:
         print(launch.describe(plan))
         return 0
+    if plan.supervise:
+        return launch.supervise(plan)
     launch.execute(plan)  # does not return
 
 

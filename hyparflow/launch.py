@@ -1,6 +1,7 @@
 """Pick a launcher (srun or mpiexec) and build the command and environment of a run."""
 
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
-           "execute", "report"]
+           "execute", "supervise", "report"]
 
 
 class LaunchError(ValueError):
@@ -24,6 +25,8 @@ class Plan:
     env: dict = field(default_factory=dict)   # only the variables set or changed
     reason: str = ""                   # why this launcher
     layout: str = ""                   # how the ranks will be used, as far as the flags say
+    placement: list = field(default_factory=list)  # "rank k: host (stage, replica)" lines
+    supervise: bool = False            # run under `supervise` (ranks on other hosts)
 
 
 def in_slurm_allocation(environ=None):
@@ -166,10 +169,19 @@ def describe_layout(ranks, given):
 
 
 def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
-         threads=None, launcher="auto", environ=None, python=None, tensor=None):
-    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix."""
+         threads=None, launcher="auto", environ=None, python=None, tensor=None, hosts=None):
+    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
+
+    `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
+    on, filled in order; -n defaults to their slots."""
     environ = os.environ if environ is None else environ
     python = python or sys.executable
+    if hosts is not None:
+        if launcher == "srun":
+            raise LaunchError("--hosts/--hostfile start the ranks with mpiexec; inside a Slurm "
+                              "job leave them out (srun uses the allocation's nodes).")
+        if ranks is None:
+            ranks = sum(slots for _, slots in hosts)
     if ranks is None and (environ.get("SLURM_NTASKS") or "").isdigit() and in_slurm_allocation(environ):
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
@@ -183,7 +195,23 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
     if not os.path.isfile(script):
         raise LaunchError(f"script not found: {script!r} (from {os.getcwd()})")
 
-    if launcher == "auto":
+    placement = []
+    if hosts is not None:
+        from . import hosts as _hosts
+
+        try:
+            where = _hosts.place(hosts, ranks)
+        except _hosts.HostError as error:
+            raise LaunchError(str(error)) from None
+        # As fit will use them: what was given, the replicas derived from the rest.
+        per = given.get("stages", 1) * given.get("tensor", 1)
+        placement = _hosts.describe_placement(where, given.get("stages", 1),
+                                              given.get("replicas", ranks // per),
+                                              given.get("tensor", 1))
+        hosts = [(h, s) for h, s in hosts if h in where]
+    if launcher == "auto" and hosts is not None:
+        launcher, reason = "mpiexec", "--hosts/--hostfile"
+    elif launcher == "auto":
         launcher = "srun" if in_slurm_allocation(environ) else "mpiexec"
         reason = (f"inside Slurm job {environ.get('SLURM_JOB_ID')}" if launcher == "srun"
                   else "no Slurm allocation: SLURM_JOB_ID unset or no srun")
@@ -201,14 +229,22 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         if mpiexec is None:
             raise LaunchError("mpiexec not found beside Python or on PATH; install the `mpich` "
                               "wheel (pip install mpich) or load your cluster's MPI.")
-        argv = [mpiexec, "-n", str(ranks), *command]
-        # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
-        ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
+        if hosts is not None:
+            # Filled in order (hydra's default); each rank counts the ranks on its own host
+            # (MPI_LOCALNRANKS) to choose its threads, since hosts may differ.
+            argv = [mpiexec, "-hosts", ",".join(f"{h}:{s}" for h, s in hosts), "-n", str(ranks),
+                    *command]
+            ranks_on_node = None
+        else:
+            argv = [mpiexec, "-n", str(ranks), *command]
+            # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
+            ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
     else:
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
                           threads, ranks_on_node, environ, flags.get("tensor"))
-    return Plan(launcher, argv, env, reason, describe_layout(ranks, given))
+    return Plan(launcher, argv, env, reason, describe_layout(ranks, given), placement,
+                supervise=hosts is not None)
 
 
 def describe(run_plan):
@@ -216,6 +252,7 @@ def describe(run_plan):
     lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
     if run_plan.layout:
         lines.append(f"# layout: {run_plan.layout}")
+    lines += [f"# {line}" for line in run_plan.placement]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
     lines.append(shlex.join(run_plan.argv))
     return "\n".join(lines)
@@ -228,6 +265,62 @@ def execute(run_plan, environ=None):
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(run_plan.argv[0], run_plan.argv, environ)
+
+
+LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported a lost peer
+_LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
+
+
+def supervise(run_plan, environ=None):
+    """Run the launcher as a child, passing its output through; return its exit code.
+
+    When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
+    mpiexec then waits for the lost host's proxy, which cannot answer (a cut link, a frozen
+    host). Once a rank has reported a lost peer, mpiexec gets LOST_GRACE seconds, then
+    SIGTERM (it ends the proxies it can reach and exits), then SIGKILL; the run exits with
+    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from .heartbeat import EXIT_CODE
+
+    environ = dict(os.environ if environ is None else environ)
+    environ.update(run_plan.env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = subprocess.Popen(run_plan.argv, env=environ, stderr=subprocess.PIPE)
+    lost = []
+
+    def relay():
+        for raw in iter(child.stderr.readline, b""):
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            if not lost and _LOST.match(raw.decode(errors="replace")):
+                lost.append(time.monotonic())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    forwarded = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number))
+                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stage = 0
+        while child.poll() is None:
+            time.sleep(0.2)
+            if lost and stage < 2 and time.monotonic() - lost[0] > LOST_GRACE * (1 + stage):
+                child.send_signal(signal.SIGTERM if stage == 0 else signal.SIGKILL)
+                if stage == 0:
+                    sys.stderr.write(f"hyparflow run: a host was lost; ending {run_plan.launcher} "
+                                     f"(it was still waiting for the lost host)\n")
+                stage += 1
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+    reader.join(timeout=5)
+    if lost:
+        return EXIT_CODE
+    return 128 - child.returncode if child.returncode < 0 else child.returncode
 
 
 def _version(module):

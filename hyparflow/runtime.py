@@ -9,6 +9,7 @@ import numpy as np
 from . import _compat
 from . import errors as errors_
 from . import graph as _graph
+from . import heartbeat as _heartbeat
 from . import overlap
 from . import partition as _partition
 from . import tensor as _tensor
@@ -340,6 +341,11 @@ class Runtime:
         replica from rank 0's weights. Disagreement raises the same error everywhere."""
         _check_agreement(self.comm, self.facts)
         topo, rank = self.topo, self.comm.rank
+        hosts = self.comm.allgather_obj(socket.gethostname())
+        self.hosts = hosts
+        # From here to close(), a peer that falls silent ends this rank (docs/slurm.md).
+        self.heartbeat = _heartbeat.start(self.comm, hosts,
+                                          describe=lambda: self.executor.position)
         if topo.num_tensor > 1:
             # The T ranks of this stage and replica, which sum and gather inside split layers.
             self.collectives.comm = self.comm.split(
@@ -352,7 +358,6 @@ class Runtime:
             elif self.stage.shards:
                 _compat.check_optimizer_knows(optimizer, self.stage.trainable)
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
-            hosts = self.comm.allgather_obj(socket.gethostname())
             self.executor.set_groups([g for g in groups.values() if g[1]],
                                      early=overlap.enabled(default=len(set(hosts)) > 1))
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
@@ -361,7 +366,10 @@ class Runtime:
 
     def close(self):
         """Free the sub-communicators connect() made (MPI has a limited number of them,
-        and a script may call fit many times)."""
+        and a script may call fit many times), after stopping the heartbeat."""
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         comms = [c for c, _ in getattr(self.executor, "groups", ())]
         comms.append(getattr(getattr(self, "collectives", None), "comm", None))
         for comm in {id(c): c for c in comms if c is not None}.values():

@@ -352,3 +352,41 @@ def test_export_writes_the_newest_checkpoint(tmp_path, capsys):
     assert all(np.array_equal(a, b) for a, b in zip(exported.get_weights(), trained))
     assert cli.main(["export", str(tmp_path / "nowhere"), "-o", str(output)]) == 2
     assert "No such checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside python or on PATH")
+def test_run_hosts_places_pipelines_within_hosts(clean_env, capsys, tmp_path):
+    exports, command, out = dry_run(capsys, "--hosts", "node1:2,node2:2", "--stages", "2",
+                                    EXAMPLE)
+    assert "# launcher: mpiexec (--hosts/--hostfile)" in out
+    assert command.startswith(f"{MPIEXEC} -hosts node1:2,node2:2 -n 4 ")
+    assert re.findall(r"^# (rank \d+: .*)$", out, re.M) == [
+        "rank 0: node1 (stage 0, replica 0)", "rank 1: node1 (stage 1, replica 0)",
+        "rank 2: node2 (stage 0, replica 1)", "rank 3: node2 (stage 1, replica 1)"]
+    assert "spans hosts" not in out
+    # Threads are each host's business (its cores over its ranks), not this machine's.
+    assert "HYPARFLOW_THREADS" not in exports
+    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"]) == ("2", "2")
+    # A hostfile, -n below the slots, and a pipeline that crosses hosts is pointed out.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts\nnode1 slots=3\n\nnode2:3  # comment\n")
+    _, command, out = dry_run(capsys, "--hostfile", str(hostfile), "-n", "4", "--stages", "2",
+                              "--tensor", "1", EXAMPLE)
+    assert f"{MPIEXEC} -hosts node1:3,node2:3 -n 4 " in command
+    assert "# rank 3: node2 (stage 1, replica 1)" in out
+    assert "note: replica 1's pipeline spans hosts node1, node2" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hosts", "a:0"], "the slots of 'a' must be a positive integer. Received: '0'"),
+    (["--hosts", "a:2,b,a:1"], "host 'a' is listed twice; give it once with all its slots (a:3)"),
+    (["--hosts", "a b"], "cannot read 'a b'"),
+    (["--hosts", "a:2", "-n", "3"], "3 ranks but the hosts have 2 slots (a:2)"),
+    (["--hosts", "a:2", "--launcher", "srun"], "--hosts/--hostfile start the ranks with mpiexec"),
+    (["--hostfile", "/nonexistent/hosts"], "cannot read the hostfile '/nonexistent/hosts'"),
+])
+def test_run_hosts_errors(clean_env, capsys, argv, message):
+    code = cli.main(["run", "--dry-run", *argv, EXAMPLE])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err

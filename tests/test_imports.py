@@ -10,6 +10,8 @@ RULES = {
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.comm": ["tensorflow", "keras"],
+    "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.heartbeat": ["tensorflow", "keras"],
 }
 
 

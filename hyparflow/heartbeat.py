@@ -1,0 +1,212 @@
+"""Lost peers: a heartbeat beside the data path, so a rank whose peer went silent exits.
+
+A peer that dies with its host's kernel still up resets its TCP connections and MPI
+fails at once; a peer behind a cut link or on a frozen host (SIGSTOP, a hung node)
+just stops answering, and a rank waiting for its activations would wait until the
+watchdog (`HYPARFLOW_TIMEOUT`, sized for the slowest legitimate wait) gives up.
+Here every rank's daemon thread sends a one-byte message to every other rank every
+`HYPARFLOW_HEARTBEAT_SECONDS` on its own communicator, and notes when it last heard
+from each. A peer silent for more than `HYPARFLOW_PEER_TIMEOUT` seconds is lost,
+whatever the step time: the thread prints which ranks on which hosts, tells the peers
+it still hears (so that each of them names the same lost ranks), and ends the
+process with `EXIT_CODE`, without MPI_Abort, which may itself wait on the dead link.
+
+The thread runs only while ranks are inside a collective hyparflow call (from
+`Runtime.connect` to `Runtime.close`): a rank that finished says goodbye, so its
+silence afterwards is not a loss. Python's GIL is released by TensorFlow and MPI
+calls, so a busy rank keeps beating; only a frozen process falls silent.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE", "start"]
+
+EXIT_CODE = 75  # EX_TEMPFAIL: a peer was lost; a restart on the hosts left may succeed
+
+_BEAT, _VERDICT, _BYE = 1, 2, 3          # tags on the heartbeat's own communicator
+
+
+def interval_seconds():
+    """Seconds between beats: HYPARFLOW_HEARTBEAT_SECONDS (default 2)."""
+    return max(0.05, float(os.environ.get("HYPARFLOW_HEARTBEAT_SECONDS", "2")))
+
+
+def peer_timeout_seconds():
+    """Silence after which a peer is lost: HYPARFLOW_PEER_TIMEOUT (default 20; 0 turns the
+    heartbeat off)."""
+    value = float(os.environ.get("HYPARFLOW_PEER_TIMEOUT", "20"))
+    return value if value > 0 else None
+
+
+def _lost_message(rank, lost, hosts, found_by, silence):
+    names = ", ".join(f"rank {r} on host {hosts[r]}" for r in sorted(lost))
+    places = sorted({hosts[r] for r in lost})
+    how = (f"silent for more than {silence:g} s" if found_by is None else
+           f"silent for more than {silence:g} s, found by rank {found_by}")
+    return (f"hyparflow: rank {rank} on host {hosts[rank]}: lost {names} ({how}: the "
+            f"host{'s' if len(places) > 1 else ''} {', '.join(places)} died, froze or lost "
+            f"its network; HYPARFLOW_PEER_TIMEOUT). Ending this rank with exit code "
+            f"{EXIT_CODE}.\n")
+
+
+class Heartbeat:
+    """The beating thread of one rank. `comm`: an mpi4py communicator of which this
+    rank duplicates its own (collective); `hosts`: every rank's host name."""
+
+    def __init__(self, comm, hosts, interval=None, limit=None, describe=None):
+        from mpi4py import MPI
+
+        from .comm import _poll, timeout_seconds
+
+        self._MPI = MPI
+        new, req = comm.Idup()
+        _poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
+        self.comm = new
+        # An error about a dead peer (a reset connection) is ours to report, not fatal here.
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = new.Get_rank(), new.Get_size()
+        self.hosts = list(hosts)
+        self.interval = interval or interval_seconds()
+        self.limit = limit or peer_timeout_seconds()
+        self.describe = describe        # what this rank was doing, for the message
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        now = time.monotonic()
+        self.heard = {r: now for r in self.peers}
+        self.gone = set()               # peers that said goodbye
+        self._one = np.ones(1, np.uint8)
+        self._sends = {}                # peer -> its last beat's request
+        self._beat_in = np.zeros(1, np.uint8)
+        self._verdict_in = np.zeros(self.size, np.uint8)
+        self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
+        self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, _VERDICT)
+        self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
+        self._stop = threading.Event()
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name="hyparflow-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the thread
+    def _run(self):
+        MPI = self._MPI
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                self._receive(now)
+                if now >= next_beat:
+                    self._beat()
+                    next_beat = now + self.interval
+                silent = [r for r in self.peers if r not in self.gone
+                          and now - self.heard[r] > self.limit]
+                if silent:
+                    self._lose(silent, None)
+            except MPI.Exception as error:
+                # MPI says a peer is unreachable (its connection was reset): the peer whose
+                # beat or verdict failed is not known here, so name every silent-looking one.
+                now = time.monotonic()
+                quiet = [r for r in self.peers if r not in self.gone
+                         and now - self.heard[r] > 2 * self.interval] or None
+                self._lose(quiet, None, reason=f"MPI error: {error.Get_error_string()}")
+            self._stop.wait(min(0.25, self.interval / 4))
+
+    def _receive(self, now):
+        MPI = self._MPI
+        status = MPI.Status()
+        while self._recv.Test(status):
+            self.heard[status.Get_source()] = now
+            self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
+        while self._recv_bye.Test(status):
+            self.gone.add(status.Get_source())
+            self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
+        if self._recv_verdict.Test(status):
+            lost = [r for r in range(self.size) if self._verdict_in[r]]
+            self._lose(lost, status.Get_source())
+
+    def _beat(self):
+        for r in self.peers:
+            if r in self.gone:
+                continue
+            req = self._sends.get(r)
+            # One beat in flight per peer: a peer that stopped reading gets no pile-up.
+            if req is None or req.Test():
+                self._sends[r] = self.comm.Isend(self._one, r, _BEAT)
+        self.beats += 1
+
+    def _lose(self, lost, found_by, reason=None):
+        """Report the lost peers, tell the others, end the process."""
+        lost = sorted(lost) if lost else []
+        text = (_lost_message(self.rank, lost, self.hosts, found_by, self.limit) if lost else
+                f"hyparflow: rank {self.rank} on host {self.hosts[self.rank]}: a peer was "
+                f"lost ({reason}). Ending this rank with exit code {EXIT_CODE}.\n")
+        if reason and lost:
+            text = text.rstrip("\n") + f" [{reason}]\n"
+        if self.describe is not None:
+            try:
+                text += f"hyparflow: rank {self.rank} was at {self.describe()}.\n"
+            except Exception:  # noqa: BLE001 - the report must not fail
+                pass
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        if found_by is None and lost:
+            mask = np.zeros(self.size, np.uint8)
+            mask[lost] = 1
+            reqs = []
+            for r in self.peers:
+                if r not in lost and r not in self.gone:
+                    try:
+                        reqs.append(self.comm.Isend(mask, r, _VERDICT))
+                    except self._MPI.Exception:
+                        pass
+            # A moment for the verdicts to leave; never wait on a dead link.
+            deadline = time.monotonic() + 1.0
+            while reqs and time.monotonic() < deadline:
+                try:
+                    reqs = [q for q in reqs if not q.Test()]
+                except self._MPI.Exception:
+                    break
+                time.sleep(0.01)
+        os._exit(EXIT_CODE)
+
+    # -- the main thread
+    def stop(self):
+        """End the thread and say goodbye (this rank's silence from now on is no loss)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        MPI = self._MPI
+        byes = []
+        for r in self.peers:
+            if r not in self.gone:
+                try:
+                    byes.append(self.comm.Isend(self._one[:0], r, _BYE))
+                except MPI.Exception:
+                    pass
+        deadline = time.monotonic() + 2.0
+        try:
+            while byes and time.monotonic() < deadline:
+                byes = [q for q in byes if not q.Test()]
+                time.sleep(0.001)
+            for req in (self._recv, self._recv_verdict, self._recv_bye):
+                if not req.Test():
+                    req.Cancel()
+                    req.Wait()
+            self.comm.Free()
+        except MPI.Exception:
+            pass
+
+
+def start(comm, hosts, describe=None):
+    """A Heartbeat for an MPICommunicator of more than one rank (None otherwise, or when
+    HYPARFLOW_PEER_TIMEOUT=0)."""
+    from .comm import MPICommunicator
+
+    if not isinstance(comm, MPICommunicator) or comm.size < 2 or peer_timeout_seconds() is None:
+        return None
+    return Heartbeat(comm.comm, hosts, describe=describe)

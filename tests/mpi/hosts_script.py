@@ -1,0 +1,92 @@
+"""A run across hosts, started by tests/test_hosts_emulated.py with `hyparflow run --hosts`.
+
+    python hosts_script.py contract OUTDIR   # fit (S, R, M from hyparflow run) against model.fit
+    python hosts_script.py long MARKER       # train until stopped; MARKER.K once an epoch is done
+    python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
+
+`contract`: every rank writes OUTDIR/rank-K.json with its host, its threads, the largest
+weight difference from plain `model.fit` (Adam) and, per step, how many gradient buckets
+started inside the backward (the trace).
+"""
+
+import json
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hyparflow as hf  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from hyparflow import _env, overlap  # noqa: E402
+
+import models  # noqa: E402
+
+MODE, TARGET = sys.argv[1], sys.argv[2]
+if MODE == "contract":
+    os.makedirs(TARGET, exist_ok=True)
+
+
+def contract():
+    # Buckets of a few hundred bytes: one per layer, so some start while earlier layers
+    # are still in backward (when the buckets start early, which is the default across hosts).
+    overlap.BUCKET_BYTES = 600
+    x, y = models.mlp_data()
+    reference = models.mlp("adam")
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = models.mlp("adam")
+    model.set_weights(start)
+    trace = os.path.join(TARGET, "run.json")
+    hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, trace=trace)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(),
+                                                          reference.get_weights()))
+    report = {"rank": hf.rank(), "host": socket.gethostname(), "diff": diff,
+              "local_ranks": _env.local_ranks(), "threads": _env.threads_per_rank(),
+              "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+              "cores": os.cpu_count()}
+    with open(os.path.join(TARGET, f"rank-{hf.rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def long():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu")(inp)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(2)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = np.zeros((256, 2), "float32")
+
+    class Mark(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                with open(f"{TARGET}.{hf.rank()}", "w") as f:
+                    f.write(f"{socket.gethostname()} {os.getpid()}")
+
+    hf.fit(model, x, y, batch_size=32, epochs=100000, verbose=0, callbacks=[Mark()])
+    print("finished without a failure", flush=True)
+
+
+def pause():
+    """Silence outside fit is no loss: rank 0 works alone for longer than the peer timeout
+    between two fits (the others wait in the second fit's set-up), and again after the
+    last fit while the others have finished."""
+    import time
+
+    x, y = models.mlp_data(64)
+    model = models.mlp()
+    hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+    if hf.rank() == 0:
+        time.sleep(float(TARGET))
+    hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+    print(f"rank {hf.rank()} finished both fits", flush=True)
+    if hf.rank() == 0:
+        time.sleep(float(TARGET))
+        print("rank 0 finished its own work", flush=True)
+
+
+{"contract": contract, "long": long, "pause": pause}[MODE]()

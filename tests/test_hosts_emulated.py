@@ -1,0 +1,290 @@
+"""Runs across hosts on the emulated cluster of scripts/emulated-cluster.sh (`up 2`).
+
+Each host is a network namespace with its own host name; `hyparflow run --hosts` starts
+the ranks there through mpiexec, and they talk over TCP through a bridge. Without the
+cluster (not root, not up) every test here is skipped with the reason.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "mpi", "hosts_script.py")
+CLUSTER = os.path.join(ROOT, "scripts", "emulated-cluster.sh")
+DETECT_LIMIT = 30   # seconds from a host's loss until every surviving rank has ended
+
+
+def _find_cluster():
+    """(environment pointing mpiexec at the hosts, [host names]) or (None, reason)."""
+    if not os.path.isdir("/run/netns") or os.geteuid() != 0:
+        return None, "no emulated cluster: needs root and network namespaces"
+    try:
+        out = subprocess.run(["bash", CLUSTER, "env"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"no emulated cluster: {error}"
+    if out.returncode != 0:
+        return None, ("no emulated cluster (start one with `bash scripts/emulated-cluster.sh up "
+                      f"2`): {out.stderr.strip()}")
+    env = dict(os.environ)
+    for line in out.stdout.splitlines():
+        if line.startswith("export ") and "=" in line:
+            name, value = line[len("export "):].split("=", 1)
+            env[name] = value
+    hosts = env["HYPARFLOW_EMULATED_HOSTS"].split(",")
+    missing = [h for h in hosts if not os.path.exists(f"/run/netns/{h}")]
+    if len(hosts) < 2 or missing:
+        return None, f"emulated cluster incomplete: hosts {hosts}, missing {missing}"
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               HYPARFLOW_TIMEOUT="300")
+    env.pop("HYPARFLOW_OVERLAP", None)   # the default across hosts is under test
+    env.pop("HYPARFLOW_NUM_STAGES", None)
+    env.pop("HYPARFLOW_THREADS", None)
+    return env, hosts
+
+
+ENV, HOSTS = _find_cluster()
+pytestmark = pytest.mark.skipif(ENV is None, reason=str(HOSTS))
+
+
+def hyparflow_run(hosts, *options, args=(), timeout=240, **popen):
+    argv = [sys.executable, "-m", "hyparflow", "run", "--hosts", hosts, *options, SCRIPT, *args]
+    return subprocess.Popen(argv, env=ENV, cwd=ROOT, text=True, start_new_session=True, **popen)
+
+
+def _contract(tmp_path, hosts, *options):
+    proc = hyparflow_run(hosts, *options, args=["contract", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        _end(proc)
+    assert proc.returncode == 0, out[-5000:]
+    reports = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
+    return reports, json.load(open(tmp_path / "run.json"))
+
+
+@pytest.mark.timeout(300)
+def test_stages_across_hosts_match_model_fit(tmp_path):
+    """A 2-stage pipeline with one stage per host: activations and gradients cross TCP."""
+    h1, h2 = HOSTS[:2]
+    reports, _ = _contract(tmp_path, f"{h1}:1,{h2}:1", "--stages", "2", "--microbatches", "2")
+    assert [r["host"] for r in reports] == [h1, h2]
+    for r in reports:
+        assert r["diff"] <= 1e-5, r
+
+
+@pytest.mark.timeout(300)
+def test_replicas_across_hosts_overlap_and_threads(tmp_path):
+    """Three replicas, two on the first host and one on the second: the weights are
+    model.fit's; gradient buckets start inside the backward without HYPARFLOW_OVERLAP
+    (ranks span hosts); each rank's threads are its host's cores over its host's ranks."""
+    h1, h2 = HOSTS[:2]
+    reports, trace = _contract(tmp_path, f"{h1}:2,{h2}:1")
+    assert [r["host"] for r in reports] == [h1, h1, h2]
+    for r in reports:
+        assert r["diff"] <= 1e-5, r
+        expected = max(1, r["cores"] // (2 if r["host"] == h1 else 1))
+        assert r["local_ranks"] == (2 if r["host"] == h1 else 1), r
+        assert r["threads"] == r["intra_op"] == expected, r
+    steps = [e["args"] for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e.get("cat") == "allreduce"]
+    assert steps, "no allreduce in the trace"
+    for args in steps:
+        # One bucket per layer here: all but the last start inside the backward (the last
+        # starts at its end anyway); with overlap off none would.
+        assert args["buckets"] >= 2 and args["inside"] >= args["buckets"] - 1, args
+
+
+# ------------------------------------------------------------------ losing a host
+
+def _children():
+    kids = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = open(stat).read()
+        except OSError:
+            continue
+        pid, rest = int(text.split(" ", 1)[0]), text.rsplit(")", 1)[1].split()
+        kids.setdefault(int(rest[1]), []).append(pid)
+    return kids
+
+
+def _tree(root):
+    """The pids below `root` (the run's launcher)."""
+    kids, out, todo = _children(), [], [root]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _on_host(pids, host, name=None):
+    """Those of `pids` running in `host`'s namespace (and called `name`)."""
+    target = os.stat(f"/run/netns/{host}").st_ino
+    found = []
+    for pid in pids:
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino != target:
+                continue
+            if name and open(f"/proc/{pid}/comm").read().strip() != name:
+                continue
+        except OSError:
+            continue
+        found.append(pid)
+    return found
+
+
+def _end(proc):
+    """Kill what is left of a run (its process group), waiting for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill", "cut", "stop"])
+def test_losing_a_host_ends_the_run_quickly(tmp_path, how):
+    """One stage per host; once both trained an epoch, the second host is lost: its rank
+    killed (TCP resets), its link cut (silence), or its processes frozen (SIGSTOP).
+    Every rank left on the first host must end within DETECT_LIMIT seconds, non-zero,
+    and (cut, stop: the heartbeat's verdict) name the lost rank and host."""
+    h1, h2 = HOSTS[:2]
+    marker = str(tmp_path / "epoch")
+    log = open(tmp_path / "run.log", "w+")
+    proc = hyparflow_run(f"{h1}:1,{h2}:1", "--stages", "2", args=["long", marker],
+                         stdout=log, stderr=subprocess.STDOUT)
+    frozen = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
+            assert proc.poll() is None, open(tmp_path / "run.log").read()
+            assert time.monotonic() < deadline, "no epoch trained in 120 s"
+            time.sleep(0.2)
+        tree = _tree(proc.pid)
+        survivors = _on_host(tree, h1, "python")
+        assert survivors, "no rank on the first host"
+        start = time.monotonic()
+        if how == "kill":
+            for pid in _on_host(tree, h2, "python"):
+                os.kill(pid, signal.SIGKILL)
+        elif how == "cut":
+            subprocess.run(["bash", CLUSTER, "cut", h2], check=True, timeout=20)
+        else:
+            frozen = _on_host(tree, h2)   # the host's proxy and rank
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        seconds = None
+        while proc.poll() is None:
+            if seconds is None and not any(_alive(p) for p in survivors):
+                seconds = time.monotonic() - start
+            assert time.monotonic() - start < DETECT_LIMIT + 30, "the run is still going"
+            time.sleep(0.1)
+        ended = time.monotonic() - start
+        seconds = ended if seconds is None else seconds
+    finally:
+        if how == "cut":
+            subprocess.run(["bash", CLUSTER, "heal", h2], timeout=20)
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        _end(proc)
+    log.seek(0)
+    text = log.read()
+    print(f"{how}: the ranks on {h1} ended {seconds:.1f} s after the loss, the run "
+          f"(hyparflow run, exit code {proc.returncode}) {ended:.1f} s\n{text[-3000:]}")
+    assert ended < DETECT_LIMIT, f"{how}: {ended:.1f} s\n{text[-3000:]}"
+    assert proc.returncode != 0
+    assert "finished without a failure" not in text
+    if how == "kill":
+        assert f"RUNNING AT {h2}" in text, text[-3000:]   # mpiexec names the host
+    else:
+        assert f"hyparflow: rank 0 on host {h1}: lost rank 1 on host {h2}" in text, text[-3000:]
+        assert proc.returncode == 75
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ Slurm across hosts
+
+# `env` prints SLURM_CONF only when the cluster's slurmctld runs (`up 2 --slurm`).
+SLURM = ENV is not None and os.path.isfile(ENV.get("SLURM_CONF", "")) \
+    and ENV["SLURM_CONF"].startswith(ENV["HYPARFLOW_EMULATED_DIR"])
+
+
+def _sbatch(tmp_path, *options, script_args=()):
+    """Render with `hyparflow slurm`, sbatch --wait on the emulated cluster; the log."""
+    from hyparflow import cli
+
+    job_file = tmp_path / "job.sbatch"
+    name = f"hf-hosts-{tmp_path.name[-8:]}"
+    assert cli.main(["slurm", *options, "--time", "00:05:00", "--job-name", name,
+                     "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
+                     SCRIPT, *script_args]) == 0
+    try:
+        out = subprocess.run(["sbatch", "--wait", str(job_file)], capture_output=True,
+                             text=True, timeout=200, env=ENV, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", name], env=ENV, timeout=30)
+        raise
+    logs = sorted(tmp_path.glob("job-*.out"))
+    log = "".join(p.read_text() for p in logs) or f"(no log; sbatch: {out.stdout}{out.stderr})"
+    print(log)
+    return out.returncode, log
+
+
+def _reports(directory):
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(directory, "rank-*.json")))]
+
+
+slurm_only = pytest.mark.skipif(not SLURM, reason="the emulated cluster has no Slurm "
+                                "(`bash scripts/emulated-cluster.sh up 2 --slurm`)")
+
+
+@slurm_only
+@pytest.mark.timeout(240)
+def test_sbatch_templates_on_two_nodes(tmp_path):
+    """The hybrid template on 2 nodes (one stage on each), the array template on 2 nodes
+    (one replica on each), and the single template on one node of the 2-node cluster:
+    each job trains to model.fit's weights, its ranks on the nodes Slurm gave it."""
+    h1, h2 = HOSTS[:2]
+    hybrid = tmp_path / "hybrid"
+    code, log = _sbatch(tmp_path, "--template", "hybrid", "--nodes", "2", "--tasks-per-node", "1",
+                        "--stages", "2", "--microbatches", "2",
+                        script_args=["contract", str(hybrid)])
+    assert code == 0, log
+    assert [r["host"] for r in _reports(hybrid)] == [h1, h2], log
+    assert all(r["diff"] <= 1e-5 for r in _reports(hybrid)), _reports(hybrid)
+    array = tmp_path / "array"
+    (tmp_path / "a").mkdir()
+    code, log = _sbatch(tmp_path / "a", "--array", "0", "--nodes", "2", "--tasks-per-node", "1",
+                        script_args=["contract", str(array) + "-{task}"])
+    assert code == 0, log
+    reports = _reports(str(array) + "-0")
+    assert sorted(r["host"] for r in reports) == [h1, h2], log
+    assert all(r["diff"] <= 1e-5 for r in reports), reports
+    single = tmp_path / "single"
+    (tmp_path / "s").mkdir()
+    code, log = _sbatch(tmp_path / "s", "--template", "single", "--tasks-per-node", "2",
+                        "--stages", "2", script_args=["contract", str(single)])
+    assert code == 0, log
+    reports = _reports(single)
+    assert len(reports) == 2 and len({r["host"] for r in reports}) == 1, log
+    assert all(r["diff"] <= 1e-5 for r in reports), reports
