@@ -366,7 +366,8 @@ def test_run_hosts_places_pipelines_within_hosts(clean_env, capsys, tmp_path):
     assert "spans hosts" not in out
     # Threads are each host's business (its cores over its ranks), not this machine's.
     assert "HYPARFLOW_THREADS" not in exports
-    assert (exports["HYPARFLOW_NUM_STAGES"], exports["HYPARFLOW_NUM_REPLICAS"]) == ("2", "2")
+    # Only what was given is exported: the replicas are derived where fit knows S.
+    assert exports["HYPARFLOW_NUM_STAGES"] == "2" and "HYPARFLOW_NUM_REPLICAS" not in exports
     # A hostfile, -n below the slots, and a pipeline that crosses hosts is pointed out.
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two hosts\nnode1 slots=3\n\nnode2:3  # comment\n")
