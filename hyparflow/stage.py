@@ -189,7 +189,7 @@ class Stage:
             node = g.nodes[i]
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
-                out = self.shards[i](args, kwargs)
+                out = self.shards[i](args, kwargs, training)
             else:
                 out = _compat.call_operation(node.op, args, kwargs, training)
             for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
