@@ -19,18 +19,26 @@ SEQ, VOCAB, DIM, HEADS, KEY_DIM = 8, 20, 16, 4, 8
 
 
 def encoder_model(optimizer="sgd", *, causal=False, dropout=0.0, value_dim=None,
-                  output_shape=None, mask_zero=False, use_bias=True, attention=None):
+                  output_shape=None, mask_zero=False, use_bias=True, dense_input=False):
     """Token + position embeddings, one post-norm encoder block (attention, FFN pair),
     mean over positions, a softmax head. Padding (id 0) is masked: by an explicit
-    attention_mask built in the graph, or by `mask_zero` on the token embedding."""
+    attention_mask built in the graph, or by `mask_zero` on the token embedding.
+    `dense_input`: the tokens come as features through a Dense instead (for Adam:
+    Keras steps Adam on an Embedding's sparse gradient row by row, see docs/models.md)."""
     keras.utils.set_random_seed(11)
     ids = keras.Input((SEQ,), dtype="int32", name="ids")
-    pos = keras.Input((SEQ,), dtype="int32", name="pos")
-    tokens = L.Embedding(VOCAB, DIM, mask_zero=mask_zero, name="tokens")(ids)
-    x = L.Add()([tokens, L.Embedding(SEQ, DIM, name="positions")(pos)])
-    layer = attention or L.MultiHeadAttention(HEADS, KEY_DIM, value_dim=value_dim,
-                                              dropout=dropout, output_shape=output_shape,
-                                              use_bias=use_bias, seed=5, name="attn")
+    if dense_input:
+        features = keras.Input((SEQ, 5), name="features")
+        inputs = [ids, features]
+        x = L.Dense(DIM, name="tokens")(features)
+    else:
+        pos = keras.Input((SEQ,), dtype="int32", name="pos")
+        inputs = [ids, pos]
+        tokens = L.Embedding(VOCAB, DIM, mask_zero=mask_zero, name="tokens")(ids)
+        x = L.Add()([tokens, L.Embedding(SEQ, DIM, name="positions")(pos)])
+    layer = L.MultiHeadAttention(HEADS, KEY_DIM, value_dim=value_dim, dropout=dropout,
+                                 output_shape=output_shape, use_bias=use_bias, seed=5,
+                                 name="attn")
     kwargs = {"use_causal_mask": causal}
     if not mask_zero:
         kwargs["attention_mask"] = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
@@ -43,19 +51,22 @@ def encoder_model(optimizer="sgd", *, causal=False, dropout=0.0, value_dim=None,
     x = L.LayerNormalization(name="ln2")(L.Add()([x, h]))
     x = L.GlobalAveragePooling1D()(x)
     out = L.Dense(3, activation="softmax", name="head")(x)
-    model = keras.Model([ids, pos], out)
+    model = keras.Model(inputs, out)
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     return model
 
 
-def sequence_data(n=64):
+def sequence_data(n=64, dense_input=False):
     rng = np.random.default_rng(12)
     ids = rng.integers(1, VOCAB, (n, SEQ)).astype("int32")
     lengths = rng.integers(3, SEQ + 1, n)
     ids[np.arange(SEQ)[None, :] >= lengths[:, None]] = 0  # padding at the end
-    pos = np.tile(np.arange(SEQ, dtype="int32"), (n, 1))
     y = (ids[:, 0] % 3).astype("int32")
+    if dense_input:
+        features = rng.normal(size=(n, SEQ, 5)).astype("float32") * (ids > 0)[..., None]
+        return [ids, features], y
+    pos = np.tile(np.arange(SEQ, dtype="int32"), (n, 1))
     return [ids, pos], y
 
 
@@ -85,3 +96,116 @@ def check(build, configs, layers=("attn",), tol=1e-5, shares=None, data=None):
 
 def test_encoder_attention_split_sgd():
     check(encoder_model, [(1, 2, 1, 1), (2, 2, 1, 2)])
+
+
+def test_encoder_uneven_heads_adam():
+    """Shares 3:1 give rank 0 three heads and rank 1 one; with Adam (its state split
+    like the weights) and the FFN pair split too."""
+    check(lambda: encoder_model(keras.optimizers.Adam(0.01), dense_input=True),
+          [(1, 2, 1, 2), (2, 2, 1, 1)], layers=["attn", "ffn_up", "ffn_down"], tol=1e-4,
+          shares=[3, 1], data=sequence_data(dense_input=True))
+
+
+def test_causal_mask_and_other_shapes():
+    """A causal mask on top of the padding mask, value_dim != key_dim, an output_shape."""
+    check(lambda: encoder_model(causal=True, value_dim=6, output_shape=(10,)),
+          [(1, 2, 1, 2)], shares=[1, 3])
+
+
+def test_attention_dropout_is_the_one_process_mask():
+    """Dropout on the attention probabilities: hyparflow draws a microbatch's masks from
+    (seed, microbatch, generator), not from the rank (docs/models.md), so T=2 must give
+    T=1's weights; each rank draws the whole layer's mask and keeps its heads (a mask
+    drawn for the rank's heads alone would differ)."""
+    x, y = sequence_data()
+    build = lambda: encoder_model(dropout=0.3)  # noqa: E731
+    start = build().get_weights()
+
+    def run(t, shares=None, seed=7):
+        results = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
+                              num_tensor=t, tensor_layers=["attn"] if t > 1 else None,
+                              tensor_shares=shares, weights=start, batch_size=BATCH,
+                              epochs=EPOCHS, shuffle=False, seed=seed)
+        return results[0][0]
+
+    one = run(1)
+    assert max_diff(one, run(2, [1, 3])) <= 1e-5
+    assert max_diff(one, run(1, seed=8)) > 1e-4  # the masks matter
+
+
+def test_keras_masks_from_mask_zero():
+    """The padding mask as a Keras mask (an unsplit Embedding with mask_zero=True)."""
+    check(lambda: encoder_model(mask_zero=True), [(1, 2, 1, 1)])
+
+
+def scores_model():
+    """The attention scores (gathered over the ranks' heads) feed the loss too."""
+    keras.utils.set_random_seed(13)
+    ids = keras.Input((SEQ,), dtype="int32", name="ids")
+    pos = keras.Input((SEQ,), dtype="int32", name="pos")
+    x = L.Add()([L.Embedding(VOCAB, DIM)(ids), L.Embedding(SEQ, DIM)(pos)])
+    a, scores = L.MultiHeadAttention(HEADS, KEY_DIM, use_bias=False, name="attn")(
+        x, x, return_attention_scores=True, use_causal_mask=True)
+    x = L.Concatenate()([L.Flatten()(a), L.Flatten()(scores)])
+    out = L.Dense(3, activation="softmax", name="head")(x)
+    model = keras.Model([ids, pos], out)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_return_attention_scores():
+    check(scores_model, [(1, 2, 1, 1)], shares=[1, 3])
+
+
+def test_the_heads_are_split_and_summed_once_each_way(monkeypatch):
+    """Each rank holds its heads' slices (2 of 4; 3 and 1 with shares 3:1), and an
+    attention layer exchanges one activation forward (the sum) and one backward (the
+    input gradient's sum) per microbatch, whatever the shares."""
+    from hyparflow.local import run_ranks
+
+    x, y = sequence_data()
+    seen = []
+    exchange = hft.Collectives.exchange
+
+    def counted(self, array, shapes, what):
+        if what == "layer 'attn'" and np.shape(array) == (BATCH // 2, SEQ, DIM):
+            seen.append(self.comm.rank)
+        return exchange(self, array, shapes, what)
+
+    monkeypatch.setattr(hft.Collectives, "exchange", counted)
+    for shares, heads in ((None, [2, 2]), ([3, 1], [3, 1])):
+        seen.clear()
+
+        def body(comm):
+            model = encoder_model()
+            hf.fit(model, x, y, batch_size=BATCH, epochs=1, num_tensor=2, comm=comm,
+                   tensor_layers=["attn"], tensor_shares=shares, num_microbatches=2,
+                   shuffle=False, verbose=0)
+            layer = model.get_layer("attn")
+            (shard,) = layer._hyparflow_shards.values()
+            return {v.path: tuple(p.shape) for v, p, _ in shard.cuts}
+
+        parts = run_ranks(2, body, timeout=300)
+        for rank, shapes in enumerate(parts):
+            n = heads[rank]
+            assert shapes == {
+                "attn/query/kernel": (DIM, n, KEY_DIM), "attn/query/bias": (n, KEY_DIM),
+                "attn/key/kernel": (DIM, n, KEY_DIM), "attn/key/bias": (n, KEY_DIM),
+                "attn/value/kernel": (DIM, n, KEY_DIM), "attn/value/bias": (n, KEY_DIM),
+                "attn/attention_output/kernel": (n, KEY_DIM, DIM),
+                "attn/attention_output/bias": (DIM,)}, shapes
+        steps, microbatches = len(y) // BATCH, 2
+        assert seen.count(0) == seen.count(1) == 2 * steps * microbatches
+
+
+def test_choose_splits_attention_by_size_or_name():
+    model = encoder_model()
+    graph = from_model(model)
+    nodes = range(len(graph.nodes))
+    kinds = {graph.nodes[i].op.name: sp.kind
+             for i, sp in hft.choose(graph, nodes, 2, ["attn", "ffn_up", "ffn_down"]).items()}
+    assert kinds == {"attn": "heads", "ffn_up": "column", "ffn_down": "row"}
+    params = model.get_layer("attn").count_params()
+    auto = hft.choose(graph, nodes, 2, None, min_params=params)
+    assert {graph.nodes[i].op.name for i in auto} == {"attn"}
+    assert hft.choose(graph, nodes, 2, None, min_params=params + 1) == {}
