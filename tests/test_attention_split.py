@@ -209,3 +209,115 @@ def test_choose_splits_attention_by_size_or_name():
     auto = hft.choose(graph, nodes, 2, None, min_params=params)
     assert {graph.nodes[i].op.name for i in auto} == {"attn"}
     assert hft.choose(graph, nodes, 2, None, min_params=params + 1) == {}
+
+
+def test_adam_state_of_every_part_is_found():
+    """The optimizer state of the seven cut variables (query/key/value kernels and
+    biases, output kernel) is found by name, with the axis it is cut on; the output
+    bias is whole (its state is the layer's own)."""
+    model = encoder_model()
+    layer = model.get_layer("attn")
+    shard = hft.Shard(layer, hft.Split(0, "heads"), 1, [0.75, 0.25], hft.Collectives())
+    parts = [p for _, p, axis in shard.cuts if axis is not None]
+    assert len(parts) == 7 and all(p.shape[axis] == 1 for _, p, axis in shard.cuts
+                                   if axis is not None)  # rank 1's one head of four
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(parts + [layer.output_dense.bias])
+    slots = shard.slots(optimizer)
+    assert len(slots) == 14  # momentum and velocity of each part
+    by_name = {slot.name: axis for slot, axis in slots}
+    assert by_name["attn_query_kernel_momentum"] == -2
+    assert by_name["attn_value_bias_velocity"] == -2
+    assert by_name["attn_attention_output_kernel_momentum"] == 0
+    assert not any("attention_output_bias" in name for name in by_name)
+
+
+def test_checkpoint_reshapes_the_heads(tmp_path):
+    """A checkpoint written with T=2 (heads 3:1) resumes with T=1 (2 stages), then with
+    T=2 (even): Adam's state of the heads is saved whole and cut again, and the
+    result is one-process Keras's."""
+    from hyparflow.local import run_ranks
+
+    build = lambda: encoder_model(keras.optimizers.Adam(0.01), dense_input=True)  # noqa: E731
+    x, y = sequence_data(dense_input=True)
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+
+    def fit(epochs, **kwargs):
+        def body(comm):
+            model = build()
+            model.set_weights(start)
+            hf.fit(model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                   comm=comm, checkpoint_dir=str(tmp_path), **kwargs)
+            return model.get_weights()
+
+        return run_ranks(2, body, timeout=300)
+
+    layers = ["attn", "ffn_up", "ffn_down"]
+    fit(1, num_tensor=2, tensor_layers=layers, tensor_shares=[3, 1])
+    fit(2, num_stages=2, resume=True)
+    final = fit(3, num_tensor=2, tensor_layers=layers, resume=True)
+    assert max(max_diff(w, reference.get_weights()) for w in final) <= 1e-4
+
+
+class ScaledAttention(L.MultiHeadAttention):
+    """A subclass whose attention hyparflow cannot follow head by head."""
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False):
+        out, scores = super()._compute_attention(query, key, value, attention_mask, training,
+                                                 return_attention_scores)
+        return out * 2.0, scores
+
+
+def attention_variant(make):
+    """A small model around the attention layer `make()` builds."""
+
+    def build():
+        keras.utils.set_random_seed(11)
+        ids = keras.Input((SEQ,), dtype="int32")
+        x = L.Embedding(VOCAB, DIM)(ids)
+        a = make()(x, x)
+        out = L.Dense(3, activation="softmax")(L.GlobalAveragePooling1D()(a))
+        model = keras.Model(ids, out)
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        return model
+
+    return build
+
+
+def test_attention_that_cannot_be_split_says_why():
+    x, y = sequence_data()
+
+    def err(make):
+        build = attention_variant(make)
+        errors = []
+
+        def body(comm):
+            try:
+                hf.fit(build(), x[0], y, batch_size=BATCH, comm=comm, verbose=0, num_tensor=2,
+                       tensor_layers=["attn"])
+            except ValueError as exc:
+                errors.append(str(exc))
+                return
+            raise AssertionError("no error")
+
+        from hyparflow.local import run_ranks
+        run_ranks(2, body, timeout=120)
+        assert len(errors) == 2 and "Layer 'attn' is in tensor_layers but cannot be split" in errors[0]
+        return errors[0]
+
+    assert "fewer heads (1) than tensor ranks (2)" in err(
+        lambda: L.MultiHeadAttention(1, 8, name="attn"))
+    assert "kernel regularizer (its sublayer 'query')" in err(
+        lambda: L.MultiHeadAttention(2, 8, kernel_regularizer="l2", name="attn"))
+    assert "overrides MultiHeadAttention._compute_attention" in err(
+        lambda: ScaledAttention(2, 8, name="attn"))
+
+    def frozen():
+        layer = L.MultiHeadAttention(2, 8, name="attn")
+        layer.trainable = False
+        return layer
+
+    assert "frozen" in err(frozen)
