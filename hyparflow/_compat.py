@@ -189,19 +189,26 @@ class calls_replaced:
     """While active, each layer in `mapping` runs `mapping[layer]` in place of its
     `call` (an instance attribute shadows the class's method, which Keras's
     `Layer.__call__` looks up by attribute), with everything around it (masks,
-    autocasting, name scopes, training resolution) as Keras does it."""
+    autocasting, name scopes, training resolution) as Keras does it, except the
+    input spec check: a replacement may take a part of the input (a row split)."""
 
     def __init__(self, mapping):
         self.mapping = mapping
+        self.specs = {}
 
     def __enter__(self):
         for layer, fn in self.mapping.items():
             object.__setattr__(layer, "call", fn)
+            self.specs[id(layer)] = layer.__dict__.get("_input_spec")
+            if self.specs[id(layer)] is not None:
+                object.__setattr__(layer, "_input_spec", None)
         return self
 
     def __exit__(self, *exc):
         for layer in self.mapping:
             layer.__dict__.pop("call", None)
+            if self.specs.get(id(layer)) is not None:
+                object.__setattr__(layer, "_input_spec", self.specs[id(layer)])
         return False
 
 

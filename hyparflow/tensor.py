@@ -150,6 +150,30 @@ def _inner_attention(op):
             if isinstance(sub, keras.layers.MultiHeadAttention)]
 
 
+# Layers whose `call` (read in their source) feeds one Dense sublayer's output straight
+# into another's input and nowhere else: inside them that pair is split as Megatron-LM
+# pairs Dense layers (keyed by the `call` method, so a subclass overriding it is not).
+_INNER_PAIRS = {
+    "keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder.call":
+        [("_feedforward_intermediate_dense", "_feedforward_output_dense")],
+    "keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder.call":
+        [("_feedforward_intermediate_dense", "_feedforward_output_dense")],
+}
+
+
+def _inner_pairs(op, num_tensor):
+    """[(first Dense, second Dense)] inside `op` that can be split as a pair."""
+    out = []
+    for first, second in _INNER_PAIRS.get(_qualified(type(op).call), ()):
+        a, b = getattr(op, first, None), getattr(op, second, None)
+        if (isinstance(a, keras.layers.Dense) and isinstance(b, keras.layers.Dense)
+                and a.built and b.built and a.units >= num_tensor
+                and _common_why_not(a, [a]) is None and _common_why_not(b, [b]) is None
+                and int(b.kernel.shape[0]) == a.units):
+            out.append((a, b))
+    return out
+
+
 def _why_not(graph, i, num_tensor):
     """Why node `i` cannot be split (a sentence), or None if it can."""
     op = graph.nodes[i].op
@@ -486,10 +510,14 @@ class Shard:
 
     # -- MultiHeadAttention by heads ---------------------------------------------
     def calls(self):
-        """{layer: function run in place of its `call`} while the attention layer runs:
+        """{layer: function run in place of its `call`} while the layer holding this
+        part runs. A Dense: this rank's columns or rows (as `__call__`). An attention
+        layer (the rest of this docstring):
         the projections compute this rank's heads only, the dropout on the attention
         probabilities draws the whole layer's mask and keeps this rank's heads of it,
         and the layer's own call is wrapped to enter the inputs and sum the outputs."""
+        if self.split.kind != "heads":
+            return {self.op: lambda inputs, training=None: self([inputs], {})}
         parts = _compat.attention_parts(self.op)
         out = {}
         for name in ("query", "key", "value", "gate"):
@@ -593,12 +621,17 @@ def _projection(layer, kernel, bias):
 class Nested:
     """One rank's part of a layer that holds MultiHeadAttention layers inside (Keras
     Hub's TransformerEncoder/Decoder): each attention layer split by heads (a Shard
-    of its own), their calls replaced while the outer layer runs as it is."""
+    of its own), and a known Dense pair (`_INNER_PAIRS`: the feed-forward block) by
+    columns then rows; their calls replaced while the outer layer runs as it is."""
 
     def __init__(self, op, split, rank, shares, collectives):
         self.op, self.split, self.rank = op, split, rank
         self.subs = [Shard(sub, Split(split.node, "heads"), rank, shares, collectives)
                      for sub in _inner_attention(op)]
+        for first, second in _inner_pairs(op, len(shares)):
+            self.subs.append(Shard(first, Split(split.node, "column", gather=False), rank,
+                                   shares, collectives))
+            self.subs.append(Shard(second, Split(split.node, "row"), rank, shares, collectives))
         self.coll = collectives
 
     @property

@@ -321,3 +321,86 @@ def test_attention_that_cannot_be_split_says_why():
         return layer
 
     assert "frozen" in err(frozen)
+
+
+def hub_model(kind, optimizer="sgd", dropout=0.0):
+    """Keras Hub's TransformerEncoder / TransformerDecoder (decoder-only: causal
+    self-attention) as one layer call in a Functional model, padding masked."""
+    keras_hub = pytest.importorskip(
+        "keras_hub", reason="Keras Hub is an optional extra (see docs/tensor.md: "
+        "pip install -e '.[hub]' && pip install --no-deps keras-hub)")
+    keras.utils.set_random_seed(14)
+    ids = keras.Input((SEQ,), dtype="int32", name="ids")
+    pos = keras.Input((SEQ,), dtype="int32", name="pos")
+    x = L.Add()([L.Embedding(VOCAB, DIM, name="tokens")(ids),
+                 L.Embedding(SEQ, DIM, name="positions")(pos)])
+    padding = keras.ops.not_equal(ids, 0)
+    if kind == "encoder":
+        block = keras_hub.layers.TransformerEncoder(32, HEADS, dropout=dropout, name="block")
+        x = block(x, padding_mask=padding)
+    else:
+        block = keras_hub.layers.TransformerDecoder(32, HEADS, dropout=dropout, name="block")
+        x = block(x, decoder_padding_mask=padding)
+    x = L.GlobalAveragePooling1D()(x)
+    out = L.Dense(3, activation="softmax", name="head")(x)
+    model = keras.Model([ids, pos], out)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_keras_hub_blocks_split_their_attention(kind):
+    """The attention layer inside one TransformerEncoder/Decoder call is split by heads
+    (the block is chosen by size), even and 3:1, with a pipeline too."""
+    build = lambda: hub_model(kind)  # noqa: E731
+    model = build()
+    graph = from_model(model)
+    (split,) = hft.choose(graph, range(len(graph.nodes)), 2, None,
+                          min_params=model.get_layer("block").count_params()).values()
+    assert split.kind == "inner"
+    check(build, [(1, 2, 1, 1), (2, 2, 1, 2)], layers=["block"])
+    check(build, [(1, 2, 1, 2)], layers=["block"], shares=[3, 1])
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_keras_hub_block_parts_and_sums(kind, monkeypatch):
+    """Inside the block: the attention layer's heads (3 and 1 of 4) and the feed-forward
+    Dense pair's hidden units (24 and 8 of 32) are split; per microbatch the attention
+    and the pair each sum one activation forward and one backward."""
+    from hyparflow.local import run_ranks
+
+    x, y = sequence_data()
+    build = lambda: hub_model(kind)  # noqa: E731
+    seen = []
+    exchange = hft.Collectives.exchange
+
+    def counted(self, array, shapes, what):
+        if np.shape(array) == (BATCH, SEQ, DIM):
+            seen.append((self.comm.rank, what))
+        return exchange(self, array, shapes, what)
+
+    monkeypatch.setattr(hft.Collectives, "exchange", counted)
+
+    def body(comm):
+        model = build()
+        hf.fit(model, x, y, batch_size=BATCH, epochs=1, num_tensor=2, comm=comm,
+               tensor_layers=["block"], tensor_shares=[3, 1], shuffle=False, verbose=0)
+        (nested,) = model.get_layer("block")._hyparflow_shards.values()
+        return {v.path.split("/", 1)[1]: tuple(p.shape) for s in nested.subs
+                for v, p, axis in s.cuts if axis is not None}
+
+    parts = run_ranks(2, body, timeout=300)
+    attention = "self_attention" if kind == "decoder" else "self_attention_layer"
+    for rank, (heads, hidden) in enumerate([(3, 24), (1, 8)]):
+        shapes = parts[rank]
+        assert shapes[f"{attention}/query/kernel"] == (DIM, heads, DIM // HEADS), shapes
+        assert shapes[f"{attention}/attention_output/kernel"] == (heads, DIM // HEADS, DIM)
+        assert shapes["feedforward_intermediate_dense/kernel"] == (DIM, hidden)
+        assert shapes["feedforward_output_dense/kernel"] == (hidden, DIM)
+    steps = len(y) // BATCH
+    for rank in (0, 1):
+        whats = [w for r, w in seen if r == rank]
+        assert whats.count(f"layer {attention!r}") == 2 * steps, sorted(set(whats))
+        assert whats.count("layer 'feedforward_intermediate_dense'") == steps
+        assert whats.count("layer 'feedforward_output_dense'") == steps
