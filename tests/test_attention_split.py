@@ -404,3 +404,23 @@ def test_keras_hub_block_parts_and_sums(kind, monkeypatch):
         assert whats.count(f"layer {attention!r}") == 2 * steps, sorted(set(whats))
         assert whats.count("layer 'feedforward_intermediate_dense'") == steps
         assert whats.count("layer 'feedforward_output_dense'") == steps
+
+
+def image_attention_model():
+    """Attention over both axes of a 4x4 grid (attention_axes=(1, 2)), gated, no biases."""
+    keras.utils.set_random_seed(15)
+    inp = keras.Input((4, 4, 6))
+    x = L.Dense(DIM, name="embed")(inp)
+    a = L.MultiHeadAttention(HEADS, 4, use_gate=True, use_bias=False, attention_axes=(1, 2),
+                             name="attn")(x, x)
+    x = L.LayerNormalization()(L.Add()([x, a]))
+    out = L.Dense(3, activation="softmax", name="head")(L.GlobalAveragePooling2D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_gated_attention_over_two_axes():
+    rng = np.random.default_rng(16)
+    data = rng.normal(size=(48, 4, 4, 6)).astype("float32"), rng.integers(0, 3, 48)
+    check(image_attention_model, [(1, 2, 1, 2)], shares=[1, 3], data=data)
