@@ -424,3 +424,18 @@ def test_gated_attention_over_two_axes():
     rng = np.random.default_rng(16)
     data = rng.normal(size=(48, 4, 4, 6)).astype("float32"), rng.integers(0, 3, 48)
     check(image_attention_model, [(1, 2, 1, 2)], shares=[1, 3], data=data)
+
+
+def test_planner_costs_one_sum_each_way_for_attention():
+    """The cost model charges an attention layer split by heads one sum of its output
+    forward and one of its input's gradient backward (not a gather of a part)."""
+    from hyparflow import planner
+
+    inp = keras.Input((SEQ, 128))
+    out = L.MultiHeadAttention(8, 32, name="attn")(inp, inp)  # 132k weights: chosen by size
+    graph = from_model(keras.Model(inp, out))
+    network = planner.Network(1e-4, 1e-9)
+    costs = planner._tensor_costs(graph, 2, 4, network)
+    ((i, (divisor, forward, backward)),) = costs.items()
+    assert graph.nodes[i].op.name == "attn" and divisor == 2
+    assert forward == backward == network.exchange(4 * 4 * SEQ * 128, 2)
