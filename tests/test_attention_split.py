@@ -323,12 +323,16 @@ def test_attention_that_cannot_be_split_says_why():
     assert "frozen" in err(frozen)
 
 
+def keras_hub_or_skip():
+    return pytest.importorskip(
+        "keras_hub", reason="Keras Hub is an optional extra (see docs/tensor.md: "
+        "pip install -e '.[hub]' && pip install --no-deps keras-hub)")
+
+
 def hub_model(kind, optimizer="sgd", dropout=0.0):
     """Keras Hub's TransformerEncoder / TransformerDecoder (decoder-only: causal
     self-attention) as one layer call in a Functional model, padding masked."""
-    keras_hub = pytest.importorskip(
-        "keras_hub", reason="Keras Hub is an optional extra (see docs/tensor.md: "
-        "pip install -e '.[hub]' && pip install --no-deps keras-hub)")
+    keras_hub = keras_hub_or_skip()
     keras.utils.set_random_seed(14)
     ids = keras.Input((SEQ,), dtype="int32", name="ids")
     pos = keras.Input((SEQ,), dtype="int32", name="pos")
@@ -353,6 +357,7 @@ def hub_model(kind, optimizer="sgd", dropout=0.0):
 def test_keras_hub_blocks_split_their_attention(kind):
     """The attention layer inside one TransformerEncoder/Decoder call is split by heads
     (the block is chosen by size), even and 3:1, with a pipeline too."""
+    keras_hub_or_skip()
     build = lambda: hub_model(kind)  # noqa: E731
     model = build()
     graph = from_model(model)
@@ -370,6 +375,7 @@ def test_keras_hub_block_parts_and_sums(kind, monkeypatch):
     and the pair each sum one activation forward and one backward."""
     from hyparflow.local import run_ranks
 
+    keras_hub_or_skip()
     x, y = sequence_data()
     build = lambda: hub_model(kind)  # noqa: E731
     seen = []
