@@ -16,7 +16,7 @@ of the split layers' weights (and of their gradients and optimizer state):
   projection, computes their attention as Keras does, and the partial outputs
   are summed (one sum forward; one sum of the input gradient backward). A layer
   that holds attention layers inside (Keras Hub's TransformerEncoder) gets them
-  split the same way while it runs.
+  split the same way while it runs, and its feed-forward Dense pair paired.
 
 Shares may be uneven (a rank twice as fast takes twice the columns/filters/rows).
 Around a split layer the values are replicated, so every other layer, the loss
@@ -358,7 +358,8 @@ def shard(op, split, rank, shares, collectives):
 
 class Shard:
     """One rank's part of a split layer: its own variables (sliced from the layer's,
-    named as the layer's so optimizer slots carry the same names) and the call."""
+    named as the layer's so optimizer slots carry the same names) and the call.
+    Kinds as in `Split`, but "inner" (see `Nested`)."""
 
     def __init__(self, op, split, rank, shares, collectives):
         self.op, self.split, self.rank = op, split, rank
@@ -394,8 +395,11 @@ class Shard:
                 for name in prefix.split("/") if prefix else ():  # one scope per level
                     scopes.enter_context(keras.name_scope(name))
                 shard = keras.Variable(value, dtype=var.dtype, trainable=True, name=var.name)
-            if shard.path != var.path:
-                raise RuntimeError(f"part of {var.path!r} got path {shard.path!r}")
+            if shard.path != var.path:  # its optimizer state would not be found by name
+                raise RuntimeError(
+                    f"hyparflow could not name this rank's part of {var.path!r} as the "
+                    f"variable (it got {shard.path!r}); call hyparflow.fit outside any "
+                    "keras.name_scope.")
             self.cuts.append((var, shard, axis))
         self.what = f"layer {op.name!r}"
         self.part_of = {id(var): part for var, part, _ in self.cuts}

@@ -138,6 +138,31 @@ def test_keras_masks_from_mask_zero():
     check(lambda: encoder_model(mask_zero=True), [(1, 2, 1, 1)])
 
 
+def test_evaluate_and_predict_with_heads_split():
+    """Inference (no dropout, training=False) through the split layer, 2 stages x 2
+    tensor ranks, 1:3: Keras's loss and predictions."""
+    from hyparflow.local import run_ranks
+
+    x, y = sequence_data()
+    build = lambda: encoder_model(dropout=0.3, causal=True)  # noqa: E731
+    model = build()
+    start = model.get_weights()
+    expected_loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]
+    expected = model.predict(x, batch_size=BATCH, verbose=0)
+    kwargs = dict(batch_size=BATCH, num_stages=2, num_tensor=2, tensor_layers=["attn"],
+                  tensor_shares=[1, 3])
+
+    def body(comm):
+        model = build()
+        model.set_weights(start)  # (thread-ranks build concurrently: not one seed each)
+        loss = hf.evaluate(model, x, y, comm=comm, **kwargs)[0]
+        return loss, hf.predict(model, x, comm=comm, **kwargs)
+
+    for loss, predictions in run_ranks(4, body, timeout=300):
+        assert abs(loss - expected_loss) <= 1e-5
+        assert np.max(np.abs(predictions - expected)) <= 1e-5
+
+
 def scores_model():
     """The attention scores (gathered over the ranks' heads) feed the loss too."""
     keras.utils.set_random_seed(13)
@@ -271,6 +296,13 @@ class ScaledAttention(L.MultiHeadAttention):
         return out * 2.0, scores
 
 
+class ReturnsTwice(L.MultiHeadAttention):
+    """A subclass with a `call` of its own (unknown to hyparflow)."""
+
+    def call(self, query, value, key=None, **kwargs):
+        return super().call(query, value, key, **kwargs) * 2.0
+
+
 def attention_variant(make):
     """A small model around the attention layer `make()` builds."""
 
@@ -314,6 +346,8 @@ def test_attention_that_cannot_be_split_says_why():
         lambda: L.MultiHeadAttention(2, 8, kernel_regularizer="l2", name="attn"))
     assert "overrides MultiHeadAttention._compute_attention" in err(
         lambda: ScaledAttention(2, 8, name="attn"))
+    assert "ReturnsTwice overrides MultiHeadAttention.call" in err(
+        lambda: ReturnsTwice(2, 8, name="attn"))
 
     def frozen():
         layer = L.MultiHeadAttention(2, 8, name="attn")
