@@ -479,3 +479,30 @@ def test_planner_costs_one_sum_each_way_for_attention():
     ((i, (divisor, forward, backward)),) = costs.items()
     assert graph.nodes[i].op.name == "attn" and divisor == 2
     assert forward == backward == network.exchange(4 * 4 * SEQ * 128, 2)
+
+
+def test_keras_hub_block_checkpoint_reshapes(tmp_path):
+    """A Keras Hub block's parts (attention heads, feed-forward pair) and their momentum
+    are saved whole at T=2 (3:1) and resume at T=1 with 2 stages: Keras's weights."""
+    from hyparflow.local import run_ranks
+
+    keras_hub_or_skip()
+    build = lambda: hub_model("encoder", keras.optimizers.SGD(0.05, momentum=0.9))  # noqa: E731
+    x, y = sequence_data()
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    def fit(epochs, **kwargs):
+        def body(comm):
+            model = build()
+            model.set_weights(start)
+            hf.fit(model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                   comm=comm, checkpoint_dir=str(tmp_path), **kwargs)
+            return model.get_weights()
+
+        return run_ranks(2, body, timeout=300)
+
+    fit(1, num_tensor=2, tensor_layers=["block"], tensor_shares=[3, 1])
+    final = fit(2, num_stages=2, resume=True)
+    assert max(max_diff(w, reference.get_weights()) for w in final) <= 1e-5
