@@ -162,3 +162,68 @@ def check_optimizer_knows(optimizer, variables):
             "The model's optimizer was built for other variables (an earlier fit with another "
             "num_tensor or tensor_shares). Compile the model again (model.compile(...)) to "
             "start a new optimizer, or keep the earlier settings.")
+
+
+# -- multi-head attention (tensor parallelism by heads) ------------------------
+
+def attention_parts(op):
+    """The parts of a built keras MultiHeadAttention that a split by heads touches:
+    {"query", "key", "value", ("gate",) "output": EinsumDense sublayers,
+    "dropout": its Dropout on the attention probabilities, "axes": its attention
+    axes}."""
+    parts = {name: getattr(op, f"_{name}_dense", None) for name in ("query", "key", "value")}
+    if getattr(op, "_use_gate", False):
+        parts["gate"] = getattr(op, "_gate_dense", None)
+    parts["output"] = getattr(op, "_output_dense", None)
+    parts["dropout"] = getattr(op, "_dropout_layer", None)
+    parts["axes"] = tuple(getattr(op, "_attention_axes", None) or ())
+    return parts
+
+
+def keras_mask(x):
+    return _backend.get_keras_mask(x)
+
+
+def set_keras_mask(x, mask):
+    if mask is not None:
+        _backend.set_keras_mask(x, mask)
+    return x
+
+
+def original_call(layer):
+    """The layer's own `call` (its class's), even while `calls_replaced` stands in."""
+    return type(layer).call.__get__(layer)
+
+
+class calls_replaced:
+    """While active, each layer in `mapping` runs `mapping[layer]` in place of its
+    `call` (an instance attribute shadows the class's method, which Keras's
+    `Layer.__call__` looks up by attribute), with everything around it (masks,
+    autocasting, name scopes, training resolution) as Keras does it, except the
+    input spec check: a replacement may take a part of the input (a row split)."""
+
+    def __init__(self, mapping):
+        self.mapping = mapping
+        self.specs = {}
+
+    def __enter__(self):
+        for layer, fn in self.mapping.items():
+            object.__setattr__(layer, "call", fn)
+            self.specs[id(layer)] = layer.__dict__.get("_input_spec")
+            if self.specs[id(layer)] is not None:
+                object.__setattr__(layer, "_input_spec", None)
+        return self
+
+    def __exit__(self, *exc):
+        for layer in self.mapping:
+            layer.__dict__.pop("call", None)
+            if self.specs.get(id(layer)) is not None:
+                object.__setattr__(layer, "_input_spec", self.specs[id(layer)])
+        return False
+
+
+def sublayers(layer):
+    """Every layer inside `layer` (depth first, each once), not `layer` itself."""
+    if not hasattr(layer, "_flatten_layers"):
+        return []
+    return list(layer._flatten_layers(include_self=False, recursive=True))

@@ -205,6 +205,13 @@ def _tensor_costs(graph, num_tensor, m, network):
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
         T = num_tensor
+        if split.kind in ("heads", "inner"):
+            # Attention by heads: a sum of the outputs forward, of the input's gradient
+            # backward; a block ("inner") also sums its feed-forward pair's, each way.
+            sums = 1 if split.kind == "heads" else 2
+            out[i] = (num_tensor, sums * network.exchange(out_bytes, T),
+                      sums * network.exchange(in_bytes, T))
+            continue
         if split.kind in ("row", "rows"):
             forward = network.exchange(out_bytes, T)            # a sum of whole outputs
         elif split.gather:

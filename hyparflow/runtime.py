@@ -292,8 +292,9 @@ class Runtime:
             if not every:
                 raise ValueError(
                     f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none is a "
-                    f"Dense, Conv2D or Embedding with at least {_tensor.MIN_PARAMS} weights that "
-                    "can be. Name the layers to split with tensor_layers=[...], or use "
+                    f"Dense, Conv2D, Embedding or MultiHeadAttention (or a layer holding "
+                    f"MultiHeadAttention layers) with at least {_tensor.MIN_PARAMS} weights "
+                    "that can be. Name the layers to split with tensor_layers=[...], or use "
                     "num_tensor=1.")
             splits = {i: sp for i, sp in every.items() if i in set(part.stages[topo.stage(comm.rank)].nodes)}
             split_names = sorted(graph.nodes[i].op.name for i in every)

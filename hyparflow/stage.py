@@ -227,7 +227,7 @@ class Stage:
             node = g.nodes[i]
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
-                out = self.shards[i](args, kwargs)
+                out = self.shards[i](args, kwargs, training)
             elif i in self.transposed and training:
                 out = self.transposed[i](args, kwargs)
             else:

@@ -11,6 +11,12 @@ of the split layers' weights (and of their gradients and optimizer state):
   both layers, as Megatron-LM pairs them.
 - Conv2D: a filter (output channel) split, gathered on the channel axis.
 - Embedding: a row split (each rank owns a range of ids); the lookups are summed.
+- MultiHeadAttention: a split by heads (Megatron-LM's layout): each rank holds
+  its heads' slices of the query/key/value projections and of the output
+  projection, computes their attention as Keras does, and the partial outputs
+  are summed (one sum forward; one sum of the input gradient backward). A layer
+  that holds attention layers inside (Keras Hub's TransformerEncoder) gets them
+  split the same way while it runs, and its feed-forward Dense pair paired.
 
 Shares may be uneven (a rank twice as fast takes twice the columns/filters/rows).
 Around a split layer the values are replicated, so every other layer, the loss
@@ -21,12 +27,14 @@ bits.
 """
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from . import _compat
 from .comm import sum_in_order, timeout_seconds, wait_all
 
 __all__ = ["MIN_PARAMS", "Split", "choose", "split_sizes", "shares_of", "shard", "Shard",
@@ -40,7 +48,9 @@ _TAG = 11
 class Split:
     """How node `node` is split: kind "column" (Dense outputs; `gather`: put the
     output back together, else the next node is its "row" partner), "row"
-    (Dense inputs, partial sums added), "filters" (Conv2D) or "rows" (Embedding)."""
+    (Dense inputs, partial sums added), "filters" (Conv2D), "rows" (Embedding),
+    "heads" (MultiHeadAttention) or "inner" (the MultiHeadAttention layers inside
+    another layer, split by heads while it runs)."""
 
     node: int
     kind: str
@@ -75,22 +85,118 @@ def split_sizes(n, shares):
     return sizes
 
 
+# MultiHeadAttention.call methods known to touch the heads only through the
+# projection sublayers and `_compute_attention` (so they run unchanged on a share).
+_FOLLOWED_CALLS = {
+    "keras.src.layers.attention.multi_head_attention.MultiHeadAttention.call",
+    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention.call",
+}
+_ATTENTION_METHODS = ("_compute_attention", "_masked_softmax", "_compute_attention_mask",
+                      "_compute_causal_mask")
+_TERMS = ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
+          "embeddings_regularizer", "kernel_constraint", "bias_constraint",
+          "embeddings_constraint")
+
+
+def _qualified(fn):
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+
+
+def _common_why_not(op, layers):
+    """Reasons shared by every kind: regularisers, constraints, LoRA, quantization,
+    frozen weights (of `op` or of the sublayers `layers` that hold its weights)."""
+    for layer in layers:
+        for attr in _TERMS:
+            if getattr(layer, attr, None) is not None:
+                where = "" if layer is op else f" (its sublayer {layer.name!r})"
+                return f"it has a {attr.replace('_', ' ')}{where}"
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            return "it is LoRA-enabled or quantized"
+    if not all(v.trainable for v in op.weights) or not op.trainable:
+        return "it is frozen (nothing to gain: no gradients or optimizer state)"
+    return None
+
+
+def _attention_why_not(op, num_tensor):
+    """Why a keras MultiHeadAttention cannot be split by heads, or None."""
+    parts = _compat.attention_parts(op)
+    dense = [parts[k] for k in ("query", "key", "value", "gate", "output") if k in parts]
+    if any(d is None for d in dense):
+        return "it is not built (call the model once first)"
+    cls, base = type(op), keras.layers.MultiHeadAttention
+    if _qualified(cls.call) not in _FOLLOWED_CALLS:
+        return (f"its class {cls.__name__} overrides MultiHeadAttention.call, which hyparflow "
+                "cannot follow head by head")
+    for name in _ATTENTION_METHODS:
+        if getattr(cls, name, None) is not getattr(base, name, None):
+            return (f"its class {cls.__name__} overrides MultiHeadAttention.{name}, which "
+                    "hyparflow cannot follow head by head")
+    reason = _common_why_not(op, [op] + dense)
+    if reason is not None:
+        return reason
+    heads = op.num_heads
+    if heads < num_tensor:
+        return (f"it has fewer heads ({heads}) than tensor ranks ({num_tensor}); each rank "
+                "needs at least one head")
+    if (any(d.kernel.shape[-2] != heads for d in dense[:-1])
+            or dense[-1].kernel.shape[0] != heads):
+        return "its projections are not laid out by heads"
+    return None
+
+
+def _inner_attention(op):
+    """The MultiHeadAttention layers inside `op` (not `op` itself)."""
+    return [sub for sub in _compat.sublayers(op)
+            if isinstance(sub, keras.layers.MultiHeadAttention)]
+
+
+# Layers whose `call` (read in their source) feeds one Dense sublayer's output straight
+# into another's input and nowhere else: inside them that pair is split as Megatron-LM
+# pairs Dense layers (keyed by the `call` method, so a subclass overriding it is not).
+_INNER_PAIRS = {
+    "keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder.call":
+        [("_feedforward_intermediate_dense", "_feedforward_output_dense")],
+    "keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder.call":
+        [("_feedforward_intermediate_dense", "_feedforward_output_dense")],
+}
+
+
+def _inner_pairs(op, num_tensor):
+    """[(first Dense, second Dense)] inside `op` that can be split as a pair."""
+    out = []
+    for first, second in _INNER_PAIRS.get(_qualified(type(op).call), ()):
+        a, b = getattr(op, first, None), getattr(op, second, None)
+        if (isinstance(a, keras.layers.Dense) and isinstance(b, keras.layers.Dense)
+                and a.built and b.built and a.units >= num_tensor
+                and _common_why_not(a, [a]) is None and _common_why_not(b, [b]) is None
+                and int(b.kernel.shape[0]) == a.units):
+            out.append((a, b))
+    return out
+
+
 def _why_not(graph, i, num_tensor):
     """Why node `i` cannot be split (a sentence), or None if it can."""
     op = graph.nodes[i].op
-    if not isinstance(op, (keras.layers.Dense, keras.layers.Conv2D, keras.layers.Embedding)):
-        return "only Dense, Conv2D and Embedding layers can be split"
+    inner = [] if isinstance(op, (keras.layers.Dense, keras.layers.Conv2D, keras.layers.Embedding,
+                                  keras.layers.MultiHeadAttention)) else _inner_attention(op)
+    if not inner and not isinstance(op, (keras.layers.Dense, keras.layers.Conv2D,
+                                         keras.layers.Embedding,
+                                         keras.layers.MultiHeadAttention)):
+        return ("only Dense, Conv2D, Embedding and MultiHeadAttention layers (or layers "
+                "holding MultiHeadAttention layers) can be split")
     if sum(node.op is op for node in graph.nodes) != 1:
         return "the layer is called more than once (shared weights)"
-    for attr in ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
-                 "embeddings_regularizer", "kernel_constraint", "bias_constraint",
-                 "embeddings_constraint"):
-        if getattr(op, attr, None) is not None:
-            return f"it has a {attr.replace('_', ' ')}"
-    if getattr(op, "lora_enabled", False) or getattr(op, "quantization_mode", None):
-        return "it is LoRA-enabled or quantized"
-    if not all(v.trainable for v in op.weights) or not op.trainable:
-        return "it is frozen (nothing to gain: no gradients or optimizer state)"
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        return _attention_why_not(op, num_tensor)
+    if inner:
+        for sub in inner:
+            reason = _attention_why_not(sub, num_tensor)
+            if reason is not None:
+                return f"its attention layer {sub.name!r} cannot be split: {reason}"
+        return None
+    reason = _common_why_not(op, [op])
+    if reason is not None:
+        return reason
     if isinstance(op, keras.layers.Embedding):
         if op.mask_zero:
             return "it has mask_zero=True"
@@ -110,8 +216,9 @@ def _why_not(graph, i, num_tensor):
 
 def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
     """{node index: Split} for the nodes of one stage. `layers`: names to split
-    (an error names any that cannot be), or None for every Dense, Conv2D and
-    Embedding with at least `min_params` weights that can be."""
+    (an error names any that cannot be), or None for every Dense, Conv2D,
+    Embedding and MultiHeadAttention (or layer holding MultiHeadAttention layers)
+    with at least `min_params` weights that can be."""
     if num_tensor == 1:
         return {}
     picked = []
@@ -149,8 +256,12 @@ def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
             splits[i] = Split(i, "column")
         elif isinstance(node.op, keras.layers.Conv2D):
             splits[i] = Split(i, "filters")
-        else:
+        elif isinstance(node.op, keras.layers.Embedding):
             splits[i] = Split(i, "rows")
+        elif isinstance(node.op, keras.layers.MultiHeadAttention):
+            splits[i] = Split(i, "heads")
+        else:
+            splits[i] = Split(i, "inner")
     return splits
 
 
@@ -204,21 +315,31 @@ class Collectives:
 
         return op(x)
 
-    def gather(self, x, sizes, what):
-        """Forward: the ranks' parts joined on the last axis; backward: this rank's part."""
+    def gather(self, x, sizes, what, axis=-1):
+        """Forward: the ranks' parts joined on `axis` (their sizes `sizes`); backward:
+        this rank's part."""
         rank = self.comm.rank
         start = sum(sizes[:rank])
+        ndim = len(x.shape)
+        axis = axis % ndim
 
         def run(value):
             value = value.numpy()
-            shapes = [value.shape[:-1] + (n,) for n in sizes]
-            return np.concatenate(self.exchange(value, shapes, what), axis=-1)
+            shapes = [value.shape[:axis] + (n,) + value.shape[axis + 1:] for n in sizes]
+            return np.concatenate(self.exchange(value, shapes, what), axis=axis)
+
+        def part(dy):
+            index = [slice(None)] * ndim
+            index[axis] = slice(start, start + sizes[rank])
+            return dy[tuple(index)]
 
         @tf.custom_gradient
         def op(x):
             out = tf.py_function(run, [x], x.dtype)
-            out.set_shape(x.shape[:-1].concatenate([sum(sizes)]))
-            return out, lambda dy: dy[..., start:start + sizes[rank]]
+            shape = x.shape.as_list()
+            shape[axis] = sum(sizes)
+            out.set_shape(shape)
+            return out, part
 
         return op(x)
 
@@ -229,14 +350,16 @@ def shard(op, split, rank, shares, collectives):
     cache = op.__dict__.setdefault("_hyparflow_shards", {})
     key = (split, rank, tuple(shares))
     if key not in cache:
-        cache[key] = Shard(op, split, rank, shares, collectives)
+        kind = Nested if split.kind == "inner" else Shard
+        cache[key] = kind(op, split, rank, shares, collectives)
     cache[key].coll = collectives
     return cache[key]
 
 
 class Shard:
     """One rank's part of a split layer: its own variables (sliced from the layer's,
-    named as the layer's so optimizer slots carry the same names) and the call."""
+    named as the layer's so optimizer slots carry the same names) and the call.
+    Kinds as in `Split`, but "inner" (see `Nested`)."""
 
     def __init__(self, op, split, rank, shares, collectives):
         self.op, self.split, self.rank = op, split, rank
@@ -244,6 +367,8 @@ class Shard:
         kind = split.kind
         if kind == "rows":
             n = op.input_dim
+        elif kind == "heads":
+            n = op.num_heads
         elif kind == "row":
             n = int(op.kernel.shape[0])
         else:
@@ -253,6 +378,8 @@ class Shard:
         # (layer variable, axis it is cut on, or None when every rank keeps all of it)
         if kind == "rows":
             cuts = [(op.embeddings, 0)]
+        elif kind == "heads":
+            cuts = self._attention_cuts()
         elif kind == "row":
             cuts = [(op.kernel, 0)] + ([(op.bias, None)] if op.use_bias else [])
         else:
@@ -264,10 +391,37 @@ class Shard:
                 continue
             prefix = var.path.rsplit("/", 1)[0] if "/" in var.path else ""
             value = self._slice(var.numpy(), axis)
-            with keras.name_scope(prefix) if prefix else contextlib.nullcontext():
+            with contextlib.ExitStack() as scopes:
+                for name in prefix.split("/") if prefix else ():  # one scope per level
+                    scopes.enter_context(keras.name_scope(name))
                 shard = keras.Variable(value, dtype=var.dtype, trainable=True, name=var.name)
+            if shard.path != var.path:  # its optimizer state would not be found by name
+                raise RuntimeError(
+                    f"hyparflow could not name this rank's part of {var.path!r} as the "
+                    f"variable (it got {shard.path!r}); call hyparflow.fit outside any "
+                    "keras.name_scope.")
             self.cuts.append((var, shard, axis))
         self.what = f"layer {op.name!r}"
+        self.part_of = {id(var): part for var, part, _ in self.cuts}
+
+    def _attention_cuts(self):
+        """MultiHeadAttention: the query/key/value (and gate) projections' kernels
+        (dim, heads, size) and biases (heads, size) cut on their heads axis, the
+        output projection's kernel (heads, size, out...) on its first; the output
+        bias whole (added once, after the sum)."""
+        parts = _compat.attention_parts(self.op)
+        cuts = []
+        for name in ("query", "key", "value", "gate"):
+            if name in parts:
+                layer = parts[name]
+                cuts.append((layer.kernel, -2))
+                if layer.bias is not None:
+                    cuts.append((layer.bias, -2))
+        out = parts["output"]
+        cuts.append((out.kernel, 0))
+        if out.bias is not None:
+            cuts.append((out.bias, None))
+        return cuts
 
     def _slice(self, value, axis):
         index = [slice(None)] * value.ndim
@@ -317,8 +471,11 @@ class Shard:
             if axis is not None:
                 var.assign(self.gathered(shard.numpy(), axis))
 
-    def __call__(self, args, kwargs):
+    def __call__(self, args, kwargs, training=None):
         op, kind = self.op, self.split.kind
+        if kind == "heads":
+            with _compat.calls_replaced(self.calls()):
+                return _compat.call_operation(op, args, kwargs, training)
         x = args[0] if args else kwargs["inputs"]
         if kind == "rows":
             return self._lookup(x)
@@ -354,3 +511,169 @@ class Shard:
         rows = rows * tf.cast(mine, rows.dtype)[..., None]  # other ranks' ids give zeros
         return tf.cast(self.coll.sum(rows, self.what), op.compute_dtype)
 
+
+    # -- MultiHeadAttention by heads ---------------------------------------------
+    def calls(self):
+        """{layer: function run in place of its `call`} while the layer holding this
+        part runs. A Dense: this rank's columns or rows (as `__call__`). An attention
+        layer (the rest of this docstring):
+        the projections compute this rank's heads only, the dropout on the attention
+        probabilities draws the whole layer's mask and keeps this rank's heads of it,
+        and the layer's own call is wrapped to enter the inputs and sum the outputs."""
+        if self.split.kind != "heads":
+            return {self.op: lambda inputs, training=None: self([inputs], {})}
+        parts = _compat.attention_parts(self.op)
+        out = {}
+        for name in ("query", "key", "value", "gate"):
+            if name in parts:
+                layer = parts[name]
+                out[layer] = _projection(layer, self.part_of[id(layer.kernel)],
+                                         self.part_of.get(id(layer.bias)))
+        out[parts["output"]] = _projection(parts["output"], self.part_of[id(parts["output"].kernel)],
+                                           None)
+        if self.op.dropout > 0:
+            out[parts["dropout"]] = self._dropout(parts["dropout"], parts["axes"])
+        out[self.op] = self._attention(parts)
+        return out
+
+    def _heads(self, x, axis):
+        """This rank's heads of `x` (all heads on `axis`)."""
+        index = [slice(None)] * len(x.shape)
+        index[axis] = slice(self.start, self.start + self.sizes[self.rank])
+        return x[tuple(index)]
+
+    def _dropout(self, layer, axes):
+        """Dropout of this rank's heads of the attention probabilities with the mask
+        one process would draw for all heads: Keras draws a stateless uniform of the
+        whole shape from the layer's seed generator, whose state every tensor rank
+        shares, so each rank draws the whole mask and keeps its heads."""
+        own = _compat.original_call(layer)
+        heads = self.op.num_heads
+
+        def call(inputs, training=None):
+            axis = len(inputs.shape) - 2 * len(axes) - 1  # (batch..., heads, queries, keys)
+            shape = tf.unstack(tf.shape(inputs))
+            shape[axis] = tf.constant(heads, shape[axis].dtype)
+            ones = tf.ones(tf.stack(shape), inputs.dtype)
+            mask = own(ones, training=training)
+            if mask is ones:  # not training: the input as it is, as Keras returns it
+                return inputs
+            # x * (1 * scale or 0) is Keras's x * scale or 0, bit for bit.
+            return keras.ops.multiply(inputs, self._heads(mask, axis))
+
+        return call
+
+    def _attention(self, parts):
+        """The attention layer's own call, on this rank's heads: the inputs entered
+        once each (the backward sums their gradients over the ranks), the partial
+        output projections summed, the output bias added once."""
+        op = self.op
+        own = _compat.original_call(op)
+        signature = inspect.signature(own)
+        out_bias = parts["output"].bias
+        axes = parts["axes"]
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("cache") is not None:
+                raise ValueError(
+                    f"Attention layer {op.name!r} is split by heads (num_tensor > 1) and was "
+                    "called with a key/value cache, which holds every head. Decode with "
+                    "num_tensor=1.")
+            entered = {}
+            for name in ("query", "value", "key"):
+                x = bound.arguments.get(name)
+                if x is None:
+                    continue
+                if id(x) not in entered:  # self-attention: one sum for query = value
+                    entered[id(x)] = _compat.set_keras_mask(self.coll.enter(x, self.what),
+                                                            _compat.keras_mask(x))
+                bound.arguments[name] = entered[id(x)]
+            result = own(*bound.args, **bound.kwargs)
+            rest = ()
+            if isinstance(result, (tuple, list)):
+                result, rest = result[0], tuple(result[1:])
+            mask = _compat.keras_mask(result)
+            y = self.coll.sum(result, self.what)
+            if out_bias is not None:
+                y = keras.ops.add(y, out_bias)
+            _compat.set_keras_mask(y, mask)
+            if not rest:
+                return y
+            scores = rest[0]  # (batch..., heads, queries, keys): put the heads together
+            axis = len(scores.shape) - 2 * len(axes) - 1
+            return (y, self.coll.gather(scores, self.sizes, self.what, axis=axis)) + rest[1:]
+
+        return call
+
+
+def _projection(layer, kernel, bias):
+    """An EinsumDense's call (einsum, bias, activation, as Keras's) on this rank's
+    part `kernel` / `bias` (Keras variables, read as the layer reads its own)."""
+
+    def call(inputs, training=None):
+        x = keras.ops.einsum(layer.equation, inputs, kernel)
+        if bias is not None:
+            x = keras.ops.add(x, bias)
+        if layer.activation is not None:
+            x = layer.activation(x)
+        return x
+
+    return call
+
+
+class Nested:
+    """One rank's part of a layer that holds MultiHeadAttention layers inside (Keras
+    Hub's TransformerEncoder/Decoder): each attention layer split by heads (a Shard
+    of its own), and a known Dense pair (`_INNER_PAIRS`: the feed-forward block) by
+    columns then rows; their calls replaced while the outer layer runs as it is."""
+
+    def __init__(self, op, split, rank, shares, collectives):
+        self.op, self.split, self.rank = op, split, rank
+        self.subs = [Shard(sub, Split(split.node, "heads"), rank, shares, collectives)
+                     for sub in _inner_attention(op)]
+        for first, second in _inner_pairs(op, len(shares)):
+            self.subs.append(Shard(first, Split(split.node, "column", gather=False), rank,
+                                   shares, collectives))
+            self.subs.append(Shard(second, Split(split.node, "row"), rank, shares, collectives))
+        self.coll = collectives
+
+    @property
+    def coll(self):
+        return self._coll
+
+    @coll.setter
+    def coll(self, collectives):
+        self._coll = collectives
+        for sub in self.subs:
+            sub.coll = collectives
+
+    @property
+    def replaces(self):
+        return {k: v for sub in self.subs for k, v in sub.replaces.items()}
+
+    def load(self):
+        for sub in self.subs:
+            sub.load()
+
+    def gather(self):
+        for sub in self.subs:
+            sub.gather()
+
+    def slots(self, optimizer):
+        """As Shard.slots; each axis given as (which attention layer, axis)."""
+        return [(slot, (k, axis)) for k, sub in enumerate(self.subs)
+                for slot, axis in sub.slots(optimizer)]
+
+    def gathered(self, value, axis):
+        return self.subs[axis[0]].gathered(value, axis[1])
+
+    def sliced(self, value, axis):
+        return self.subs[axis[0]].sliced(value, axis[1])
+
+    def __call__(self, args, kwargs, training=None):
+        calls = {}
+        for sub in self.subs:
+            calls.update(sub.calls())
+        with _compat.calls_replaced(calls):
+            return _compat.call_operation(self.op, args, kwargs, training)
