@@ -505,10 +505,18 @@ class Shard:
         op = self.op
         if ids.dtype not in (tf.int32, tf.int64):
             ids = tf.cast(ids, tf.int32)
-        local = ids - tf.cast(self.start, ids.dtype)
+        table = self.cuts[0][1].value
+        local = tf.reshape(ids - tf.cast(self.start, ids.dtype), [-1])
         mine = tf.logical_and(local >= 0, local < self.sizes[self.rank])
-        rows = tf.gather(self.cuts[0][1].value, tf.where(mine, local, tf.zeros_like(local)))
-        rows = rows * tf.cast(mine, rows.dtype)[..., None]  # other ranks' ids give zeros
+        # Only this rank's ids are looked up, in the batch's order: the part's gradient
+        # holds the (row, value) pairs one process gives these rows and no zero pairs
+        # for other ranks' ids, so the pairs gathered over replicas (hyparflow.sparse)
+        # shrink with T. Other ranks' ids give zero rows to the sum.
+        where = tf.where(mine)
+        rows = tf.gather(table, tf.gather_nd(local, where))
+        rows = tf.scatter_nd(where, rows, tf.stack([tf.size(local, out_type=tf.int64),
+                                                    tf.cast(table.shape[-1], tf.int64)]))
+        rows = tf.reshape(rows, tf.concat([tf.shape(ids), [table.shape[-1]]], 0))
         return tf.cast(self.coll.sum(rows, self.what), op.compute_dtype)
 
 

@@ -49,16 +49,14 @@ def conv_data(n=48):
     return rng.normal(size=(n, 8, 8, 3)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
-def embedding_model():
+def embedding_model(optimizer=None):
     keras.utils.set_random_seed(5)
     inp = keras.Input((6,), dtype="int32")
     x = L.Embedding(50, 8, name="table")(inp)
     x = L.GlobalAveragePooling1D()(x)
     out = L.Dense(2, name="head")(x)
     model = keras.Model(inp, out)
-    # Keras steps Adam/RMSprop on an embedding's sparse gradient row occurrence by
-    # row occurrence (see docs/models.md); momentum SGD is linear in the gradient.
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
     return model
 
 
@@ -114,6 +112,13 @@ def test_conv2d_with_pipeline_and_replicas():
 @pytest.mark.parametrize("shares", [None, [1, 3]])
 def test_embedding_row_split(shares):
     check(embedding_model, embedding_data(), ["table"], [(1, 2, 1, 2)], shares=shares)
+
+
+def test_embedding_row_split_keeps_sparse_pairs_for_adam():
+    """The parts' sparse gradients ((row, value) pairs of each rank's own ids, in the
+    batch's order) step Adam as one process steps the whole table."""
+    check(lambda: embedding_model(keras.optimizers.Adam(0.01)), embedding_data(), ["table"],
+          [(1, 2, 1, 2), (1, 2, 2, 1)], tol=1e-4, shares=[1, 3])
 
 
 def test_choose_pairs_dense_layers_megatron_style():
