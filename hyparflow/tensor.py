@@ -186,6 +186,11 @@ def _why_not(graph, i, num_tensor):
                 "holding MultiHeadAttention layers) can be split")
     if sum(node.op is op for node in graph.nodes) != 1:
         return "the layer is called more than once (shared weights)"
+    mine = {id(v) for v in op.weights}
+    for node in graph.nodes:
+        if node.op is not op and mine & {id(v) for v in getattr(node.op, "weights", ())}:
+            return (f"its weights are also used by layer {node.op.name!r} (tied weights), "
+                    "which would need the whole of them")
     if isinstance(op, keras.layers.MultiHeadAttention):
         return _attention_why_not(op, num_tensor)
     if inner:

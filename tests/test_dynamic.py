@@ -126,3 +126,20 @@ def tracing_count(model):
     stages = [o for o in gc.get_objects() if isinstance(o, Stage) and o.model is model]
     return max(f.experimental_get_tracing_count() for s in stages for k, f in s._functions.items()
                if hasattr(f, "experimental_get_tracing_count") and k[0] in ("train", "fused"))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_variable_lengths_with_attention_split_by_heads(stages):
+    """T=2: the attention's heads and the feed-forward pair split over two ranks per
+    stage, on batches of different lengths with their padding masks."""
+    data = batches(4)
+    build = lambda: encoder("adam")  # noqa: E731
+    model = build()
+    start = model.get_weights()
+    model.fit(dataset(data), epochs=2, verbose=0)
+    expected = model.get_weights()
+    results = train_ranks(build, dataset(data), None, num_stages=stages, num_replicas=1,
+                          num_microbatches=2, num_tensor=2, weights=start, epochs=2,
+                          tensor_layers=["attention", "ffn_in", "ffn_out"])
+    diff = max(max_diff(w, expected) for w, _ in results)
+    assert diff <= 1e-4, f"S={stages} T=2: max weight difference {diff:g}"

@@ -78,3 +78,20 @@ def test_sequences_of_any_length_share_one_model():
                                    num_replicas=1, num_microbatches=2, weights=start,
                                    batch_size=16, epochs=1, shuffle=False)
     assert max_diff(weights, model.get_weights()) <= 1e-4
+
+
+def test_a_tied_embedding_is_not_split():
+    """Its matrix is also the output projection's: splitting it by rows would leave the
+    projection without the whole matrix, so it is refused with the reason."""
+    from hyparflow.local import run_ranks
+
+    import hyparflow as hf
+
+    x, y = data()
+
+    def body(comm):
+        hf.fit(build(), x[:32], y[:32], batch_size=16, num_tensor=2, verbose=0,
+               tensor_layers=["token_embedding"], comm=comm)
+
+    with pytest.raises(ValueError, match="also used by layer 'logits' \\(tied weights\\)"):
+        run_ranks(2, body, timeout=120)
