@@ -106,9 +106,8 @@ def test_stage_costs_are_measured_on_a_real_stage():
     costs = measure.stage_costs(graph, model, rows, (8, 32), repeats=3)
     assert costs["batches"] == [8, 32] and len(costs["taped"]) == len(costs["forward"]) == 2
     # A real stage's taped forward and backward cost more than its share of the fused
-    # step (values are clamped below at 1), the more so on fewer samples, where the
-    # per-call overhead weighs more.
-    assert costs["taped"][0] > costs["taped"][1] >= 1.0 and costs["taped"][0] < 50, costs
+    # step (values are clamped below at 1), but not tens of times more.
+    assert all(1.0 <= t < 50 for t in costs["taped"]), costs
     assert all(0.1 < f < 0.9 for f in costs["forward"]), costs["forward"]
     assert 0 < costs["add_s_per_byte"] < 1e-8
     assert measure.stage_costs(G.from_model(keras.Sequential([keras.Input((3,)),
@@ -261,7 +260,9 @@ def test_stages_are_timed_whole_as_they_run(build, counts):
     timer = measure.StageTimer(graph, model, (8, 32), repeats=2)
     for s in range(len(counts)):
         small, large = timer(counts, s, 8, False), timer(counts, s, 32, False)
-        assert all(0 < t < 1.0 for t in small + large)
+        # A backward is the whole call less its forward: on a busy host and a tiny
+        # stage it can come out as nothing, never as a second.
+        assert all(0 <= t < 1.0 for t in small + large) and small[0] > 0 and large[0] > 0
         middle = timer(counts, s, 20, False)  # between the two: interpolated
         assert min(small[0], large[0]) <= middle[0] <= max(small[0], large[0])
     forward, backward = timer(counts, len(counts) - 1, 16, True)  # one fused call
