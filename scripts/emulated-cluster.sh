@@ -176,6 +176,9 @@ slurm_conf() {
     cat > "$CONF" <<EOF
 # Written by hyparflow's scripts/emulated-cluster.sh: one slurmd per emulated host.
 ClusterName=hyparflowemu
+# Job ids of their own: MPICH names its shared-memory segments after the PMI job (id.step),
+# and a segment a killed job left behind must not meet a job of the one-node cluster.
+FirstJobId=100000
 SlurmctldHost=localhost($NET.1)
 SlurmctldPort=$SLURM_PORT
 SlurmdPort=$((SLURM_PORT + 1))
