@@ -74,6 +74,10 @@ class Buckets:
                         for bucket in cut(order, self.stage.trainable) if bucket]
         self._bucket_of = {k: j for j, (_, bucket) in enumerate(self.buckets) for k in bucket}
         self._orders = orders
+        # Bytes of the dense buckets summed with other ranks each step (for the trace):
+        # fixed by the layout, so counted here rather than at every step.
+        self.nbytes = sum(4 * int(np.prod(self.stage.trainable[k].shape))
+                          for comm, bucket in self.buckets if _shares(comm) for k in bucket)
         self.stage.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
 
     def exclude(self, positions):
@@ -81,12 +85,6 @@ class Buckets:
         self.sparse |= set(positions)
         self._lay(self._orders)
         self.arm()
-
-    @property
-    def nbytes(self):
-        """Bytes of the dense buckets summed with other ranks each step."""
-        return sum(4 * int(np.prod(self.stage.trainable[k].shape))
-                   for comm, bucket in self.buckets if _shares(comm) for k in bucket)
 
     @property
     def shared(self):
