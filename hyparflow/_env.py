@@ -4,6 +4,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from . import settings
 
 __all__ = ["quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
            "start_tensorflow", "oversubscribed"]
@@ -41,9 +42,9 @@ def threads_per_rank():
     When the launcher bound the process to fewer cores than the node has, the
     binding already says how many cores are ours, so it is used as is.
     """
-    value = os.environ.get("HYPARFLOW_THREADS")
-    if value:
-        return max(1, int(value))
+    value = settings.threads()
+    if value is not None:
+        return value
     node_cores = os.cpu_count() or 1
     try:
         mine = len(os.sched_getaffinity(0))
@@ -81,7 +82,7 @@ def start_tensorflow():
     descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL says, so they are diverted for
     the import and the first operation only. HYPARFLOW_SHOW_TF_LOGS=1 keeps them.
     """
-    if "tensorflow" in sys.modules or os.environ.get("HYPARFLOW_SHOW_TF_LOGS"):
+    if "tensorflow" in sys.modules or settings.show_tf_logs():
         return configure_threads()
     with _stderr_to_file():
         import tensorflow as tf
@@ -106,7 +107,7 @@ def configure_threads():
         # process (tests) need one each, since a split layer's sum waits inside a
         # compiled function for the other ranks' (HYPARFLOW_INTER_OP_THREADS).
         tf.config.threading.set_inter_op_parallelism_threads(
-            int(os.environ.get("HYPARFLOW_INTER_OP_THREADS", "1")))
+            settings.inter_op_threads())
     except RuntimeError:
         # The runtime is already initialised (the user ran TF ops before importing
         # hyparflow); TensorFlow refuses changes then, and its defaults stay.

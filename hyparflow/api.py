@@ -1,56 +1,17 @@
-"""The public entry points: fit and the rank helpers."""
-
-import os
+"""The public entry points: fit, evaluate, predict and the rank helpers."""
 
 from . import inference, trainer
+from . import layout as _layout
 from .errors import user_errors
 from .comm import wrap
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
 
 
-def _from_env(value, name, default):
-    """An argument left as None takes HYPARFLOW_<NAME> (set by `hyparflow run`), else default."""
-    if value is not None:
-        return value
-    text = os.environ.get(f"HYPARFLOW_{name.upper()}")
-    if text:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"HYPARFLOW_{name.upper()} must be an integer. Received: {text!r}") from None
-    return default
-
-
-def _layout(comm, num_stages, num_replicas, num_microbatches, num_tensor, check=True):
-    """(S, R, M, T) from the arguments, else HYPARFLOW_NUM_* (what the user asked the
-    launcher for), else the defaults; R stays None (derived later as world // (S x T))
-    unless given. An argument always wins over the environment."""
-    stages = _from_env(num_stages, "num_stages", 1)
-    tensor = _from_env(num_tensor, "num_tensor", 1)
-    replicas = _from_env(num_replicas, "num_replicas", None)
-    microbatches = _from_env(num_microbatches, "num_microbatches", 1)
-    if (check and num_replicas is None and replicas is not None
-            and isinstance(stages, int) and isinstance(tensor, int)
-            and stages * tensor * replicas != comm.size):
-        # The environment's R was given for another S (e.g. `hyparflow run --replicas`
-        # while the script passes its own num_stages): say where each number came from.
-        where = ("this script's" if num_stages is not None
-                 else "$HYPARFLOW_NUM_STAGES or the default")
-        raise ValueError(
-            f"HYPARFLOW_NUM_REPLICAS={replicas} (from the environment: `hyparflow run "
-            f"--replicas` or a job script) x num_stages={stages} ({where})"
-            + (f" x num_tensor={tensor}" if tensor != 1 else "")
-            + f" = {stages * tensor * replicas} ranks, but {comm.size} were launched. Leave "
-            f"--replicas out (the replicas are then world size // (stages x tensor)), or pass "
-            f"num_replicas to hyparflow.")
-    return stages, replicas, microbatches, tensor
-
-
 @user_errors
 def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
         num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
-        balance=None, comm=None, sample_weight=None, class_weight=None, schedule="1f1b",
+        balance=None, comm=None, sample_weight=None, class_weight=None, schedule=None,
         run_eagerly=None, recompute=False, trace=None, validation_data=None,
         validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
         validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
@@ -102,12 +63,15 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
         speeds: relative speed of each stage's ranks ("measure": a short
             calibration on every rank), so a faster rank gets more work.
         memory_limit: bytes per rank that no stage may exceed (with `balance`).
-        plan: a plan file (see `hyparflow plan`): stages, replicas,
-            microbatches and schedule from it.
+        plan: a plan file (see `hyparflow plan`): stages with their layer calls,
+            replicas, microbatches, schedule and tensor split from it. An argument
+            that contradicts it is an error. The layout is resolved once, from the
+            arguments, then the plan, then $HYPARFLOW_NUM_*, then the world size
+            (see `hyparflow.layout`).
         comm: an mpi4py communicator (default MPI.COMM_WORLD) or a
             `hyparflow.comm.Communicator`.
         sample_weight, class_weight: as in `model.fit`.
-        schedule: "1f1b" (the default: one forward, one backward, at most S
+        schedule: None or "1f1b" (the default: one forward, one backward, at most S
             microbatches alive per stage) or "gpipe" (all forwards, then all
             backwards); both give the same weights.
         run_eagerly: run stages eagerly instead of as tf.functions (debugging);
@@ -142,23 +106,21 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
     """
     communicator, owned = wrap(comm)
     try:
-        stages, replicas, microbatches, tensor = _layout(
-            communicator, num_stages, num_replicas, num_microbatches, num_tensor,
-            check=plan is None)
+        layout = _layout.resolve(
+            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+            num_microbatches=num_microbatches, num_tensor=num_tensor, schedule=schedule,
+            balance=balance, tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
         return trainer.train(
-            model, x, y, comm=communicator, batch_size=batch_size, epochs=epochs,
-            num_stages=stages, num_replicas=replicas, num_microbatches=microbatches,
-            shuffle=shuffle, seed=seed, verbose=verbose,
-            callbacks=callbacks, balance=balance, sample_weight=sample_weight,
-            class_weight=class_weight, schedule=schedule, run_eagerly=run_eagerly,
+            model, x, y, comm=communicator, layout=layout, batch_size=batch_size,
+            epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, callbacks=callbacks,
+            sample_weight=sample_weight, class_weight=class_weight, run_eagerly=run_eagerly,
             recompute=recompute, trace=trace, validation_data=validation_data,
             validation_split=validation_split, validation_freq=validation_freq,
             initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
             resume=resume, check_finite=check_finite, speeds=speeds,
-            memory_limit=memory_limit, plan=plan, num_tensor=tensor, tensor_layers=tensor_layers,
-            tensor_shares=tensor_shares)
+            memory_limit=memory_limit)
     finally:
         if owned:
             communicator.free()
@@ -168,7 +130,7 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
 def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=None, steps=None,
              callbacks=None, return_dict=False, num_stages=None, num_replicas=None,
              num_microbatches=None, balance=None, comm=None, num_tensor=None, tensor_layers=None,
-             tensor_shares=None):
+             tensor_shares=None, plan=None):
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
     with the metrics, or a dict with `return_dict=True`), the same on every rank.
@@ -178,17 +140,17 @@ def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=N
     prints Keras's progress bar (`"auto"`: the bar on a terminal, else one line);
     callbacks get `on_test_begin` / `on_test_batch_end` / `on_test_end` with the
     global logs (those that print or write files on rank 0 only, as in `fit`). The
-    layout arguments are `fit`'s."""
+    layout arguments (`plan` included) are `fit`'s."""
     communicator, owned = wrap(comm)
     try:
-        stages, replicas, microbatches, tensor = _layout(
-            communicator, num_stages, num_replicas, num_microbatches, num_tensor)
+        layout = _layout.resolve(
+            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+            num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
+            tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
         return inference.evaluate(
-            model, x, y, comm=communicator, batch_size=batch_size, num_stages=stages,
-            num_replicas=replicas, num_microbatches=microbatches, balance=balance,
+            model, x, y, comm=communicator, layout=layout, batch_size=batch_size,
             sample_weight=sample_weight, steps=steps, return_dict=return_dict,
-            tensor=_tensor_args(tensor, tensor_layers, tensor_shares), verbose=verbose,
-            callbacks=callbacks)
+            verbose=verbose, callbacks=callbacks)
     finally:
         if owned:
             communicator.free()
@@ -197,7 +159,8 @@ def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=N
 @user_errors
 def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=None,
             gather="all", num_stages=None, num_replicas=None, num_microbatches=None,
-            balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
+            balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None,
+            plan=None):
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
     rank 0 (`gather="main"`, None elsewhere) for big outputs.
@@ -207,20 +170,16 @@ def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=No
     predictions as `logs["outputs"]`."""
     communicator, owned = wrap(comm)
     try:
-        stages, replicas, microbatches, tensor = _layout(
-            communicator, num_stages, num_replicas, num_microbatches, num_tensor)
+        layout = _layout.resolve(
+            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+            num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
+            tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
         return inference.predict(
-            model, x, comm=communicator, batch_size=batch_size, num_stages=stages,
-            num_replicas=replicas, num_microbatches=microbatches, balance=balance, steps=steps,
-            gather=gather, tensor=_tensor_args(tensor, tensor_layers, tensor_shares),
-            verbose=verbose, callbacks=callbacks)
+            model, x, comm=communicator, layout=layout, batch_size=batch_size, steps=steps,
+            gather=gather, verbose=verbose, callbacks=callbacks)
     finally:
         if owned:
             communicator.free()
-
-
-def _tensor_args(num_tensor, layers, shares):
-    return {"num_tensor": num_tensor, "tensor_layers": layers, "tensor_shares": shares}
 
 
 def _world():

@@ -6,11 +6,11 @@ a rank waiting for a message does not spin a core on an oversubscribed node,
 and gives up after a timeout instead of hanging.
 """
 
-import os
 import pickle
 import time
 
 import numpy as np
+from . import settings
 
 __all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds",
            "sum_in_order"]
@@ -22,8 +22,7 @@ class CommTimeout(RuntimeError):
 
 def timeout_seconds():
     """The watchdog: HYPARFLOW_TIMEOUT seconds (default 600; 0 disables)."""
-    value = float(os.environ.get("HYPARFLOW_TIMEOUT", "600"))
-    return value if value > 0 else None
+    return settings.timeout()
 
 
 def _spin_seconds():
@@ -34,9 +33,9 @@ def _spin_seconds():
     node a spinning rank steals the core another rank needs. Default: 20 ms of
     spinning when every rank has its own cores, none otherwise;
     HYPARFLOW_SPIN_SECONDS overrides."""
-    value = os.environ.get("HYPARFLOW_SPIN_SECONDS")
+    value = settings.spin_seconds()
     if value is not None:
-        return float(value)
+        return value
     from . import _env
 
     return 0.0 if _env.oversubscribed() else 0.02

@@ -8,12 +8,13 @@ __all__ = ["MODES", "resolve"]
 MODES = ("estimate", "params", "time", "memory")
 
 
-def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limit=None,
-            microbatch=32, num_tensor=1):
+def resolve(graph, model, comm, balance, layout, *, speeds=None, memory_limit=None,
+            microbatch=32):
     """Turn `balance` (None, a mode, or counts) and `speeds` (None, "measure" or one
     number per stage) into what `partition` takes. Collective: profiling and
     calibration run on this machine's ranks and their results are shared, so every
-    rank cuts the model the same way."""
+    rank cuts the model the same way. `layout`: the run's (hyparflow.layout.Layout)."""
+    num_stages = layout.num_stages
     if balance is not None and not isinstance(balance, str) and speeds is None and memory_limit is None:
         return balance  # explicit counts
     mode = balance or "estimate"
@@ -35,7 +36,7 @@ def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limi
     if speeds == "measure":
         rates = comm.allgather_obj(_profile.calibrate())
         # A stage is as fast as its slowest rank (its T tensor ranks share the work).
-        topo = _topology(len(rates), num_stages, num_tensor)
+        topo = _topology(layout)
         speeds = [min(rate for r, rate in enumerate(rates) if topo.stage(r) == s)
                   for s in range(num_stages)]
     elif speeds is not None and len(speeds) != num_stages:
@@ -45,20 +46,18 @@ def resolve(graph, model, comm, balance, num_stages, *, speeds=None, memory_limi
             "memory": memory, "limit": memory_limit}
 
 
-def measured_shares(comm, num_stages, num_tensor):
+def measured_shares(comm, layout):
     """tensor_shares="measure": each rank's calibrated speed, shared by all; a tensor
     rank's share is its speed (the slowest over replicas, whose parts must match),
     per stage. Returns this rank's stage's shares (collective)."""
     rates = comm.allgather_obj(_profile.calibrate())
-    if len(rates) % (num_stages * num_tensor):
-        return None  # a world of the wrong size: set-up says so, with the fix
-    topo = _topology(len(rates), num_stages, num_tensor)
+    topo = _topology(layout)
     stage = topo.stage(comm.rank)
-    return [min(rates[r] for r in topo.stage_ranks(stage, t)) for t in range(num_tensor)]
+    return [min(rates[r] for r in topo.stage_ranks(stage, t)) for t in range(layout.num_tensor)]
 
 
-def _topology(size, num_stages, num_tensor):
-    return Topology(num_stages, max(1, size // (num_stages * num_tensor)), num_tensor)
+def _topology(layout):
+    return Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
 
 
 def _memory(p, microbatch, num_stages):

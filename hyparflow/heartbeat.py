@@ -23,6 +23,7 @@ import threading
 import time
 
 import numpy as np
+from . import settings
 
 __all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE", "start"]
 
@@ -33,14 +34,13 @@ _BEAT, _VERDICT, _BYE = 1, 2, 3          # tags on the heartbeat's own communica
 
 def interval_seconds():
     """Seconds between beats: HYPARFLOW_HEARTBEAT_SECONDS (default 2)."""
-    return max(0.05, float(os.environ.get("HYPARFLOW_HEARTBEAT_SECONDS", "2")))
+    return settings.heartbeat_seconds()
 
 
 def peer_timeout_seconds():
     """Silence after which a peer is lost: HYPARFLOW_PEER_TIMEOUT (default 20; 0 turns the
     heartbeat off)."""
-    value = float(os.environ.get("HYPARFLOW_PEER_TIMEOUT", "20"))
-    return value if value > 0 else None
+    return settings.peer_timeout()
 
 
 def _lost_message(rank, lost, hosts, found_by, silence):

@@ -1,5 +1,7 @@
 """Pipeline-parallel inference: evaluate (loss and metrics) and predict, forward only."""
 
+import dataclasses
+
 import numpy as np
 
 from . import _compat
@@ -22,18 +24,16 @@ def run_evaluation(model, runtime, source, logs=None):
     return logs.result()
 
 
-def _runtime(model, x, y, comm, *, batch_size, num_stages, num_replicas, num_microbatches,
-             balance, sample_weight, steps, kind, tensor):
+def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kind):
     check_positive(batch_size=batch_size)
-    if tensor.get("tensor_shares") == "measure":
+    if layout.tensor_shares == "measure":
         # Shares change only the speed of inference, never its results.
-        tensor = dict(tensor, tensor_shares=None)
-    graph = read_graph(model, num_stages, x, batch_size)
+        layout = dataclasses.replace(layout, tensor_shares=None)
+    graph = read_graph(model, layout.num_stages, x, batch_size)
     source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
                                   steps_per_epoch=steps, need_y=(kind == "evaluate"))
-    runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
-                      num_replicas=num_replicas, num_microbatches=num_microbatches,
-                      balance=balance, training=False, **tensor,
+    runtime = Runtime(model, comm, layout, graph=graph, sample=sample,
+                      cut=layout.stage_counts(graph), training=False,
                       facts={"samples": len(sample), "steps": source.steps, "kind": kind},
                       batch_rows=(len(sample) if _data.is_dataset(x)
                                   else min(batch_size, len(sample))))
@@ -57,9 +57,8 @@ def _run(comm, build, body):
         runtime.close()
 
 
-def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-             balance=None, sample_weight=None, steps=None, return_dict=False, tensor=None,
-             verbose="auto", callbacks=None):
+def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, steps=None,
+             return_dict=False, verbose="auto", callbacks=None):
     """The body of `hyparflow.evaluate` for one rank."""
     if not _compat.is_compiled(model):
         raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
@@ -92,13 +91,12 @@ def evaluate(model, x, y=None, *, comm, batch_size, num_stages, num_replicas, nu
         return values[0] if len(values) == 1 else values
 
     return _run(comm, lambda: _runtime(
-        model, x, y, comm, batch_size=batch_size, num_stages=num_stages,
-        num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
-        sample_weight=sample_weight, steps=steps, kind="evaluate", tensor=tensor or {}), body)
+        model, x, y, comm, layout, batch_size=batch_size, sample_weight=sample_weight,
+        steps=steps, kind="evaluate"), body)
 
 
-def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microbatches,
-            balance=None, steps=None, gather="all", tensor=None, verbose="auto", callbacks=None):
+def predict(model, x, *, comm, layout, batch_size, steps=None, gather="all", verbose="auto",
+            callbacks=None):
     """The body of `hyparflow.predict` for one rank."""
     if gather not in ("all", "main"):
         raise ValueError(f"`gather` must be 'all' or 'main'. Received: gather={gather!r}")
@@ -147,9 +145,8 @@ def predict(model, x, *, comm, batch_size, num_stages, num_replicas, num_microba
                          runtime.graph)
 
     return _run(comm, lambda: _runtime(
-        model, x, None, comm, batch_size=batch_size, num_stages=num_stages,
-        num_replicas=num_replicas, num_microbatches=num_microbatches, balance=balance,
-        sample_weight=None, steps=steps, kind="predict", tensor=tensor or {}), body)
+        model, x, None, comm, layout, batch_size=batch_size, sample_weight=None, steps=steps,
+        kind="predict"), body)
 
 
 def _assemble(pieces, total, graph):

@@ -14,18 +14,18 @@ quantization or an activity regulariser, and only where the input gradient is
 wanted (not on a stage's data inputs). `HYPARFLOW_TRANSPOSED=0` turns it off.
 """
 
-import os
 
 import keras
 import tensorflow as tf
 
 from . import _compat
+from . import settings
 
 __all__ = ["Transposed", "eligible", "enabled"]
 
 
 def enabled():
-    return os.environ.get("HYPARFLOW_TRANSPOSED", "1").strip() != "0"
+    return settings.transposed()
 
 
 def eligible(op, input_dtype):

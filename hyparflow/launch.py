@@ -7,6 +7,9 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
+from . import settings
+from .layout import Layout
+
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
            "execute", "supervise", "report"]
@@ -64,12 +67,6 @@ def _positive(name, value):
     return number
 
 
-def _given(value, environ, name):
-    """A count the user asked for: the flag, else HYPARFLOW_<NAME> already in the environment
-    (which the ranks inherit anyway), else None."""
-    return value if value is not None else (environ.get(f"HYPARFLOW_{name}") or None)
-
-
 def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=None):
     """Check (ranks, stages, replicas, microbatches) against each other and complete them.
 
@@ -78,6 +75,7 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
     replicas, 1 microbatch) for describing the run, but a run exports only what was given
     (`requested`): a script's own `hf.fit(num_stages=...)` decides the rest. `tensor`:
     ranks per stage (`--tensor`), which a pipeline needs `stages x tensor` of.
+    Returns the `Layout` (hyparflow.layout) the run would have without script arguments.
     """
     environ = os.environ if environ is None else environ
     ranks = _positive("the number of ranks (-n)", ranks)
@@ -107,18 +105,22 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
         raise LaunchError(f"{flag} {pipeline} x --replicas {replicas} = {pipeline * replicas} "
                           f"ranks, but -n is {ranks}; give -n {pipeline * replicas} or leave "
                           f"--replicas out (it defaults to -n // ({flag})).")
-    return ranks, stages, replicas, microbatches
+    return Layout(num_stages=stages, num_replicas=replicas, num_microbatches=microbatches,
+                  num_tensor=tensor)
 
 
 def requested(stages=None, replicas=None, microbatches=None, tensor=None, environ=None):
     """{name: count} of the counts the user gave, checked: flags, else HYPARFLOW_NUM_*
     already set. What is not here, `fit` takes from its own arguments or derives."""
-    environ = os.environ if environ is None else environ
     out = {}
+    try:
+        exported = settings.layout_counts(os.environ if environ is None else environ)
+    except settings.SettingError as error:
+        raise LaunchError(str(error)) from None
     for name, value, flag in (("stages", stages, "--stages"), ("replicas", replicas, "--replicas"),
                               ("microbatches", microbatches, "--microbatches"),
                               ("tensor", tensor, "--tensor")):
-        value = _given(value, environ, f"NUM_{name.upper()}")
+        value = value if value is not None else exported.get(f"num_{name}")
         if value is not None:
             out[name] = _positive(flag, value)
     return out
@@ -145,8 +147,11 @@ def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     })
     threads = _positive("--threads", threads)
-    if threads is None and environ.get("HYPARFLOW_THREADS"):
-        threads = _positive("HYPARFLOW_THREADS", environ["HYPARFLOW_THREADS"])
+    if threads is None:
+        try:
+            threads = settings.threads(environ)
+        except settings.SettingError as error:
+            raise LaunchError(str(error)) from None
     if threads is None and (environ.get("SLURM_CPUS_PER_TASK") or "").isdigit():
         threads = max(1, int(environ["SLURM_CPUS_PER_TASK"]))
     if threads is None and ranks_on_node:
@@ -186,7 +191,7 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
         raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
-    ranks = layout(ranks, stages, replicas, microbatches, environ, tensor)[0]
+    ranks = layout(ranks, stages, replicas, microbatches, environ, tensor).ranks
     # Export only the flags: a count in the environment already reaches the ranks.
     flags = requested(stages, replicas, microbatches, tensor, environ={})
     given = requested(stages, replicas, microbatches, tensor, environ)
@@ -409,7 +414,7 @@ def report(environ=None):
     add("mpiexec", find_mpiexec(environ) or "not found")
     add("cores", f"{os.cpu_count()} on this machine, {usable_cores()} usable by this process")
     add("ranks per node", f"{_env.local_ranks()} (from the launcher's environment; 1 outside a launch)")
-    source = ("HYPARFLOW_THREADS" if environ.get("HYPARFLOW_THREADS")
+    source = ("HYPARFLOW_THREADS" if settings.threads(environ) is not None
               else "usable cores // ranks per node")
     add("threads per rank", f"{_env.threads_per_rank()} ({source})")
     try:

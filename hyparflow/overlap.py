@@ -15,10 +15,10 @@ group then chooses the order for its group, and the buckets are cut again
 (as PyTorch's DDP rebuilds its buckets after its first iteration).
 """
 
-import os
 import threading
 
 import numpy as np
+from . import settings
 
 __all__ = ["Buckets", "BUCKET_BYTES", "enabled"]
 
@@ -33,10 +33,8 @@ def enabled(default):
     (MPI copies through shared memory), so starting early moves that work into
     the backward without hiding it: measured on 2 ranks over 2 cores, 0-5%
     slower. Between nodes the network moves the bytes while the cores compute."""
-    value = os.environ.get("HYPARFLOW_OVERLAP", "auto").strip().lower()
-    if value in ("1", "0"):
-        return value == "1"
-    return bool(default)
+    forced = settings.overlap()
+    return bool(default) if forced is None else forced
 
 
 def cut(positions, variables, nbytes=None):

@@ -31,19 +31,24 @@ class Plan(dict):
         return [len(s["layers"]) for s in self["stages"]]
 
 
-def write(path, graph, counts, num_replicas, num_microbatches, schedule, predicted=None,
-          num_tensor=1, tensor_layers=None):
+def write(path, graph, layout, predicted=None):
+    """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
+    of each stage) as a plan for `graph`'s model."""
+    counts = list(layout.balance)
+    if len(counts) != layout.num_stages or sum(counts) != len(graph.nodes):
+        raise ValueError(f"A plan needs the layer-call count of each of the {layout.num_stages} "
+                         f"stages, {len(graph.nodes)} in all. Received: balance={counts}")
     stages, start = [], 0
     for c in counts:
         stages.append({"layers": [n.name for n in graph.nodes[start:start + c]]})
         start += c
-    plan = {"format": FORMAT, "version": VERSION, "num_stages": len(counts),
-            "num_replicas": num_replicas, "num_microbatches": num_microbatches,
-            "schedule": schedule, "rank_mapping": "replica-major", "stages": stages}
-    if num_tensor > 1:
-        plan["num_tensor"] = num_tensor
-        if tensor_layers:
-            plan["tensor_layers"] = list(tensor_layers)
+    plan = {"format": FORMAT, "version": VERSION, "num_stages": layout.num_stages,
+            "num_replicas": layout.num_replicas, "num_microbatches": layout.num_microbatches,
+            "schedule": layout.schedule, "rank_mapping": "replica-major", "stages": stages}
+    if layout.num_tensor > 1:
+        plan["num_tensor"] = layout.num_tensor
+        if layout.tensor_layers:
+            plan["tensor_layers"] = list(layout.tensor_layers)
     if predicted:
         plan["predicted"] = predicted
     with open(path, "w") as f:

@@ -35,8 +35,12 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 
-__all__ = ["main", "Network", "Compute", "predict", "search", "measure_network", "parse_bytes"]
+from .layout import Layout, resolve
+
+__all__ = ["main", "Network", "Compute", "predict", "search", "measure_network", "parse_bytes",
+           "interpolate", "as_layout"]
 
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12}
@@ -154,12 +158,21 @@ class Compute:
         return slow
 
 
-def _between(points, values, x):
-    """`values` at `points` (two batch sizes), linear in between, flat beyond."""
+def interpolate(points, values, x, beyond="flat"):
+    """`values` at `points` (two batch sizes) at `x`: linear in between; beyond them
+    "flat" (the nearer value: for ratios, which level off) or "extend" (the line
+    continued: for times, affine in the batch), never below a tenth of the nearer
+    value."""
     (x0, x1), (y0, y1) = points, values
     if x1 == x0:
         return y0
-    return y0 + (y1 - y0) * min(max((x - x0) / (x1 - x0), 0.0), 1.0)
+    fraction = (x - x0) / (x1 - x0)
+    if beyond == "flat":
+        fraction = min(max(fraction, 0.0), 1.0)
+    elif beyond != "extend":
+        raise ValueError(f"`beyond` must be 'flat' or 'extend'. Received: {beyond!r}")
+    y = y0 + (y1 - y0) * fraction
+    return max(y, 0.1 * (y0 if x < x0 else y1 if x > x1 else min(y0, y1)))
 
 
 def _work_and_wait(every, one, slowdown, ranks, num_tensor):
@@ -297,7 +310,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                 f, b = _thirds((f, b))
             forward[s], backward[s] = share * f, share * b
     elif stage_costs:
-        at = lambda key: _between(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
+        at = lambda key: interpolate(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
             if not _fused(s, stages, schedule):
                 whole = work[s] * at("taped")  # the summing of gradients included
@@ -346,32 +359,43 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
                        if (ranks // t) % s == 0 and s <= len(graph.nodes)]
     candidates = []
     for stages, num_tensor in shapes:
-        replicas = ranks // (stages * num_tensor)
         for micro in microbatches:
-            if batch < replicas * micro:
+            shape = resolve(ranks, num_stages=stages, num_tensor=num_tensor,
+                            num_microbatches=micro, environ={})
+            if batch < shape.num_replicas * micro:
                 continue
-            m = batch / (replicas * micro)
+            m = batch / (shape.num_replicas * micro)
             counts = B.solve([r[0] + r[1] * m for r in rows], stages)
-            candidates += [(stages, num_tensor, replicas, micro, counts, schedule)
+            candidates += [replace(shape, schedule=schedule, balance=tuple(counts))
                            for schedule in (schedules if stages > 1 else ("1f1b",))]
     if stage_timer is not None:
         # Every stage the plans time, timed together: those with split layers in one
         # run under mpiexec, the others in passes over all of them.
         splits = getattr(stage_timer, "splits", False)
-        stage_timer.prepare([(counts, s, _fused(s, stages, schedule), num_tensor)
-                             for stages, num_tensor, _, _, counts, schedule in candidates
-                             if num_tensor == 1 or splits
-                             for s in range(stages)])
+        stage_timer.prepare([(list(c.balance), s, _fused(s, c.num_stages, c.schedule),
+                              c.num_tensor)
+                             for c in candidates if c.num_tensor == 1 or splits
+                             for s in range(c.num_stages)])
     plans = []
-    for stages, num_tensor, replicas, micro, counts, schedule in candidates:
-        p = predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro,
-                    schedule, ranks_per_node, cores, num_tensor, compute, stage_costs,
-                    stage_timer)
-        p.update(stages=stages, tensor=num_tensor, replicas=replicas, microbatches=micro,
-                 schedule=schedule, counts=counts,
+    for c in candidates:
+        p = predict(graph, rows, opt_per_byte, network, list(c.balance), batch, c.num_replicas,
+                    c.num_microbatches, c.schedule, ranks_per_node, cores, c.num_tensor,
+                    compute, stage_costs, stage_timer)
+        p.update(stages=c.num_stages, tensor=c.num_tensor, replicas=c.num_replicas,
+                 microbatches=c.num_microbatches, schedule=c.schedule, counts=list(c.balance),
                  fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
+
         plans.append(p)
     return sorted(plans, key=lambda p: (not p["fits"], p["step_s"]))
+
+
+def as_layout(plan):
+    """The `Layout` of one of `search`'s plans."""
+    return Layout(num_stages=plan["stages"], num_replicas=plan["replicas"],
+                  num_microbatches=plan["microbatches"], num_tensor=plan["tensor"],
+                  schedule=plan["schedule"], balance=tuple(plan["counts"]),
+                  tensor_layers=tuple(plan["tensor_layers"]) if plan.get("tensor_layers")
+                  else None)
 
 
 def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=None):
@@ -506,10 +530,8 @@ def main(argv=None):
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
     if args.output:
         best = next((p for p in plans if p["fits"]), plans[0])
-        P.write(args.output, graph, best["counts"], best["replicas"], best["microbatches"],
-                best["schedule"], predicted={k: best[k] for k in ("step_s", "bubble", "comm_s",
-                                                                 "samples_s")},
-                num_tensor=best["tensor"], tensor_layers=best["tensor_layers"] or None)
+        P.write(args.output, graph, as_layout(best),
+                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")})
         print(f"wrote {args.output}")
     return 0
 

@@ -1,7 +1,6 @@
 """Per-layer-call profiles on this machine: forward+backward time, parameter, optimizer
 and activation bytes; and a rank's speed, for heterogeneous balancing."""
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -10,6 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from . import settings
+from .clock import timed
 
 __all__ = ["LayerProfile", "profile", "optimizer_slots", "calibrate", "slowdown", "fit_model",
            "model_step", "optimizer_step", "timed", "load_model"]
@@ -31,7 +32,7 @@ class LayerProfile:
 def slowdown():
     """HYPARFLOW_SLOWDOWN=f makes this rank f times slower (a test stand-in for a slower
     CPU: every stage computation and the calibration sleep (f-1) times their duration)."""
-    return float(os.environ.get("HYPARFLOW_SLOWDOWN", "1") or 1)
+    return settings.slowdown()
 
 
 def optimizer_slots(optimizer):
@@ -114,18 +115,6 @@ def calibrate(seconds=0.2):
     return count / elapsed
 
 
-def timed(fn, repeats=5, idle=0.0):
-    """Median seconds of `repeats` calls of `fn`, each after `idle` seconds of sleep."""
-    times = []
-    for _ in range(repeats):
-        if idle:
-            time.sleep(idle)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def model_step(graph, model, batch):
     """The whole model's forward and backward on `batch` random samples, compiled as a
     stage compiles its own (traced and run once here): a callable."""
@@ -175,7 +164,7 @@ def fit_model(graph, model, batches=(8, 32), repeats=5):
         total = sum(p.seconds for p in layers)
         scaled.append([p.seconds * whole / total if total > 0 else whole / len(layers)
                        for p in layers])
-    (lo, hi), size = batches, batches[1] - batches[0]
+    lo, size = batches[0], batches[1] - batches[0]
     for p, t_lo, t_hi in zip(layers, *scaled):
         slope = max(0.0, (t_hi - t_lo) / size)
         rows.append((max(0.0, t_lo - slope * lo), slope, p.param_bytes, p.optimizer_bytes,

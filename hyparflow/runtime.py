@@ -15,7 +15,6 @@ from . import partition as _partition
 from . import tensor as _tensor
 from . import weights
 from .executor import Executor, split_batch
-from .schedule import SCHEDULES
 from .stage import Stage
 from .timeline import Timeline
 from .topology import Topology
@@ -228,105 +227,89 @@ def _make_groups(comm, topo, part, stage, model_variables):
     return groups
 
 
+def _check_model(model, sample):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
+    if sample.y is not None and not _compat.is_compiled(model):
+        raise ValueError(
+            f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
+            "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
+        )
+
+
 class Runtime:
     """Everything one rank needs to run stage s of replica r of `model`."""
 
-    def __init__(self, model, comm, *, graph, sample, num_stages, num_replicas, num_microbatches,
-                 balance=None, schedule="1f1b", run_eagerly=None, recompute=False,
-                 trace=None, training=True, facts=None, num_tensor=1, tensor_layers=None,
-                 tensor_shares=None, batch_rows=None):
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
-        if sample.y is not None and not _compat.is_compiled(model):
-            raise ValueError(
-                f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
-                "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
-            )
-        check_positive(num_stages=num_stages, num_microbatches=num_microbatches,
-                       num_tensor=num_tensor)
-        per_replica = num_stages * num_tensor
-        what = (f"num_stages={num_stages}" if num_tensor == 1 else
-                f"num_stages x num_tensor = {num_stages} x {num_tensor}")
-        if num_replicas is None:
-            if comm.size % per_replica:
-                raise ValueError(
-                    f"The world has {comm.size} ranks, which {what} does not "
-                    f"divide. Launch a multiple of {per_replica} ranks (e.g. mpiexec -n "
-                    f"{per_replica * max(1, comm.size // per_replica)}) or change num_stages"
-                    + (" or num_tensor." if num_tensor > 1 else ".")
-                )
-            num_replicas = comm.size // per_replica
-        if per_replica * num_replicas != comm.size:
-            hint = (f", or pass num_replicas={comm.size // per_replica} (or None)"
-                    if comm.size % per_replica == 0 else "")
-            product = (f"num_stages x num_replicas = {num_stages} x {num_replicas}"
-                       if num_tensor == 1 else
-                       f"num_stages x num_tensor x num_replicas = {num_stages} x {num_tensor} "
-                       f"x {num_replicas}")
-            raise ValueError(
-                f"{product} = {per_replica * num_replicas} ranks, but {comm.size} were "
-                f"launched. Launch mpiexec -n {per_replica * num_replicas}{hint}."
-            )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
-                             f"Received: schedule={schedule!r}")
+    def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
+                 recompute=False, trace=None, training=True, facts=None, batch_rows=None):
+        """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
+        to cut the layer calls (counts, or costs from hyparflow.costs), by default
+        `layout.balance`."""
+        _check_model(model, sample)
+        if layout.ranks != comm.size:
+            raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
+                             f"{comm.size} were launched.")
         if training:
-            _check_optimizer(model.optimizer, num_stages, num_tensor)
-        self.model, self.comm = model, comm
+            _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
+        self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
-        self.part = part = _partition.partition(graph, num_stages, balance)
-        self.topo = topo = Topology(num_stages, num_replicas, num_tensor)
-        splits, split_names = {}, []
-        if num_tensor > 1:
-            if graph.functional is None:
-                raise ValueError(
-                    f"num_tensor={num_tensor} needs a Functional or Sequential model, whose "
-                    f"layers hyparflow can split; {model.name!r} is subclassed. Use num_tensor=1.")
-            if tensor_layers is not None:
-                missing = sorted(set(tensor_layers) - {n.op.name for n in graph.nodes})
-                if missing:
-                    raise ValueError(f"tensor_layers names layers the model does not have: "
-                                     f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
-            every = {i: sp for p in part.stages
-                     for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
-            if not every:
-                raise ValueError(
-                    f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none is a "
-                    f"Dense, Conv2D, Embedding or MultiHeadAttention (or a layer holding "
-                    f"MultiHeadAttention layers) with at least {_tensor.MIN_PARAMS} weights "
-                    "that can be. Name the layers to split with tensor_layers=[...], or use "
-                    "num_tensor=1.")
-            splits = {i: sp for i, sp in every.items() if i in set(part.stages[topo.stage(comm.rank)].nodes)}
-            split_names = sorted(graph.nodes[i].op.name for i in every)
-        self.splits = splits
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
+        self.part = part = _partition.partition(
+            graph, layout.num_stages, layout.balance if cut is None else cut)
+        self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
+        self.splits, split_names = self._choose_splits()
         self.training = training
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
-            "weights": [tuple(v.shape) for v in model.weights], "num_stages": num_stages,
-            "num_replicas": num_replicas, "num_microbatches": num_microbatches,
-            "counts": part.counts, "schedule": schedule, "num_tensor": num_tensor,
-            "tensor_layers": split_names,
+            "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
+            "counts": part.counts, "tensor_layers": split_names,
         })
         _build_compiled(model, graph, sample, batch_rows)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
-        y_specs = _target_specs(graph, sample)
-        self.stage = stage = Stage(graph, part.stages[s], model, part, is_last=(s == num_stages - 1),
-                                   run_eagerly=eager, y_specs=y_specs,
+        self.stage = stage = Stage(graph, part.stages[s], model, part,
+                                   is_last=(s == layout.num_stages - 1), run_eagerly=eager,
+                                   y_specs=_target_specs(graph, sample),
                                    has_sample_weight=training and sample.sample_weight is not None,
-                                   recompute=recompute, shards=self._shards(tensor_shares))
+                                   recompute=recompute, shards=self._shards(layout.tensor_shares))
         self.timeline = Timeline(comm.rank) if trace else None
         self.trace = trace
         self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
-                                 schedule=schedule, num_microbatches=num_microbatches,
+                                 schedule=layout.schedule,
+                                 num_microbatches=layout.num_microbatches,
                                  timeline=self.timeline)
-        self.executor.lowered(num_microbatches, training)  # validate the schedule up front
+        self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
         self.owners = [topo.rank(part.owner.get(id(v), 0), 0, 0) for v in model.weights]
         self.non_trainable = [v for v in graph.variables_of(part.stages[s].nodes, trainable=False)
                               if part.owner.get(id(v)) == s]
+
+    def _choose_splits(self):
+        """{node index: split} of this rank's stage, and the names of every split layer."""
+        graph, layout, part, model = self.graph, self.layout, self.part, self.model
+        num_tensor, tensor_layers = layout.num_tensor, layout.tensor_layers
+        if num_tensor == 1:
+            return {}, []
+        if graph.functional is None:
+            raise ValueError(
+                f"num_tensor={num_tensor} needs a Functional or Sequential model, whose "
+                f"layers hyparflow can split; {model.name!r} is subclassed. Use num_tensor=1.")
+        if tensor_layers is not None:
+            missing = sorted(set(tensor_layers) - {n.op.name for n in graph.nodes})
+            if missing:
+                raise ValueError(f"tensor_layers names layers the model does not have: "
+                                 f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
+        every = {i: sp for p in part.stages
+                 for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+        if not every:
+            raise ValueError(
+                f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none is a "
+                f"Dense, Conv2D, Embedding or MultiHeadAttention (or a layer holding "
+                f"MultiHeadAttention layers) with at least {_tensor.MIN_PARAMS} weights "
+                "that can be. Name the layers to split with tensor_layers=[...], or use "
+                "num_tensor=1.")
+        mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
+        return ({i: sp for i, sp in every.items() if i in mine},
+                sorted(graph.nodes[i].op.name for i in every))
 
     def _shards(self, shares):
         """This rank's parts of the split layers of its stage (none without num_tensor)."""
@@ -344,6 +327,7 @@ class Runtime:
         topo, rank = self.topo, self.comm.rank
         hosts = self.comm.allgather_obj(socket.gethostname())
         self.hosts = hosts
+        self.layout = self.layout.with_hosts(hosts)
         # From here to close(), a peer that falls silent ends this rank (docs/slurm.md).
         self.heartbeat = _heartbeat.start(self.comm, hosts,
                                           describe=lambda: self.executor.position)
@@ -395,7 +379,8 @@ class Runtime:
 
     def microbatches(self, indices):
         """This rank's microbatches of a global batch (index arrays)."""
-        return split_batch(indices, self.topo.num_replicas, self.num_microbatches)[self.replica]
+        return split_batch(indices, self.topo.num_replicas,
+                           self.layout.num_microbatches)[self.replica]
 
     def average_state(self):
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""

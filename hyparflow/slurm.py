@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launch import LaunchError, layout
+from . import settings
 
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
            "parse_time", "signal_lead", "render", "submit"]
@@ -49,7 +50,7 @@ class JobSpec:
 def template_dir():
     """$HYPARFLOW_SLURM_TEMPLATES, else the repository's slurm/ beside the package (an
     editable install), else <prefix>/share/hyparflow/slurm (where a wheel puts them)."""
-    configured = os.environ.get("HYPARFLOW_SLURM_TEMPLATES")
+    configured = settings.slurm_templates()
     if configured:
         return Path(configured)
     beside = Path(__file__).resolve().parent.parent / "slurm"
@@ -173,8 +174,8 @@ def render(spec):
     if spec.launcher not in LAUNCHERS:
         raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}. Received: {spec.launcher!r}")
     ntasks = spec.nodes * spec.tasks_per_node
-    ntasks, stages, replicas, microbatches = layout(ntasks, spec.stages, None, spec.microbatches,
-                                                    environ={})
+    shape = layout(ntasks, spec.stages, None, spec.microbatches, environ={})
+    stages, replicas = shape.num_stages, shape.num_replicas
     template = _choose_template(spec)
     if template == "single" and spec.nodes != 1:
         raise LaunchError(f"the single template is for one node (--nodes {spec.nodes}); "

@@ -22,9 +22,9 @@ dense gradient for it, since TensorFlow adds a lookup's slices to a dense
 gradient as a dense sum.
 """
 
-import os
 
 import numpy as np
+from . import settings
 
 __all__ = ["Exchange", "linear", "merge", "enabled"]
 
@@ -35,7 +35,7 @@ def enabled():
     """HYPARFLOW_SPARSE=0 reduces every gradient densely, as hyparflow did before it
     kept pairs: only to measure what pairs save (Adam, RMSprop and the like then
     step differently from `model.fit`)."""
-    return os.environ.get("HYPARFLOW_SPARSE", "1").strip() != "0"
+    return settings.sparse()
 
 
 def linear(optimizer):

@@ -16,8 +16,9 @@ import tensorflow as tf
 
 from . import _compat
 from . import kernels
+from . import settings
 from . import sparse as _sparse
-from .profile import slowdown
+from .clock import timed
 
 __all__ = ["Stage"]
 
@@ -161,7 +162,7 @@ class Stage:
         self._eager = run_eagerly
         self._functions = {}
         self.set_buckets([])  # gradient buffers, until the executor lays them out
-        self._slowdown = slowdown()
+        self._slowdown = settings.slowdown()
 
     def _transposed(self, graph, plan):
         """{node: kernels.Transposed} for the Dense calls whose input gradient is wanted."""
@@ -417,29 +418,96 @@ class Stage:
         if seed is not None:
             self.reseed(*seed)
         inputs = self._inputs(inputs)
-        key = ("fused", bool(sample_weight), hooked, self.presence)
-        if key not in self._functions:
-            diff, variables = self._diff, self.trainable
-
-            def fused(inputs, y, sample_weight, share):
-                with tf.GradientTape() as tape:
-                    for k in diff:
-                        tape.watch(inputs[k])
-                    _, contribution = self._body(inputs, y, sample_weight, share, "train", hooked)
-                grads = tape.gradient(contribution, list(variables) + [inputs[k] for k in diff],
-                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
-                return contribution, grads
-
-            signature = self._signature(True, bool(sample_weight))
-            self._functions[key] = fused if self._eager else tf.function(
-                fused, input_signature=signature, reduce_retracing=True)
+        function = self._fused(bool(sample_weight), hooked)
         self._ready()
-        contribution, result = self._functions[key](
+        contribution, result = function(
             inputs, [tf.convert_to_tensor(a) for a in y],
-            [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32))
+            [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32),
+            [])
         grads = self._accumulate(result, [inputs[k] for k in self._diff], i)
         self._lag(start)
         return grads, contribution
+
+    def _fused(self, has_sample_weight, hooked=(), seeded=False):
+        """Forward and backward in one compiled call. Differentiates the loss
+        contribution, and with `seeded` the stage's floating outputs too, from the
+        gradients given for them (a stage timed alone, `time`)."""
+        key = ("fused", has_sample_weight, hooked, self.presence, seeded)
+        if key not in self._functions:
+            diff, variables = self._diff, self.trainable
+
+            def fused(inputs, y, sample_weight, share, seeds):
+                with tf.GradientTape() as tape:
+                    for k in diff:
+                        tape.watch(inputs[k])
+                    outs, contribution = self._body(inputs, y, sample_weight, share, "train",
+                                                    hooked)
+                targets = [contribution] + [o for o in outs if o.dtype.is_floating][:len(seeds)]
+                grads = tape.gradient(targets, list(variables) + [inputs[k] for k in diff],
+                                      output_gradients=[tf.ones_like(contribution)] + list(seeds),
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+                return contribution, grads
+
+            seeds = [_spec(self.graph.tensors[t]) for t in self.output_ids
+                     if self.graph.tensors[t].floating] if seeded else []
+            signature = self._signature(True, has_sample_weight) + [seeds]
+            self._functions[key] = fused if self._eager else tf.function(
+                fused, input_signature=signature, reduce_retracing=True)
+        return self._functions[key]
+
+    # -- timing, for the planner ------------------------------------------------
+    def example(self, batch):
+        """Random inputs of `batch` samples for this stage, and ones as its floating
+        outputs' gradients (a dimension left open is 8)."""
+        def shaped(shape):
+            return (batch,) + tuple(d or 8 for d in shape[1:])
+
+        tensors = self.graph.tensors
+        inputs = [tf.random.normal(shaped(tensors[t].shape), dtype=tf.as_dtype(tensors[t].dtype))
+                  if tensors[t].floating else tf.zeros(shaped(tensors[t].shape),
+                                                       tf.as_dtype(tensors[t].dtype))
+                  for t in self.input_ids]
+        inputs += [tf.ones(shaped(tensors[t].mask), tf.bool) for t in self.mask_ids]
+        seeds = {t: np.ones(shaped(tensors[t].shape), np.float32)
+                 for t in self.output_ids if tensors[t].floating}
+        return inputs, seeds
+
+    def time(self, batch, *, fused=False, repeats=9, idle=0.0):
+        """(forward, backward) seconds of one microbatch of `batch` random samples, as
+        the executor runs it: the forward kept on a tape and the backward from it,
+        with ones as the outputs' gradients, the weights' gradients summed into the
+        buffers; `fused`: (0, both in one call), as a last stage under 1F1B runs.
+        Each the median of `repeats` calls, each after `idle` seconds asleep (a
+        stage's call follows a wait). HYPARFLOW_SLOWDOWN counts, as in training."""
+        inputs, seeds = self.example(batch)
+        if fused:
+            function = self._fused(False, (), seeded=True)
+            flat = [tf.convert_to_tensor(seeds[t]) for t in self.output_ids if t in seeds]
+
+            def step():
+                start = time.perf_counter()
+                self._ready()
+                _, result = function(inputs, [], [], tf.constant(1.0), flat)
+                self._accumulate(result, [inputs[k] for k in self._diff])
+                self.reset_grads()
+                self._lag(start)
+
+            step()
+            return 0.0, timed(step, repeats, idle)
+
+        def forward():
+            self.forward(0, inputs)
+            self._saved.clear()
+
+        def both():
+            self.forward(0, inputs)
+            self.backward(0, seeds)
+            self.reset_grads()
+
+        both()
+        whole = timed(both, repeats, idle)
+        ahead = min(timed(forward, repeats, idle), whole)
+        return ahead, whole - ahead
 
     def _ready(self):
         """Before a backward: the buffers exist, and no gradient has arrived yet."""

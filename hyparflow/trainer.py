@@ -1,5 +1,6 @@
 """The training loop: epochs, global metrics, validation, callbacks and history."""
 
+import dataclasses
 import sys
 
 import keras
@@ -7,7 +8,6 @@ import numpy as np
 
 from . import checkpoint as _ckpt
 from . import costs as _costs
-from . import plan as _plan
 from . import data as _data
 from .inference import run_evaluation
 from .logs import GlobalLogs
@@ -25,25 +25,16 @@ def _validation_epochs(freq, epochs):
     return {int(e) - 1 for e in freq}  # a list of 1-based epochs, as in Keras
 
 
-def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
-          num_microbatches, shuffle, seed, verbose, callbacks, balance,
-          sample_weight=None, class_weight=None, schedule="1f1b", run_eagerly=None,
-          recompute=False, trace=None, validation_data=None, validation_split=0.0,
-          validation_freq=1, initial_epoch=0, steps_per_epoch=None,
-          validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
-          checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
-          memory_limit=None, plan=None, num_tensor=1, tensor_layers=None, tensor_shares=None):
-    """The body of `hyparflow.fit` for one rank (see its docstring)."""
+def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbose, callbacks,
+          sample_weight=None, class_weight=None, run_eagerly=None, recompute=False, trace=None,
+          validation_data=None, validation_split=0.0, validation_freq=1, initial_epoch=0,
+          steps_per_epoch=None, validation_batch_size=None, validation_steps=None,
+          checkpoint_dir=None, checkpoint_every="epoch", keep=3, resume=False,
+          check_finite=True, speeds=None, memory_limit=None):
+    """The body of `hyparflow.fit` for one rank (see its docstring), with its
+    resolved `layout` (hyparflow.layout)."""
     error, runtime, state = None, None, {}
     try:
-        if plan is not None:
-            plan = _plan.read(plan)
-            num_stages, num_microbatches = plan["num_stages"], plan["num_microbatches"]
-            num_replicas = plan.get("num_replicas", num_replicas)
-            schedule = plan.get("schedule", schedule)
-            num_tensor = plan.get("num_tensor", num_tensor)
-            tensor_layers = plan.get("tensor_layers", tensor_layers)
-            tensor_shares = plan.get("tensor_shares", tensor_shares)
         check_positive(batch_size=batch_size, epochs=epochs)
         if resume and not checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
@@ -56,21 +47,19 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
                                  "pass `validation_data`.")
             (x, y, sample_weight), validation_data = _data.validation_split(
                 x, y, sample_weight, validation_split)
-        graph = read_graph(model, num_stages, x, batch_size)
-        if plan is not None:
-            balance = _plan.counts_for(plan, graph)
+        graph = read_graph(model, layout.num_stages, x, batch_size)
+        cut = layout.stage_counts(graph)
         source, sample = _data.source(graph, x, y, batch_size=batch_size,
                                       sample_weight=sample_weight, class_weight=class_weight,
                                       shuffle=shuffle, seed=0, steps_per_epoch=steps_per_epoch)
         if check_finite and isinstance(source, _data.ArraySource):
             _data.check_finite(source.data)
-        check_positive(num_tensor=num_tensor)
-        replicas = num_replicas or max(1, comm.size // (num_stages * num_tensor))
+        replicas, microbatches = layout.num_replicas, layout.num_microbatches
         effective = len(sample) if _data.is_dataset(x) else batch_size
-        if effective < replicas * num_microbatches:
+        if effective < replicas * microbatches:
             raise ValueError(
                 f"batch_size={effective} is smaller than num_replicas x num_microbatches = "
-                f"{replicas} x {num_microbatches} = {replicas * num_microbatches}: some "
+                f"{replicas} x {microbatches} = {replicas * microbatches}: some "
                 "microbatch would be empty. Raise batch_size or lower num_microbatches."
             )
         if validation_data is not None:
@@ -85,17 +74,14 @@ def train(model, x, y, *, comm, batch_size, epochs, num_stages, num_replicas,
     agree_on_error(comm, error)
     try:
         # Collective (profiling, calibration): every rank reaches it, or none does.
-        balance = _costs.resolve(graph, model, comm, balance, num_stages, speeds=speeds,
-                                 memory_limit=memory_limit,
-                                 microbatch=max(1, batch_size // (replicas * num_microbatches)),
-                                 num_tensor=num_tensor)
-        if tensor_shares == "measure" and num_tensor > 1:
-            tensor_shares = _costs.measured_shares(comm, num_stages, num_tensor)
-        runtime = Runtime(model, comm, graph=graph, sample=sample, num_stages=num_stages,
-                          num_replicas=num_replicas, num_microbatches=num_microbatches,
-                          balance=balance, schedule=schedule, run_eagerly=run_eagerly,
-                          recompute=recompute, trace=trace, num_tensor=num_tensor,
-                          tensor_layers=tensor_layers, tensor_shares=tensor_shares,
+        cut = _costs.resolve(graph, model, comm, cut, layout, speeds=speeds,
+                             memory_limit=memory_limit,
+                             microbatch=max(1, batch_size // (replicas * microbatches)))
+        if layout.tensor_shares == "measure" and layout.num_tensor > 1:
+            layout = dataclasses.replace(
+                layout, tensor_shares=tuple(_costs.measured_shares(comm, layout)))
+        runtime = Runtime(model, comm, layout, graph=graph, sample=sample, cut=cut,
+                          run_eagerly=run_eagerly, recompute=recompute, trace=trace,
                           facts={"samples": len(sample), "steps": source.steps,
                                  "batch_size": batch_size, "epochs": epochs},
                           batch_rows=min(effective, len(sample)))
@@ -207,5 +193,6 @@ def _loop(model, runtime, source, state, epochs, callbacks):
         topo = runtime.topo
         runtime.timeline.write(comm, runtime.trace, {
             "num_stages": topo.num_stages, "num_replicas": topo.num_replicas,
-            "num_microbatches": runtime.num_microbatches, "schedule": runtime.schedule})
+            "num_microbatches": runtime.layout.num_microbatches,
+            "schedule": runtime.layout.schedule})
     return model.history

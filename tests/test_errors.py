@@ -18,7 +18,7 @@ def fit_on(size, build, x, y, **kwargs):
 
 def test_world_size_not_stages_times_replicas():
     x, y = models.mlp_data(32)
-    with pytest.raises(ValueError, match=r"2 x 2 = 4 ranks, but 3 were launched"):
+    with pytest.raises(ValueError, match=r"num_replicas=2 \(this script's argument\) = 4 ranks, but 3 were launched"):
         fit_on(3, models.mlp, x, y, num_stages=2, num_replicas=2)
     with pytest.raises(ValueError, match=r"does not divide"):
         fit_on(3, models.mlp, x, y, num_stages=2)
@@ -149,9 +149,9 @@ def test_fit_arguments_win_over_the_environment(monkeypatch):
     history = fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2, num_microbatches=1)
     assert len(history[0].history["loss"]) == 1
     monkeypatch.setenv("HYPARFLOW_NUM_REPLICAS", "2")
-    with pytest.raises(ValueError, match=r"HYPARFLOW_NUM_REPLICAS=2 \(from the environment: "
-                       r"`hyparflow run --replicas` or a job script\) x num_stages=2 \(this "
-                       r"script's\) = 4 ranks, but 2 were launched. Leave --replicas out"):
+    with pytest.raises(ValueError, match=r"num_stages=2 \(this script's argument\) x "
+                       r"num_replicas=2 \(\$HYPARFLOW_NUM_REPLICAS, from `hyparflow run` or a "
+                       r"job script\) = 4 ranks, but 2 were launched. Leave --replicas out"):
         fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2)
     fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2, num_replicas=1)   # given: fine
 

@@ -8,6 +8,7 @@ import hyparflow as hf
 import models
 from conftest import max_diff, train_ranks
 from hyparflow import costs, graph as G, plan as P
+from hyparflow.layout import Layout
 from hyparflow.local import run_ranks
 from hyparflow.profile import optimizer_slots, profile
 
@@ -39,11 +40,11 @@ def test_every_balance_mode_trains_to_keras_weights(mode):
 def test_speeds_and_memory_limit_shape_the_cut():
     model = models.mlp()
     g = G.from_model(model)
-    resolved = run_ranks(1, lambda comm: costs.resolve(g, model, comm, "params", 2, speeds=[3.0, 1.0]))[0]
+    resolved = run_ranks(1, lambda comm: costs.resolve(g, model, comm, "params", Layout(num_stages=2), speeds=[3.0, 1.0]))[0]
     from hyparflow.partition import partition
 
     fast_first = partition(g, 2, resolved).counts
-    even = partition(g, 2, costs.resolve(g, model, None, "params", 2)).counts
+    even = partition(g, 2, costs.resolve(g, model, None, "params", Layout(num_stages=2))).counts
     assert fast_first[0] > even[0]
     with pytest.raises(ValueError, match="memory limit|no cut fits"):
         run_ranks(2, lambda comm: hf.fit(models.mlp(), *models.mlp_data(32), num_stages=2,
@@ -55,7 +56,8 @@ def test_plan_file_round_trip(tmp_path):
     model = models.mlp()
     g = G.from_model(model)
     path = tmp_path / "plan.json"
-    P.write(str(path), g, [2, 3], 2, 2, "1f1b", predicted={"step_s": 0.01})
+    P.write(str(path), g, Layout(num_stages=2, num_replicas=2, num_microbatches=2,
+                                 balance=(2, 3)), predicted={"step_s": 0.01})
     data = json.loads(path.read_text())
     assert data["stages"][0]["layers"] == [n.name for n in g.nodes[:2]]
     start = model.get_weights()

@@ -184,13 +184,14 @@ def test_errors_name_the_value_and_the_fix():
 
 def test_plan_file_carries_the_tensor_axis(tmp_path):
     from hyparflow import plan as P
+    from hyparflow.layout import Layout
 
     x, y = dense_data()
     start, expected, _ = reference(dense_model, x, y)
     graph = from_model(dense_model())
     path = str(tmp_path / "plan.json")
-    P.write(path, graph, [len(graph.nodes)], 1, 2, "gpipe", num_tensor=2,
-            tensor_layers=["up", "down"])
+    P.write(path, graph, Layout(num_microbatches=2, schedule="gpipe", num_tensor=2,
+                                balance=(len(graph.nodes),), tensor_layers=("up", "down")))
     results = train_ranks(dense_model, x, y, num_stages=None, num_replicas=None,
                           num_microbatches=None, num_tensor=2, plan=path, weights=start,
                           batch_size=BATCH, epochs=EPOCHS, shuffle=False)

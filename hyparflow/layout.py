@@ -1,0 +1,187 @@
+"""The run's layout, resolved once: stages, tensor ranks, replicas, microbatches,
+schedule, how the layer calls are cut and which layers are split.
+
+Each value comes from the first of, in order:
+
+1. the argument of `fit` / `evaluate` / `predict` (or the launcher's flag);
+2. the plan file (`plan=`, written by `hyparflow plan`); an argument that contradicts
+   it is an error, since either choice would silently drop what the user asked for;
+3. the environment (`HYPARFLOW_NUM_*`, which `hyparflow run` and the Slurm templates
+   set from their flags);
+4. the world size (replicas = ranks // (stages x tensor)), else the default (1).
+
+`fit`, `evaluate`, `predict`, the launcher and the planner all build one `Layout` with
+`resolve` (or `Layout(...)` directly) and pass it down; nothing below re-derives a count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+
+from . import settings
+from .schedule import SCHEDULES
+
+__all__ = ["Layout", "resolve", "DEFAULT_SCHEDULE"]
+
+DEFAULT_SCHEDULE = "1f1b"
+_COUNTS = ("num_stages", "num_tensor", "num_replicas", "num_microbatches")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A complete, checked layout. `origin` says where each count came from (for
+    messages); `plan` is the plan file's content when one was used (its layer calls
+    are checked against the model when the graph is known, `stage_counts`)."""
+
+    num_stages: int = 1
+    num_replicas: int = 1
+    num_microbatches: int = 1
+    num_tensor: int = 1
+    schedule: str = DEFAULT_SCHEDULE
+    balance: Any = None
+    tensor_layers: Optional[Tuple[str, ...]] = None
+    tensor_shares: Union[None, str, Tuple[float, ...]] = None
+    hosts: Optional[Tuple[str, ...]] = None
+    plan: Optional[Mapping[str, Any]] = field(default=None, compare=False, repr=False)
+    origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Unknown schedule {self.schedule!r}; choose one of "
+                             f"{sorted(SCHEDULES)}. Received: schedule={self.schedule!r}")
+
+    @property
+    def pipeline(self) -> int:
+        """Ranks in one copy of the pipeline: stages x tensor ranks."""
+        return self.num_stages * self.num_tensor
+
+    @property
+    def ranks(self) -> int:
+        return self.pipeline * self.num_replicas
+
+    def stage_counts(self, graph) -> Any:
+        """What the partition cuts by: the plan's stage sizes (after checking its layer
+        calls are this model's), else `balance`."""
+        if self.plan is None:
+            return self.balance
+        from . import plan as _plan
+
+        return _plan.counts_for(self.plan, graph)
+
+    def with_hosts(self, hosts: Sequence[str]) -> "Layout":
+        return replace(self, hosts=tuple(hosts))
+
+    def describe(self) -> str:
+        parts = [f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"]
+        if self.num_tensor > 1:
+            parts.append(f"{self.num_tensor} tensor ranks")
+        parts.append(f"{self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}")
+        parts.append(f"{self.num_microbatches} microbatch"
+                     f"{'es' if self.num_microbatches != 1 else ''}")
+        return " x ".join(parts) + f" ({self.ranks} ranks, {self.schedule})"
+
+
+def _as_tuple(value):
+    """Lists become tuples (a Layout is frozen and compared); anything else stays."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def resolve(world_size: int, *, num_stages: Optional[int] = None,
+            num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
+            num_tensor: Optional[int] = None, schedule: Optional[str] = None,
+            balance: Any = None, tensor_layers: Optional[Sequence[str]] = None,
+            tensor_shares: Any = None, plan: Any = None,
+            environ: Optional[Mapping[str, str]] = None) -> Layout:
+    """The layout for `world_size` ranks, from the arguments, then the plan file (a
+    path or an already read plan), then the environment, then the world size."""
+    from . import plan as _plan
+
+    given = {"num_stages": num_stages, "num_replicas": num_replicas,
+             "num_microbatches": num_microbatches, "num_tensor": num_tensor,
+             "schedule": schedule, "tensor_layers": tensor_layers}
+    values, origin = {}, {}
+    for name, value in given.items():
+        if value is not None:
+            values[name], origin[name] = value, "this script's argument"
+    source = None
+    if plan is not None:
+        source = f"the plan {plan}" if isinstance(plan, str) else "the plan"
+        plan = _plan.read(plan) if isinstance(plan, str) else plan
+        if balance is not None:
+            raise ValueError(f"balance={balance!r} and plan= both say how to cut the layer "
+                             f"calls; {source} already lists each stage's. Pass one of them.")
+        for name in ("num_stages", "num_replicas", "num_microbatches", "num_tensor",
+                     "schedule", "tensor_layers", "tensor_shares"):
+            if name not in plan:
+                continue
+            value = plan[name]
+            if name == "tensor_shares":
+                if tensor_shares is None:
+                    tensor_shares = value
+                continue
+            mine = values.get(name)
+            if mine is not None and _as_tuple(mine) != _as_tuple(value):
+                raise ValueError(
+                    f"{name}={mine!r} (the argument) contradicts {source}, which says "
+                    f"{name}={value!r}. Leave the argument out to use the plan, or write a "
+                    f"new plan with `hyparflow plan`.")
+            values[name], origin[name] = value, source
+    from_env = settings.layout_counts(environ)
+    for name, value in from_env.items():
+        if name not in values:
+            values[name], origin[name] = value, (f"$HYPARFLOW_{name.upper()}, from "
+                                                 "`hyparflow run` or a job script")
+    stages = values.get("num_stages", 1)
+    tensor = values.get("num_tensor", 1)
+    origin.setdefault("num_stages", "the default")
+    origin.setdefault("num_tensor", "the default")
+    origin.setdefault("num_microbatches", "the default")
+    for name, value in (("num_stages", stages), ("num_tensor", tensor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    pipeline = stages * tensor
+    what = (f"num_stages={stages}" if tensor == 1 else
+            f"num_stages x num_tensor = {stages} x {tensor}")
+    replicas = values.get("num_replicas")
+    if replicas is None:
+        if world_size % pipeline:
+            raise ValueError(
+                f"The world has {world_size} ranks, which {what} does not divide. Launch a "
+                f"multiple of {pipeline} ranks (e.g. mpiexec -n "
+                f"{pipeline * max(1, world_size // pipeline)}) or change num_stages"
+                + (" or num_tensor." if tensor > 1 else "."))
+        replicas, origin["num_replicas"] = world_size // pipeline, "the world size"
+    elif pipeline * replicas != world_size:
+        raise ValueError(_mismatch(world_size, stages, tensor, replicas, origin))
+    return Layout(num_stages=stages, num_replicas=replicas,
+                  num_microbatches=values.get("num_microbatches", 1), num_tensor=tensor,
+                  schedule=values.get("schedule", DEFAULT_SCHEDULE), balance=_as_tuple(balance),
+                  tensor_layers=_as_tuple(values.get("tensor_layers")),
+                  tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
+
+
+def _mismatch(world_size, stages, tensor, replicas, origin):
+    """S x T x R does not make the world: say where each number came from."""
+    def named(name, value):
+        return f"{name}={value} ({origin.get(name, 'the default')})"
+
+    product = " x ".join([named("num_stages", stages)]
+                         + ([named("num_tensor", tensor)] if tensor > 1 else [])
+                         + [named("num_replicas", replicas)])
+    pipeline = stages * tensor
+    hint = ""
+    if origin.get("num_replicas", "").startswith("$"):
+        # `hyparflow run --replicas` was given for another S than the script's.
+        hint = (" Leave --replicas out (the replicas are then world size // (stages x "
+                "tensor)), or pass num_replicas to hyparflow.")
+    elif world_size % pipeline == 0:
+        hint = f" Launch mpiexec -n {pipeline * replicas}, or pass num_replicas=" \
+               f"{world_size // pipeline} (or None)."
+    else:
+        hint = f" Launch mpiexec -n {pipeline * replicas}."
+    return f"{product} = {pipeline * replicas} ranks, but {world_size} were launched.{hint}"

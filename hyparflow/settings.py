@@ -1,0 +1,173 @@
+"""Every `HYPARFLOW_*` environment variable the package reads, read here and only here.
+
+Values are read when asked for, not at import: a launcher sets them for its ranks, and
+tests change them between runs. A malformed value is an error naming the variable and
+what it takes, never silently a default. `VARIABLES` is the list the docs table shows
+(tests/test_docs.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, NamedTuple, Optional
+
+__all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
+           "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
+           "heartbeat_seconds", "peer_timeout", "transposed", "sparse", "overlap",
+           "slowdown", "slurm_templates"]
+
+
+class Variable(NamedTuple):
+    name: str
+    default: str
+    meaning: str
+
+
+VARIABLES = (
+    Variable("HYPARFLOW_NUM_STAGES", "1",
+             "pipeline stages S for `fit`, `evaluate` and `predict` calls that leave "
+             "`num_stages` as None (set by `hyparflow run --stages`)"),
+    Variable("HYPARFLOW_NUM_REPLICAS", "world size // (S x T)",
+             "replicas R, when the call leaves `num_replicas` as None "
+             "(`hyparflow run --replicas`)"),
+    Variable("HYPARFLOW_NUM_MICROBATCHES", "1",
+             "microbatches M per replica per step (`hyparflow run --microbatches`)"),
+    Variable("HYPARFLOW_NUM_TENSOR", "1",
+             "tensor ranks T per stage (`hyparflow run --tensor`)"),
+    Variable("HYPARFLOW_THREADS", "cores // ranks on the node",
+             "intra-op threads per rank"),
+    Variable("HYPARFLOW_INTER_OP_THREADS", "1",
+             "inter-op threads per rank (ranks run as threads of one process need more)"),
+    Variable("HYPARFLOW_SHOW_TF_LOGS", "unset",
+             "`1` keeps TensorFlow's start-up lines"),
+    Variable("HYPARFLOW_TIMEOUT", "600",
+             "communication watchdog in seconds: a wait longer than this ends the run "
+             "(0 = off)"),
+    Variable("HYPARFLOW_SPIN_SECONDS", "0.02, or 0 when oversubscribed",
+             "how long a wait polls before it sleeps between polls"),
+    Variable("HYPARFLOW_PEER_TIMEOUT", "20",
+             "a peer silent this many seconds is lost: every remaining rank ends with "
+             "exit code 75, naming it and its host (0 = no heartbeat)"),
+    Variable("HYPARFLOW_HEARTBEAT_SECONDS", "2",
+             "seconds between a rank's heartbeats"),
+    Variable("HYPARFLOW_OVERLAP", "auto (on when ranks span hosts)",
+             "`1` / `0`: gradient buckets start inside the backward, or after it"),
+    Variable("HYPARFLOW_TRANSPOSED", "1",
+             "`0`: Dense input gradients by TensorFlow's own `transpose_b` product "
+             "instead of a kept `W^T` (for measuring)"),
+    Variable("HYPARFLOW_SPARSE", "1",
+             "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
+             "(for measuring only: Adam and the like then differ from `model.fit`)"),
+    Variable("HYPARFLOW_SLOWDOWN", "1",
+             "this rank acts this many times slower (a stand-in for slower hardware, "
+             "for testing balancing)"),
+    Variable("HYPARFLOW_SLURM_TEMPLATES", "the package's templates",
+             "a directory of Slurm templates for `hyparflow slurm`"),
+)
+_NAMES = {v.name for v in VARIABLES}
+
+
+class SettingError(ValueError):
+    """An environment variable hyparflow reads has a value it cannot use."""
+
+
+def _raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    assert name in _NAMES, name  # every variable read is listed (and documented)
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def _number(name: str, kind, environ=None, minimum=None):
+    text = _raw(name, environ)
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise SettingError(f"{name} must be {'an integer' if kind is int else 'a number'}. "
+                           f"Received: {name}={text!r}") from None
+    if minimum is not None and value < minimum:
+        raise SettingError(f"{name} must be >= {minimum}. Received: {name}={text!r}")
+    return value
+
+
+def _flag(name: str, environ=None) -> Optional[bool]:
+    text = _raw(name, environ)
+    if text is None or text.lower() == "auto":
+        return None
+    if text not in ("0", "1"):
+        raise SettingError(f"{name} must be 1 or 0 (or unset). Received: {name}={text!r}")
+    return text == "1"
+
+
+def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """{"num_stages": S, ...} for each HYPARFLOW_NUM_* that is set (the counts a
+    launcher was asked for)."""
+    out = {}
+    for key in ("num_stages", "num_replicas", "num_microbatches", "num_tensor"):
+        value = _number(f"HYPARFLOW_{key.upper()}", int, environ, minimum=1)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def threads(environ=None) -> Optional[int]:
+    """HYPARFLOW_THREADS, if set."""
+    return _number("HYPARFLOW_THREADS", int, environ, minimum=1)
+
+
+def inter_op_threads() -> int:
+    value = _number("HYPARFLOW_INTER_OP_THREADS", int, minimum=1)
+    return 1 if value is None else value
+
+
+def show_tf_logs() -> bool:
+    return _raw("HYPARFLOW_SHOW_TF_LOGS") not in (None, "0")
+
+
+def timeout() -> Optional[float]:
+    """The watchdog in seconds; None when turned off (0)."""
+    value = _number("HYPARFLOW_TIMEOUT", float)
+    value = 600.0 if value is None else value
+    return value if value > 0 else None
+
+
+def spin_seconds() -> Optional[float]:
+    """HYPARFLOW_SPIN_SECONDS, if set (the caller decides the default)."""
+    return _number("HYPARFLOW_SPIN_SECONDS", float, minimum=0)
+
+
+def heartbeat_seconds() -> float:
+    value = _number("HYPARFLOW_HEARTBEAT_SECONDS", float)
+    return max(0.05, 2.0 if value is None else value)
+
+
+def peer_timeout() -> Optional[float]:
+    """Seconds of silence after which a peer is lost; None: no heartbeat (0)."""
+    value = _number("HYPARFLOW_PEER_TIMEOUT", float)
+    value = 20.0 if value is None else value
+    return value if value > 0 else None
+
+
+def transposed() -> bool:
+    return _flag("HYPARFLOW_TRANSPOSED") is not False
+
+
+def sparse() -> bool:
+    return _flag("HYPARFLOW_SPARSE") is not False
+
+
+def overlap() -> Optional[bool]:
+    """True / False when HYPARFLOW_OVERLAP forces it; None: the runtime decides."""
+    return _flag("HYPARFLOW_OVERLAP")
+
+
+def slowdown() -> float:
+    value = _number("HYPARFLOW_SLOWDOWN", float)
+    return 1.0 if value is None else value
+
+
+def slurm_templates() -> Optional[str]:
+    return _raw("HYPARFLOW_SLURM_TEMPLATES")
