@@ -4,7 +4,6 @@ Import it before TensorFlow or Keras: it quiets TensorFlow's start-up noise
 and sets each rank's thread pools before the first TensorFlow operation.
 """
 
-import os
 import sys
 
 from . import _env
@@ -13,13 +12,10 @@ __version__ = "0.1.0"
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main", "__version__"]
 
 _env.quiet_tensorflow()
-# The `hyparflow` command (run, slurm, info) must start fast and never needs
-# TensorFlow's threads: only a training process starts TensorFlow at import.
-_argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
-_orig = list(getattr(sys, "orig_argv", []))
-_COMMAND = os.path.basename(_argv0) == "hyparflow" or _argv0.endswith(
-    os.path.join("hyparflow", "__main__.py")) or any(
-    a == "-m" and b == "hyparflow" for a, b in zip(_orig, _orig[1:]))
+# The `hyparflow` command's entry point (hyparflow_command.py, loaded first) says
+# when this process is the command, which needs no TensorFlow; any other process
+# may train, and starts TensorFlow now, with its threads set.
+_COMMAND = getattr(sys.modules.get("hyparflow_command"), "COMMAND", False)
 if not _COMMAND:
     _env.start_tensorflow()
     from .api import evaluate, fit, is_main, predict, rank, size  # noqa: E402,F401

@@ -391,3 +391,19 @@ def test_run_hosts_errors(clean_env, capsys, argv, message):
     err = capsys.readouterr().err
     assert code == 2
     assert message in err, err
+
+
+@pytest.mark.timeout(120)
+def test_the_command_entry_point_says_it_is_the_command():
+    """The console script's module (hyparflow_command) loads first and tells the package
+    not to start TensorFlow; any other importer of hyparflow gets TensorFlow started."""
+    probe = "print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    command = subprocess.run(
+        [sys.executable, "-c", f"import sys, hyparflow_command, hyparflow; {probe}"],
+        capture_output=True, text=True, timeout=100)
+    assert command.returncode == 0, command.stderr
+    assert command.stdout.split() == ["False", "False"]
+    script = subprocess.run([sys.executable, "-c", f"import sys, hyparflow; {probe}"],
+                            capture_output=True, text=True, timeout=100)
+    assert script.returncode == 0, script.stderr
+    assert script.stdout.split() == ["True", "True"]
