@@ -22,6 +22,16 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 
 
+def reference(build, x, y, *, epochs=3, batch_size=16, **fit_kwargs):
+    """Plain Keras on one process, what every layout must reproduce: the weights
+    before and after `model.fit(x, y, ...)` (no shuffling) and its history."""
+    model = build()
+    start = model.get_weights()
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+                        **fit_kwargs)
+    return start, model.get_weights(), history.history
+
+
 def train_ranks(build, x, y, *, num_stages, num_replicas, num_microbatches, weights,
                 **kwargs):
     """Run hf.fit on S*T*R thread-ranks (T: `num_tensor`, default 1), each with its own

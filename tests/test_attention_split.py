@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 from hyparflow import tensor as hft
 from hyparflow.graph import from_model
 
@@ -70,16 +70,10 @@ def sequence_data(n=64, dense_input=False):
     return [ids, pos], y
 
 
-def reference(build, x, y):
-    model = build()
-    start = model.get_weights()
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    return start, model.get_weights(), history.history
-
 
 def check(build, configs, layers=("attn",), tol=1e-5, shares=None, data=None):
     x, y = data or sequence_data()
-    start, expected, expected_history = reference(build, x, y)
+    start, expected, expected_history = reference(build, x, y, epochs=EPOCHS, batch_size=BATCH)
     for s, t, r, m in configs:
         results = train_ranks(build, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                               num_tensor=t, tensor_layers=list(layers), tensor_shares=shares,

@@ -110,6 +110,7 @@ def test_run_missing_script(clean_env, capsys):
     assert "script not found: 'no/such/train.py'" in capsys.readouterr().err
 
 
+@pytest.mark.mpiexec
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside python or on PATH")
 @pytest.mark.timeout(120)
 def test_run_propagates_the_exit_code(tmp_path):

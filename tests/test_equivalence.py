@@ -4,22 +4,17 @@ import numpy as np
 import pytest
 
 import models
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 
 CONFIGS = [(1, 1, 1), (2, 1, 4), (1, 2, 1), (2, 2, 2), (4, 1, 4), (3, 1, 3)]
 EPOCHS, BATCH = 3, 16
 
 
-def reference(build, x, y, epochs=EPOCHS, batch_size=BATCH, **kwargs):
-    model = build()
-    start = model.get_weights()
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs)
-    return start, model.get_weights(), history.history
-
 
 def check(build, data, configs, tol, balance=None, **kwargs):
     x, y = data
-    start, expected, expected_history = reference(build, x, y, **kwargs)
+    start, expected, expected_history = reference(build, x, y, epochs=EPOCHS, batch_size=BATCH,
+                                                  **kwargs)
     report = []
     for s, r, m in configs:
         results = train_ranks(build, x, y, num_stages=s, num_replicas=r, num_microbatches=m,

@@ -37,6 +37,7 @@ def test_every_example_is_tested():
     assert sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")) == sorted(CASES)
 
 
+@pytest.mark.mpiexec
 @pytest.mark.skipif(launch.find_mpiexec() is None, reason="no mpiexec beside python or on PATH")
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("script", sorted(CASES))

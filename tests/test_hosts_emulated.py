@@ -50,7 +50,7 @@ def _find_cluster():
 
 
 ENV, HOSTS = _find_cluster()
-pytestmark = pytest.mark.skipif(ENV is None, reason=str(HOSTS))
+pytestmark = [pytest.mark.mpiexec, pytest.mark.skipif(ENV is None, reason=str(HOSTS))]
 
 
 def hyparflow_run(hosts, *options, args=(), timeout=240, **popen):

@@ -12,7 +12,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")
+pytestmark = [pytest.mark.mpiexec,
+              pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")]
 
 
 def clean_environment(**extra):

@@ -15,7 +15,8 @@ from test_mpi import MPIEXEC, mpiexec
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mpi", "resumable_script.py")
 
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")
+pytestmark = [pytest.mark.mpiexec,
+              pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")]
 
 
 def start(tmp, tag, *extra):

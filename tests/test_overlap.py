@@ -10,7 +10,7 @@ import pytest
 from keras import layers as L
 
 import models
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 from hyparflow import overlap
 
 
@@ -22,12 +22,6 @@ def small_buckets(monkeypatch):
     monkeypatch.setenv("HYPARFLOW_OVERLAP", "1")
     monkeypatch.setattr(overlap, "BUCKET_BYTES", 600)
 
-
-def reference(build, x, y, epochs=3, batch_size=16, **kwargs):
-    model = build(**kwargs)
-    start = model.get_weights()
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return start, model.get_weights()
 
 
 def allreduces(path):
@@ -44,7 +38,7 @@ def allreduces(path):
 ])
 def test_early_buckets_give_plain_keras_weights(small_buckets, tmp_path, config, options):
     x, y = models.mlp_data()
-    start, expected = reference(models.mlp, x, y, optimizer="adam")
+    start, expected, _ = reference(lambda: models.mlp(optimizer="adam"), x, y)
     s, r, m = config
     path = tmp_path / "run.json"
     results = train_ranks(lambda: models.mlp("adam"), x, y, num_stages=s, num_replicas=r,
@@ -109,7 +103,7 @@ def test_hooked_backward_keeps_batchnorm_statistics_losses_and_metrics(small_buc
 
 def test_buckets_follow_the_order_gradients_arrived_in_on_rank_0(small_buckets, monkeypatch):
     x, y = models.mlp_data(32)
-    start, _ = reference(models.mlp, x, y, epochs=1)
+    start, _, _ = reference(models.mlp, x, y, epochs=1)
     arrived, learned = {}, {}
     arrive, learn = overlap.Buckets.arrive, overlap.Buckets.learn
 
@@ -143,7 +137,7 @@ def test_off_by_default_on_one_node(monkeypatch, tmp_path):
     monkeypatch.delenv("HYPARFLOW_OVERLAP", raising=False)
     monkeypatch.setattr(overlap, "BUCKET_BYTES", 600)
     x, y = models.mlp_data(32)
-    start, _ = reference(models.mlp, x, y, epochs=1)
+    start, _, _ = reference(models.mlp, x, y, epochs=1)
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=1, num_replicas=2, num_microbatches=1,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))

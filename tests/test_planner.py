@@ -51,6 +51,7 @@ def test_measured_rings_replace_the_two_rank_figures():
     assert far.allreduce(nbytes, 4, across=True) == pytest.approx(1.5 * nbytes * 1e-9 + 30e-6)
 
 
+@pytest.mark.mpiexec
 def test_rings_are_measured_with_every_rank_running():
     # Four processes under the venv's mpiexec (on 2 cores: two per core).
     groups, exchanges, wait = measure.rings(4)
@@ -115,6 +116,7 @@ def test_stage_costs_are_measured_on_a_real_stage():
                                None, rows[:1], (8, 32)) is None
 
 
+@pytest.mark.mpiexec
 def test_compute_is_measured_with_every_rank_running(tmp_path):
     source = tmp_path / "model.py"
     source.write_text(f"import sys\nsys.path.insert(0, {str(__import__('os').path.dirname(__file__))!r})\n"
@@ -150,6 +152,7 @@ def build_model():
 """
 
 
+@pytest.mark.mpiexec
 def test_stages_with_split_layers_are_timed_under_mpiexec(tmp_path):
     source = tmp_path / "model.py"
     source.write_text(WIDE_MODEL)
@@ -195,6 +198,7 @@ def test_stages_with_split_layers_use_their_timings_exchanges_included():
     assert planner._work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
 
 
+@pytest.mark.mpiexec
 def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
@@ -210,6 +214,7 @@ def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
                                      plan=str(out), comm=comm))
 
 
+@pytest.mark.mpiexec
 def test_projection_to_a_cluster(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")

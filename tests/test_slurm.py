@@ -73,7 +73,7 @@ def _find_cluster():
 
 
 SLURM_ENV, NODE_CPUS = _find_cluster()
-pytestmark = pytest.mark.skipif(SLURM_ENV is None, reason=str(NODE_CPUS))
+pytestmark = [pytest.mark.mpiexec, pytest.mark.skipif(SLURM_ENV is None, reason=str(NODE_CPUS))]
 
 
 def run_job(tmp_path, *options, script_args=()):
@@ -110,7 +110,7 @@ def check_trained(code, log, model, ranks, stages):
     assert loaded.output_shape == (None, 10)
 
 
-pytestmark = [pytestmark, pytest.mark.filterwarnings(
+pytestmark = [*pytestmark, pytest.mark.filterwarnings(
     # A rank's saved optimizer holds only its own stage's slots (docs/concepts.md).
     "ignore:Skipping variable loading for optimizer:UserWarning")]
 

@@ -5,16 +5,10 @@ import json
 import pytest
 
 import models
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 from hyparflow import timeline as T
 from test_rules import bn_data, bn_model
 
-
-def reference(build, x, y, epochs=2, batch_size=16):
-    model = build()
-    start = model.get_weights()
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return start, model.get_weights()
 
 
 @pytest.mark.parametrize("options", [
@@ -26,7 +20,7 @@ def reference(build, x, y, epochs=2, batch_size=16):
 @pytest.mark.parametrize("config", [(3, 1, 4), (2, 2, 2)])
 def test_options_give_plain_keras_weights(options, config):
     x, y = models.skip_cnn_data()
-    start, expected = reference(models.skip_cnn, x, y)
+    start, expected, _ = reference(models.skip_cnn, x, y, epochs=2)
     s, r, m = config
     results = train_ranks(models.skip_cnn, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                           weights=start, batch_size=16, epochs=2, shuffle=False,
@@ -36,7 +30,7 @@ def test_options_give_plain_keras_weights(options, config):
 
 def test_gpipe_and_1f1b_accumulate_in_the_same_order():
     x, y = models.mlp_data()
-    start, _ = reference(models.mlp, x, y)
+    start, _, _ = reference(models.mlp, x, y, epochs=2)
     runs = [train_ranks(models.mlp, x, y, num_stages=3, num_replicas=1, num_microbatches=4,
                         weights=start, batch_size=16, epochs=2, shuffle=False, schedule=s)[0][0]
             for s in ("gpipe", "1f1b")]
@@ -54,7 +48,7 @@ def test_recompute_updates_batchnorm_statistics_once():
 
 def test_trace_records_every_action_on_every_rank(tmp_path):
     x, y = models.mlp_data(64)
-    start, _ = reference(models.mlp, x, y)
+    start, _, _ = reference(models.mlp, x, y, epochs=2)
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=2, num_replicas=2, num_microbatches=4,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path),
@@ -79,7 +73,7 @@ def test_trace_command_prints_the_bubble_and_draws(tmp_path, capsys):
     from hyparflow import cli
 
     x, y = models.mlp_data(64)
-    start, _ = reference(models.mlp, x, y)
+    start, _, _ = reference(models.mlp, x, y, epochs=2)
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 from hyparflow import tensor as hft
 from hyparflow.graph import from_model
 
@@ -65,16 +65,10 @@ def embedding_data(n=48):
     return rng.integers(0, 50, (n, 6)).astype("int32"), rng.normal(size=(n, 2)).astype("float32")
 
 
-def reference(build, x, y):
-    model = build()
-    start = model.get_weights()
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    return start, model.get_weights(), history.history
-
 
 def check(build, data, layers, configs, tol=1e-5, shares=None):
     x, y = data
-    start, expected, expected_history = reference(build, x, y)
+    start, expected, expected_history = reference(build, x, y, epochs=EPOCHS, batch_size=BATCH)
     for s, t, r, m in configs:
         results = train_ranks(build, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                               num_tensor=t, tensor_layers=layers, tensor_shares=shares,
@@ -187,7 +181,7 @@ def test_plan_file_carries_the_tensor_axis(tmp_path):
     from hyparflow.layout import Layout
 
     x, y = dense_data()
-    start, expected, _ = reference(dense_model, x, y)
+    start, expected, _ = reference(dense_model, x, y, epochs=EPOCHS, batch_size=BATCH)
     graph = from_model(dense_model())
     path = str(tmp_path / "plan.json")
     P.write(path, graph, Layout(num_microbatches=2, schedule="gpipe", num_tensor=2,
