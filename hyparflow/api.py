@@ -1,5 +1,9 @@
 """The public entry points: fit, evaluate, predict and the rank helpers."""
 
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Sequence, Union
+
 from . import inference, trainer
 from . import layout as _layout
 from .errors import user_errors
@@ -7,16 +11,29 @@ from .comm import wrap
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
 
+# None or a mode ("estimate", "time", "params", "memory"), or layer calls per stage.
+Balance = Union[None, str, Sequence[int]]
+# None (even), "measure", or one relative share per tensor rank.
+Shares = Union[None, str, Sequence[float]]
+
 
 @user_errors
-def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_replicas=None,
-        num_microbatches=None, shuffle=True, seed=None, verbose="auto", callbacks=None,
-        balance=None, comm=None, sample_weight=None, class_weight=None, schedule=None,
-        run_eagerly=None, recompute=False, trace=None, validation_data=None,
-        validation_split=0.0, validation_freq=1, initial_epoch=0, steps_per_epoch=None,
-        validation_batch_size=None, validation_steps=None, checkpoint_dir=None,
-        checkpoint_every="epoch", keep=3, resume=False, check_finite=True, speeds=None,
-        memory_limit=None, plan=None, num_tensor=None, tensor_layers=None, tensor_shares=None):
+def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int = 1,
+        num_stages: Optional[int] = None, num_replicas: Optional[int] = None,
+        num_microbatches: Optional[int] = None, shuffle: bool = True,
+        seed: Optional[int] = None, verbose: Union[int, str] = "auto",
+        callbacks: Optional[Sequence[Any]] = None, balance: Balance = None,
+        comm: Any = None, sample_weight: Any = None, class_weight: Any = None,
+        schedule: Optional[str] = None, run_eagerly: Optional[bool] = None,
+        recompute: bool = False, trace: Optional[str] = None, validation_data: Any = None,
+        validation_split: float = 0.0, validation_freq: Union[int, Sequence[int]] = 1,
+        initial_epoch: int = 0, steps_per_epoch: Optional[int] = None,
+        validation_batch_size: Optional[int] = None, validation_steps: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None, checkpoint_every: Union[int, str] = "epoch",
+        keep: int = 3, resume: bool = False, check_finite: bool = True,
+        speeds: Union[None, str, Sequence[float]] = None, memory_limit: Optional[float] = None,
+        plan: Optional[str] = None, num_tensor: Optional[int] = None,
+        tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -127,10 +144,14 @@ def fit(model, x, y=None, *, batch_size=32, epochs=1, num_stages=None, num_repli
 
 
 @user_errors
-def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=None, steps=None,
-             callbacks=None, return_dict=False, num_stages=None, num_replicas=None,
-             num_microbatches=None, balance=None, comm=None, num_tensor=None, tensor_layers=None,
-             tensor_shares=None, plan=None):
+def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
+             verbose: Union[int, str] = "auto", sample_weight: Any = None,
+             steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
+             return_dict: bool = False, num_stages: Optional[int] = None,
+             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
+             balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
+             tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
+             plan: Optional[str] = None) -> Any:
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
     with the metrics, or a dict with `return_dict=True`), the same on every rank.
@@ -157,10 +178,13 @@ def evaluate(model, x, y=None, *, batch_size=32, verbose="auto", sample_weight=N
 
 
 @user_errors
-def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=None,
-            gather="all", num_stages=None, num_replicas=None, num_microbatches=None,
-            balance=None, comm=None, num_tensor=None, tensor_layers=None, tensor_shares=None,
-            plan=None):
+def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str] = "auto",
+            steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
+            gather: Literal["all", "main"] = "all", num_stages: Optional[int] = None,
+            num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
+            balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
+            tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
+            plan: Optional[str] = None) -> Any:
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
     rank 0 (`gather="main"`, None elsewhere) for big outputs.
@@ -182,22 +206,22 @@ def predict(model, x, *, batch_size=32, verbose="auto", steps=None, callbacks=No
             communicator.free()
 
 
-def _world():
+def _world() -> Any:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
 
 
-def rank():
+def rank() -> int:
     """This process's rank in MPI.COMM_WORLD (0 when run without a launcher)."""
-    return _world().Get_rank()
+    return int(_world().Get_rank())
 
 
-def size():
+def size() -> int:
     """Number of ranks in MPI.COMM_WORLD."""
-    return _world().Get_size()
+    return int(_world().Get_size())
 
 
-def is_main():
+def is_main() -> bool:
     """True on rank 0: the one rank that should print, save and log."""
     return rank() == 0

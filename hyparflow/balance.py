@@ -1,9 +1,13 @@
 """Stage sizes from per-layer costs: an exact contiguous partition solver; pure Python."""
 
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
 __all__ = ["solve", "solve_limited", "check_counts", "stage_costs"]
 
 
-def check_counts(counts, num_items, num_stages):
+def check_counts(counts: Sequence[int], num_items: int, num_stages: int) -> list[int]:
     """Validate a user's `balance` list; return it as a list of ints."""
     counts = list(counts)
     if len(counts) != num_stages:
@@ -24,7 +28,7 @@ def check_counts(counts, num_items, num_stages):
     return counts
 
 
-def stage_costs(costs, counts):
+def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
     out, start = [], 0
     for c in counts:
         out.append(sum(costs[start:start + c]))
@@ -32,7 +36,7 @@ def stage_costs(costs, counts):
     return out
 
 
-def solve(costs, num_stages):
+def solve(costs: Sequence[float], num_stages: int) -> list[int]:
     """Cut `costs` into `num_stages` non-empty contiguous runs minimising the largest sum.
 
     Exact dynamic programme, O(S * N log N). Ties go to the earliest
@@ -82,7 +86,10 @@ def solve(costs, num_stages):
     return counts[::-1]
 
 
-def solve_limited(costs, num_stages, speeds=None, memory=None, limit=None):
+def solve_limited(costs: Sequence[float], num_stages: int,
+                  speeds: Optional[Sequence[float]] = None,
+                  memory: Optional[Sequence[float]] = None,
+                  limit: Optional[float] = None) -> list[int]:
     """Contiguous cut into `num_stages` runs minimising the slowest stage's time,
     where stage s takes `sum(costs) / speeds[s]`, and (with `limit`) keeping each
     stage's `sum(memory)` within `limit`. Speeds let a rank twice as fast take about
@@ -110,7 +117,7 @@ def solve_limited(costs, num_stages, speeds=None, memory=None, limit=None):
         prefix_cost.append(prefix_cost[-1] + c)
         prefix_mem.append(prefix_mem[-1] + m)
 
-    def cut(t):
+    def cut(t: float) -> Optional[list[int]]:
         """Stage counts with every stage within time t (and memory), or None.
 
         reachable[i]: stages 0..s-1 can cover exactly items 0..i-1. For stage s,

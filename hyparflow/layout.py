@@ -46,7 +46,7 @@ class Layout:
     plan: Optional[Mapping[str, Any]] = field(default=None, compare=False, repr=False)
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in _COUNTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,7 +64,7 @@ class Layout:
     def ranks(self) -> int:
         return self.pipeline * self.num_replicas
 
-    def stage_counts(self, graph) -> Any:
+    def stage_counts(self, graph: Any) -> Any:
         """What the partition cuts by: the plan's stage sizes (after checking its layer
         calls are this model's), else `balance`."""
         if self.plan is None:
@@ -86,7 +86,7 @@ class Layout:
         return " x ".join(parts) + f" ({self.ranks} ranks, {self.schedule})"
 
 
-def _as_tuple(value):
+def _as_tuple(value: Any) -> Any:
     """Lists become tuples (a Layout is frozen and compared); anything else stays."""
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
@@ -104,7 +104,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
     given = {"num_stages": num_stages, "num_replicas": num_replicas,
              "num_microbatches": num_microbatches, "num_tensor": num_tensor,
              "schedule": schedule, "tensor_layers": tensor_layers}
-    values, origin = {}, {}
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for name, value in given.items():
         if value is not None:
             values[name], origin[name] = value, "this script's argument"
@@ -165,9 +166,10 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
 
 
-def _mismatch(world_size, stages, tensor, replicas, origin):
+def _mismatch(world_size: int, stages: int, tensor: int, replicas: int,
+              origin: Mapping[str, str]) -> str:
     """S x T x R does not make the world: say where each number came from."""
-    def named(name, value):
+    def named(name: str, value: int) -> str:
         return f"{name}={value} ({origin.get(name, 'the default')})"
 
     product = " x ".join([named("num_stages", stages)]

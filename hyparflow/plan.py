@@ -16,22 +16,26 @@ Layer calls are named as `hyparflow.graph` names them: the layer's name, with `#
 `#3`... for its second and later calls.
 """
 
+from __future__ import annotations
+
 import json
+from typing import Any, Mapping, Optional
 
 __all__ = ["Plan", "read", "write", "counts_for"]
 
 FORMAT, VERSION = "hyparflow-plan", 1
 
 
-class Plan(dict):
+class Plan(dict):  # type: ignore[type-arg]
     """The plan's fields, as read from JSON."""
 
     @property
-    def counts(self):
+    def counts(self) -> list[int]:
         return [len(s["layers"]) for s in self["stages"]]
 
 
-def write(path, graph, layout, predicted=None):
+def write(path: str, graph: Any, layout: Any,
+          predicted: Optional[Mapping[str, float]] = None) -> "Plan":
     """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
     of each stage) as a plan for `graph`'s model."""
     counts = list(layout.balance)
@@ -56,7 +60,7 @@ def write(path, graph, layout, predicted=None):
     return Plan(plan)
 
 
-def read(path):
+def read(path: str) -> "Plan":
     try:
         with open(path) as f:
             plan = json.load(f)
@@ -76,7 +80,7 @@ def read(path):
     return Plan(plan)
 
 
-def counts_for(plan, graph):
+def counts_for(plan: Mapping[str, Any], graph: Any) -> list[int]:
     """The plan's stage sizes, after checking its layer calls are the model's, in order."""
     names = [n.name for n in graph.nodes]
     listed = [name for stage in plan["stages"] for name in stage["layers"]]
@@ -88,4 +92,4 @@ def counts_for(plan, graph):
             + (f"; missing: {missing}" if missing else "")
             + (f"; not in the model: {unknown}" if unknown else "")
             + ". Write the plan for this model with `hyparflow plan`.")
-    return plan.counts
+    return [len(s["layers"]) for s in plan["stages"]]

@@ -9,7 +9,7 @@ what it takes, never silently a default. `VARIABLES` is the list the docs table 
 from __future__ import annotations
 
 import os
-from typing import Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
@@ -79,7 +79,8 @@ def _raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str
     return value.strip()
 
 
-def _number(name: str, kind, environ=None, minimum=None):
+def _number(name: str, kind: type, environ: Optional[Mapping[str, str]] = None,
+            minimum: Optional[float] = None) -> Any:
     text = _raw(name, environ)
     if text is None:
         return None
@@ -93,7 +94,7 @@ def _number(name: str, kind, environ=None, minimum=None):
     return value
 
 
-def _flag(name: str, environ=None) -> Optional[bool]:
+def _flag(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     text = _raw(name, environ)
     if text is None or text.lower() == "auto":
         return None
@@ -102,7 +103,7 @@ def _flag(name: str, environ=None) -> Optional[bool]:
     return text == "1"
 
 
-def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict:
+def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict[str, int]:
     """{"num_stages": S, ...} for each HYPARFLOW_NUM_* that is set (the counts a
     launcher was asked for)."""
     out = {}
@@ -113,9 +114,10 @@ def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict:
     return out
 
 
-def threads(environ=None) -> Optional[int]:
+def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """HYPARFLOW_THREADS, if set."""
-    return _number("HYPARFLOW_THREADS", int, environ, minimum=1)
+    value = _number("HYPARFLOW_THREADS", int, environ, minimum=1)
+    return None if value is None else int(value)
 
 
 def inter_op_threads() -> int:
@@ -136,7 +138,8 @@ def timeout() -> Optional[float]:
 
 def spin_seconds() -> Optional[float]:
     """HYPARFLOW_SPIN_SECONDS, if set (the caller decides the default)."""
-    return _number("HYPARFLOW_SPIN_SECONDS", float, minimum=0)
+    value = _number("HYPARFLOW_SPIN_SECONDS", float, minimum=0)
+    return None if value is None else float(value)
 
 
 def heartbeat_seconds() -> float:
