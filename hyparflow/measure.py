@@ -114,6 +114,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     import numpy as np
 
     from .clock import timed
+    from .planner import Row
 
     n = len(graph.nodes)
     if n < 2:
@@ -125,7 +126,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     for b in batches:
         # Those layers' share of the fused step: `rows` were fitted to the model's
         # compiled step at these very batch sizes (`profile.fit_model`).
-        fused = sum(r[0] + r[1] * b for r in rows[:-1])
+        fused = sum(Row(*r).seconds(b) for r in rows[:-1])
         ahead, behind = stage.time(b, repeats=repeats)
         whole = ahead + behind
         out["taped"].append(max(1.0, whole / max(fused, 1e-12)))

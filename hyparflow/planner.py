@@ -36,10 +36,11 @@ import os
 import re
 import sys
 from dataclasses import replace
+from typing import NamedTuple
 
 from .layout import Layout, resolve
 
-__all__ = ["main", "Network", "Compute", "predict", "search", "measure_network", "parse_bytes",
+__all__ = ["main", "Network", "Compute", "Row", "predict", "search", "measure_network", "parse_bytes",
            "interpolate", "as_layout"]
 
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -237,6 +238,20 @@ def _tensor_costs(graph, num_tensor, m, network):
     return out
 
 
+class Row(NamedTuple):
+    """One layer call's costs (`profile.fit_model`): seconds = fixed + per_sample x
+    batch; bytes of its weights, of their optimizer state, and of its activations per
+    sample."""
+    fixed: float
+    per_sample: float
+    param_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+
+    def seconds(self, batch):
+        return self.fixed + self.per_sample * batch
+
+
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
             stage_timer=None):
@@ -251,6 +266,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     backward from a tape and for summing gradients every microbatch. `stage_timer`
     (`measure.StageTimer`): the stages of a pipeline without split layers timed
     whole, in place of their calls' profiles and `stage_costs`."""
+    rows = [Row(*r) for r in rows]
     from . import schedule as sched
     from .partition import partition
 
@@ -261,7 +277,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     share = max(1.0, on_node / cores) if cores else 1.0
     slowdown, opt_rate = None, share * opt_per_byte
     if compute is not None:
-        share = compute.alone(m) / max(sum(r[0] + r[1] * m for r in rows), 1e-12)
+        share = compute.alone(m) / max(sum(r.seconds(m) for r in rows), 1e-12)
         slowdown = compute.slowdown(m)
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
@@ -273,7 +289,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         split = {i: (d, f / slowdown(on_node), b / slowdown(on_node))
                  for i, (d, f, b) in split.items()}
     div = lambda i: split[i][0] if i in split else 1  # noqa: E731
-    work = [share * sum((rows[i][0] + rows[i][1] * m) / div(i) for i in range(a, a + c))
+    work = [share * sum(rows[i].seconds(m) / div(i) for i in range(a, a + c))
             for a, c in zip(starts, counts)]
     exchange_f = [sum(split[i][1] for i in range(a, a + c) if i in split)
                   for a, c in zip(starts, counts)]
@@ -282,7 +298,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     send = [0.0] * stages
     for e in part.edges:
         send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m)
-    params = [sum(rows[i][2] / div(i) for i in range(a, a + c)) for a, c in zip(starts, counts)]
+    params = [sum(rows[i].param_bytes / div(i) for i in range(a, a + c))
+              for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
     backward = [2 * c / 3 for c in work]
     waits = [(0.0, 0.0)] * stages
@@ -334,8 +351,9 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
         in_flight = micro if schedule == "gpipe" else min(stages - s, micro)
-        memory.append(sum((rows[i][2] + rows[i][3]) / div(i) for i in range(a, a + c)) +
-                      sum(rows[i][4] for i in range(a, a + c)) * m * in_flight)
+        memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / div(i)
+                          for i in range(a, a + c)) +
+                      sum(rows[i].activation_bytes for i in range(a, a + c)) * m * in_flight)
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
             "comm_s": max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b)) * micro
             + max(network.allreduce(p, replicas, across) for p in params),
@@ -365,7 +383,7 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             if batch < shape.num_replicas * micro:
                 continue
             m = batch / (shape.num_replicas * micro)
-            counts = B.solve([r[0] + r[1] * m for r in rows], stages)
+            counts = B.solve([Row(*r).seconds(m) for r in rows], stages)
             candidates += [replace(shape, schedule=schedule, balance=tuple(counts))
                            for schedule in (schedules if stages > 1 else ("1f1b",))]
     if stage_timer is not None:

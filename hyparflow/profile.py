@@ -11,6 +11,7 @@ import tensorflow as tf
 from . import _compat
 from . import settings
 from .clock import timed
+from .planner import Row
 
 __all__ = ["LayerProfile", "profile", "optimizer_slots", "calibrate", "slowdown", "fit_model",
            "model_step", "optimizer_step", "timed", "load_model"]
@@ -148,8 +149,9 @@ def optimizer_step(model):
 
 
 def fit_model(graph, model, batches=(8, 32), repeats=5):
-    """Per layer call: (intercept s, slope s/sample, param bytes, optimizer bytes,
-    activation bytes/sample); and the optimizer step's seconds per parameter byte.
+    """Per layer call a `planner.Row` (fixed s, s per sample, param bytes, optimizer
+    bytes, activation bytes per sample); and the optimizer step's seconds per
+    parameter byte.
 
     The calls are profiled one at a time, eagerly, at both batch sizes; at each size
     they are scaled to add up to the whole model's compiled step (what the stages
@@ -167,8 +169,8 @@ def fit_model(graph, model, batches=(8, 32), repeats=5):
     lo, size = batches[0], batches[1] - batches[0]
     for p, t_lo, t_hi in zip(layers, *scaled):
         slope = max(0.0, (t_hi - t_lo) / size)
-        rows.append((max(0.0, t_lo - slope * lo), slope, p.param_bytes, p.optimizer_bytes,
-                     p.activation_bytes))
+        rows.append(Row(max(0.0, t_lo - slope * lo), slope, p.param_bytes, p.optimizer_bytes,
+                        p.activation_bytes))
     step, nbytes = optimizer_step(model)
     return rows, timed(step, 3) / nbytes
 
