@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 
 from . import settings
-from .layout import Layout
+from .layout import resolve
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
@@ -99,14 +99,13 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
         raise LaunchError(
             f"{ranks} ranks cannot be split into pipelines of {what}: the number of "
             f"ranks must be a multiple of {flag} (e.g. {options}).")
-    if replicas is None:
-        replicas = ranks // pipeline
-    if pipeline * replicas != ranks:
+    if replicas is not None and pipeline * replicas != ranks:
         raise LaunchError(f"{flag} {pipeline} x --replicas {replicas} = {pipeline * replicas} "
                           f"ranks, but -n is {ranks}; give -n {pipeline * replicas} or leave "
                           f"--replicas out (it defaults to -n // ({flag})).")
-    return Layout(num_stages=stages, num_replicas=replicas, num_microbatches=microbatches,
-                  num_tensor=tensor)
+    # Checked above in the words of the flags; `resolve` completes it as fit would.
+    return resolve(ranks, num_stages=stages, num_replicas=replicas,
+                   num_microbatches=microbatches, num_tensor=tensor, environ={})
 
 
 def requested(stages=None, replicas=None, microbatches=None, tensor=None, environ=None):
