@@ -271,14 +271,15 @@ LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported 
 _LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
 
 
-def supervise(run_plan, environ=None):
+def supervise(run_plan, environ=None, lost_hosts=None):
     """Run the launcher as a child, passing its output through; return its exit code.
 
     When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
     mpiexec then waits for the lost host's proxy, which cannot answer (a cut link, a frozen
     host). Once a rank has reported a lost peer, mpiexec gets LOST_GRACE seconds, then
     SIGTERM (it ends the proxies it can reach and exits), then SIGKILL; the run exits with
-    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec."""
+    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec.
+    `lost_hosts`: a list that gets the host names the ranks reported lost."""
     import signal
     import subprocess
     import threading
@@ -297,8 +298,14 @@ def supervise(run_plan, environ=None):
         for raw in iter(child.stderr.readline, b""):
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
-            if not lost and _LOST.match(raw.decode(errors="replace")):
-                lost.append(time.monotonic())
+            line = raw.decode(errors="replace")
+            if _LOST.match(line):
+                if not lost:
+                    lost.append(time.monotonic())
+                if lost_hosts is not None:
+                    named = line.split(": lost ", 1)[1].split(" (", 1)[0]
+                    lost_hosts.extend(h for h in re.findall(r"on host (\S+?),?(?= |$)", named)
+                                      if h not in lost_hosts)
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
