@@ -130,3 +130,29 @@ def test_restarts_refused_under_srun_and_negative(capsys, monkeypatch, tmp_path)
     assert cli.main(["run", "-n", "1", "--restarts", "1", str(script)]) == 2
     err = capsys.readouterr().err
     assert "--restarts is for mpiexec runs; inside a Slurm job the templates restart" in err
+
+
+# ------------------------------------------------------------------ heartbeat neighbours
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 9, 16, 64, 1000])
+def test_heartbeat_neighbours_few_symmetric_and_see_any_lost_host(size):
+    """At most 4 neighbours a rank; symmetric (who beats to whom is who watches whom);
+    and whatever block of consecutive ranks (a host) is lost, some rank that remains
+    watches one of them."""
+    from hyparflow.heartbeat import neighbours
+
+    table = {r: neighbours(r, size) for r in range(size)}
+    for r, peers in table.items():
+        assert r not in peers and 1 <= len(peers) <= min(4, size - 1), (r, peers)
+        assert all(r in table[p] for p in peers), (r, peers)
+    assert sum(len(p) for p in table.values()) <= 4 * size     # O(N), not N^2
+    for per_host in {1, 2, max(1, size // 4), max(1, size // 2)}:
+        for first in range(0, size, per_host):
+            lost = set(range(first, min(size, first + per_host)))
+            if len(lost) == size:
+                continue
+            watchers = {r for r in range(size) if r not in lost and set(table[r]) & lost}
+            assert watchers, (size, sorted(lost))
+            # The half-way partners: a lost half is also seen beyond its ring ends.
+            if size >= 8 and per_host == 2:
+                assert len(watchers) >= 3, (size, sorted(lost), watchers)
