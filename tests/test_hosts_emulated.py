@@ -345,3 +345,63 @@ def test_restart_after_a_cut_link_finishes_on_the_host_left(tmp_path):
     assert result["iterations_at_resume"] >= 6, result
     assert result["iterations"][0] == result["iterations"][1] == 32, result
     assert result["diff"] <= 1e-5, result
+
+
+@slurm_only
+@pytest.mark.timeout(300)
+def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
+    """The hybrid template on 2 nodes (a stage on each, Adam, a checkpoint every 2 steps).
+    Mid-run the batch script gets USR1, as `--signal=B:USR1@lead` sends it before the time
+    limit: the ranks checkpoint and exit 75, the script requeues the job, and Slurm starts
+    it again on the 2 nodes; it resumes from that checkpoint and finishes with the weights
+    of plain model.fit continued from the checkpoint."""
+    from hyparflow import cli
+
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    job_file = tmp_path / "job.sbatch"
+    name = f"hf-requeue-{tmp_path.name[-8:]}"
+    assert cli.main(["slurm", "--nodes", "2", "--tasks-per-node", "1", "--stages", "2",
+                     "--time", "00:05:00", "--job-name", name, "--log", str(log),
+                     "--output", str(job_file), SCRIPT, "resumable", str(out)]) == 0
+    submitted = subprocess.run(["sbatch", "--parsable", str(job_file)], capture_output=True,
+                               text=True, timeout=30, env=ENV, cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+
+    def state():
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                              text=True, timeout=30, env=ENV).stdout.strip()
+
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            steps = []
+            for r in (0, 1):
+                try:
+                    steps.append(int((out / f"step-{r}").read_text() or 0))
+                except (OSError, ValueError):
+                    steps.append(0)
+            if min(steps) >= 5:
+                break
+            assert state(), f"the job ended before step 5\n{log.read_text() if log.exists() else ''}"
+            assert time.monotonic() < deadline, "no step 5 in 150 s"
+            time.sleep(0.2)
+        signalled = time.monotonic()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30,
+                       env=ENV)
+        while state():
+            assert time.monotonic() - signalled < 200, f"job {job} still {state()}"
+            time.sleep(1)
+        seconds = time.monotonic() - signalled
+    finally:
+        subprocess.run(["scancel", job], env=ENV, timeout=30)
+    text = log.read_text()
+    print(f"requeued and finished {seconds:.1f} s after USR1\n{text[-4000:]}")
+    assert "checkpointed before the time limit: requeueing job" in text, text[-4000:]
+    assert text.count(f"hyparflow: job {job} on") == 2, text[-4000:]
+    result = json.load(open(out / "result.json"))
+    assert result["resumed"] and f"resuming from {result['resumed']}" in text, text[-4000:]
+    assert result["ranks"] == 2 and result["stages"] == 2, result
+    assert result["iterations_at_resume"] >= 5, result
+    assert result["iterations"][0] == result["iterations"][1] == 32, result
+    assert result["diff"] <= 1e-5, result
