@@ -213,13 +213,16 @@ class Heartbeat:
                 pass
         sys.stderr.write(text)
         sys.stderr.flush()
+        # A moment for the verdicts to leave (never a wait on a dead link), and for the
+        # other ranks, whose reports fall due within milliseconds of this one, to print
+        # theirs: the launcher ends every rank once one has exited non-zero.
         reqs = self._sending
-        deadline = time.monotonic() + 1.0
-        while reqs and time.monotonic() < deadline:
+        linger = time.monotonic() + max(0.5, min(1.0, self.interval))
+        while time.monotonic() < linger:
             try:
                 reqs = [q for q in reqs if not q.Test()]
             except self._MPI.Exception:
-                break
+                reqs = []
             time.sleep(0.01)
         os._exit(EXIT_CODE)
 
