@@ -21,14 +21,15 @@ __all__ = ["ping_pong", "rings", "compute", "stage_costs", "StageTimer", "tensor
 IDLE = 0.01
 
 
-def _mpi_lines(ranks, function, prefix, *args):
+def _mpi_lines(ranks, function, prefix, *args, hosts=None):
     from .launch import find_mpiexec
 
     mpiexec = find_mpiexec(os.environ)
     if not mpiexec:
         raise ValueError("No mpiexec to measure this machine with; give --latency and "
                          "--bandwidth.")
-    out = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c",
+    where = ["-hosts", hosts] if hosts else []
+    out = subprocess.run([mpiexec, *where, "-n", str(ranks), sys.executable, "-c",
                           f"from hyparflow.measure import {function}; {function}(*{args!r})"],
                          capture_output=True, text=True, timeout=1200)
     lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith(prefix + " ")]
@@ -37,9 +38,10 @@ def _mpi_lines(ranks, function, prefix, *args):
     return lines
 
 
-def ping_pong():
-    """(alpha s, beta s/byte) between two ranks."""
-    alpha, beta = map(float, _mpi_lines(2, "_ping_pong", "ALPHA_BETA")[-1])
+def ping_pong(hosts=None):
+    """(alpha s, beta s/byte) between two ranks: here, or on `hosts` ("h1:2" for two
+    ranks within host h1, "h1:1,h2:1" for the link between h1 and h2)."""
+    alpha, beta = map(float, _mpi_lines(2, "_ping_pong", "ALPHA_BETA", hosts=hosts)[-1])
     return alpha, beta
 
 
