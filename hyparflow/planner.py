@@ -525,7 +525,7 @@ def main(argv=None):
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                   cores=args.cores if args.nodes == 1 else None, compute=compute,
+                   cores=args.cores if args.nodes == 1 or hosts else None, compute=compute,
                    stage_costs=extra, stage_timer=timer)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
                              tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
