@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
-           "execute", "supervise", "report"]
+           "execute", "supervise", "named_hosts", "report"]
 
 
 class LaunchError(ValueError):
@@ -271,6 +271,15 @@ LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported 
 _LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
 
 
+def named_hosts(line):
+    """The hosts a heartbeat report names lost: 'hyparflow: rank 0 on host a: lost rank 1
+    on host b, rank 2 on host c (silent ...' -> ['b', 'c']; [] for any other line."""
+    if not _LOST.match(line):
+        return []
+    named = line.split(": lost ", 1)[1].split(" (", 1)[0]
+    return list(dict.fromkeys(re.findall(r"on host (\S+?),?(?= |$)", named)))
+
+
 def supervise(run_plan, environ=None, lost_hosts=None):
     """Run the launcher as a child, passing its output through; return its exit code.
 
@@ -303,9 +312,7 @@ def supervise(run_plan, environ=None, lost_hosts=None):
                 if not lost:
                     lost.append(time.monotonic())
                 if lost_hosts is not None:
-                    named = line.split(": lost ", 1)[1].split(" (", 1)[0]
-                    lost_hosts.extend(h for h in re.findall(r"on host (\S+?),?(?= |$)", named)
-                                      if h not in lost_hosts)
+                    lost_hosts.extend(h for h in named_hosts(line) if h not in lost_hosts)
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()

@@ -156,3 +156,27 @@ def test_heartbeat_neighbours_few_symmetric_and_see_any_lost_host(size):
             # The half-way partners: a lost half is also seen beyond its ring ends.
             if size >= 8 and per_host == 2:
                 assert len(watchers) >= 3, (size, sorted(lost), watchers)
+
+
+def test_the_hosts_a_heartbeat_report_names():
+    line = ("hyparflow: rank 0 on host n1: lost rank 2 on host n2, rank 3 on host n2, rank 4 "
+            "on host n3.x (silent for more than 20 s, found by rank 1: the hosts n2, n3.x "
+            "died, froze or lost its network; HYPARFLOW_PEER_TIMEOUT).\n")
+    assert launch.named_hosts(line) == ["n2", "n3.x"]
+    assert launch.named_hosts("hyparflow: rank 0 on host n1: lost rank 1 on host n2 (x)") == ["n2"]
+    assert launch.named_hosts("epoch 1: lost 0.5 on host a") == []
+
+
+def test_restarts_dry_run_says_what_it_would_probe(capsys, tmp_path, monkeypatch):
+    from hyparflow import cli
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "HYPARFLOW_NUM")):
+            monkeypatch.delenv(name)
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert cli.main(["run", "--hosts", "a:1,b:1", "--stages", "2", "--restarts", "1",
+                     "--dry-run", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "-hosts a:1,b:1 -n 2 " in out
+    assert "# --restarts 1: after a failure, probe a, b and start again on what answers" in out
