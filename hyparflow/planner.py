@@ -86,10 +86,13 @@ class Network:
         a, b = self._terms(across, ranks)
         return a + nbytes * b
 
-    def exchange(self, nbytes, ranks):
+    def exchange(self, nbytes, ranks, across=False):
         """A split layer's exchange between `ranks` tensor ranks, each sending its
         `nbytes` to every other: measured as hyparflow runs it (inside the compiled
-        stage, through a Python call) when known, else (ranks - 1) messages."""
+        stage, through a Python call) when known, else (ranks - 1) messages; `across`:
+        the tensor ranks span hosts, (ranks - 1) messages over the link between them."""
+        if across:
+            return (ranks - 1) * self.message(nbytes, across=True)
         if ranks in self.exchanges:
             a, b = self.exchanges[ranks]
             return a + nbytes * b
@@ -193,14 +196,16 @@ def _elements(graph, t):
     return numel(graph.tensors[t].shape)
 
 
-def _tensor_costs(graph, num_tensor, m, network):
+def _tensor_costs(graph, num_tensor, m, network, across=False):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
-    `num_tensor` ranks would split (the default choice: by size)."""
+    `num_tensor` ranks would split (the default choice: by size); `across`: the tensor
+    ranks of a stage span hosts."""
     from . import tensor as T
 
     if num_tensor == 1:
         return {}
     out = {}
+    network = _Across(network) if across else network
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
@@ -222,6 +227,23 @@ def _tensor_costs(graph, num_tensor, m, network):
                     if split.kind in ("column", "filters") else 0.0)
         out[i] = (num_tensor, forward, backward)
     return out
+
+
+class _Across:
+    """A network whose exchanges all go over the link between hosts."""
+
+    def __init__(self, network):
+        self.network = network
+
+    def exchange(self, nbytes, ranks):
+        return self.network.exchange(nbytes, ranks, across=True)
+
+
+def _tensor_spans(num_tensor, ranks_per_node):
+    """Whether some stage's `num_tensor` consecutive ranks span hosts of
+    `ranks_per_node` ranks filled in order."""
+    return bool(ranks_per_node) and num_tensor > 1 and (
+        num_tensor > ranks_per_node or ranks_per_node % num_tensor != 0)
 
 
 def _crosses(src, dst, stages, replicas, num_tensor, ranks_per_node):
@@ -261,7 +283,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         slowdown = compute.slowdown(m)
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
-    split = _tensor_costs(graph, num_tensor, m, network)
+    split = _tensor_costs(graph, num_tensor, m, network,
+                          across=_tensor_spans(num_tensor, ranks_per_node))
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at

@@ -241,6 +241,14 @@ def test_cost_model_knows_the_tensor_axis():
     plans = planner.search(graph, rows, 0.0, free, 64, 4)
     assert {(p["stages"], p["tensor"], p["replicas"]) for p in plans} >= {
         (1, 2, 2), (1, 4, 1), (2, 2, 1), (1, 1, 4)}
+    # Tensor ranks on two hosts exchange over the link between them, ranks within a
+    # host over its own.
+    hosts = planner.Network(1e-6, 1e-10, 1e-4, 1e-8)
+    within = planner.predict(graph, rows, 0.0, hosts, [3], 64, 1, 1, "1f1b", num_tensor=2,
+                             ranks_per_node=2)
+    spread = planner.predict(graph, rows, 0.0, hosts, [3], 64, 1, 1, "1f1b", num_tensor=2,
+                             ranks_per_node=1)
+    assert spread["comm_s"] > 10 * within["comm_s"] > 0
 
 
 def test_profiles_are_taken_at_batches_that_fit_in_memory():
