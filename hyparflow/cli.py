@@ -44,6 +44,11 @@ def _add_run(sub):
     where.add_argument("--hostfile", metavar="FILE",
                        help="the hosts from a file: one per line, NAME, NAME:SLOTS or "
                             "NAME slots=SLOTS")
+    p.add_argument("--restarts", type=int, default=0, metavar="K",
+                   help="after a failure (a lost host or rank), probe the hosts and start "
+                        "again up to K times on those that answer, the layout re-shaped to "
+                        "them (fewer replicas, then fewer stages); the script resumes with "
+                        "hf.fit(..., checkpoint_dir=DIR, resume=True) (default 0)")
     p.add_argument("--dry-run", action="store_true",
                    help="print where each rank runs, the environment and the command only")
     p.add_argument("script", help="the Python script to run")
@@ -64,12 +69,52 @@ def _run(args):
     plan = launch.plan(args.script, args.args, ranks=args.ranks, stages=args.stages,
                        replicas=args.replicas, microbatches=args.microbatches, tensor=args.tensor,
                        threads=args.threads, launcher=args.launcher, hosts=hosts)
+    if args.restarts:
+        return _run_restarting(args, plan, hosts)
     if args.dry_run:
         print(launch.describe(plan))
         return 0
     if plan.supervise:
         return launch.supervise(plan)
     launch.execute(plan)  # does not return
+
+
+def _run_restarting(args, first, hosts):
+    """`hyparflow run --restarts K`: the run under restart.run (its first plan `first`)."""
+    from . import hosts as _hosts
+    from . import restart
+
+    if args.restarts < 0:
+        raise launch.LaunchError(f"--restarts must be 0 or more. Received: {args.restarts}")
+    if first.launcher == "srun":
+        raise launch.LaunchError(
+            "--restarts is for mpiexec runs; inside a Slurm job the templates restart: a run "
+            "that ends with exit code 75 (a lost host, or the time limit) is requeued and "
+            "resumes from its checkpoint on the nodes Slurm gives it (docs/slurm.md).")
+    ranks = int(first.argv[first.argv.index("-n") + 1])
+    shape = launch.layout(ranks, args.stages, args.replicas, args.microbatches,
+                          tensor=args.tensor)
+    stages, replicas = shape.num_stages, shape.num_replicas
+    given = launch.requested(args.stages, args.replicas, args.microbatches, args.tensor)
+    tensor = given.get("tensor", 1)
+    if hosts is not None:
+        where = _hosts.place(hosts, ranks)
+        hosts = [(h, where.count(h)) for h, _ in hosts if h in where]
+
+    def make_plan(on, stages, replicas, tensor):
+        return launch.plan(args.script, args.args, ranks=None if on else args.ranks,
+                           stages=stages, replicas=replicas, microbatches=args.microbatches,
+                           tensor=tensor, threads=args.threads, launcher=args.launcher, hosts=on)
+
+    if args.dry_run:
+        print(launch.describe(first))
+        print(f"# --restarts {args.restarts}: after a failure, probe "
+              + (", ".join(h for h, _ in hosts) if hosts else "nothing (one machine)")
+              + " and start again on what answers")
+        return 0
+    return restart.run(make_plan, lambda plan, lost: launch.supervise(plan, lost_hosts=lost),
+                       args.restarts, hosts, stages, replicas, tensor,
+                       launch.find_mpiexec(), set(given))
 
 
 def _add_info(sub):

@@ -12,7 +12,7 @@ from .layout import resolve
 
 __all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
-           "execute", "supervise", "report"]
+           "execute", "supervise", "named_hosts", "report"]
 
 
 class LaunchError(ValueError):
@@ -275,14 +275,24 @@ LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported 
 _LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
 
 
-def supervise(run_plan, environ=None):
+def named_hosts(line):
+    """The hosts a heartbeat report names lost: 'hyparflow: rank 0 on host a: lost rank 1
+    on host b, rank 2 on host c (silent ...' -> ['b', 'c']; [] for any other line."""
+    if not _LOST.match(line):
+        return []
+    named = line.split(": lost ", 1)[1].split(" (", 1)[0]
+    return list(dict.fromkeys(re.findall(r"on host (\S+?),?(?= |$)", named)))
+
+
+def supervise(run_plan, environ=None, lost_hosts=None):
     """Run the launcher as a child, passing its output through; return its exit code.
 
     When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
     mpiexec then waits for the lost host's proxy, which cannot answer (a cut link, a frozen
     host). Once a rank has reported a lost peer, mpiexec gets LOST_GRACE seconds, then
     SIGTERM (it ends the proxies it can reach and exits), then SIGKILL; the run exits with
-    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec."""
+    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec.
+    `lost_hosts`: a list that gets the host names the ranks reported lost."""
     import signal
     import subprocess
     import threading
@@ -301,8 +311,12 @@ def supervise(run_plan, environ=None):
         for raw in iter(child.stderr.readline, b""):
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
-            if not lost and _LOST.match(raw.decode(errors="replace")):
-                lost.append(time.monotonic())
+            line = raw.decode(errors="replace")
+            if _LOST.match(line):
+                if not lost:
+                    lost.append(time.monotonic())
+                if lost_hosts is not None:
+                    lost_hosts.extend(h for h in named_hosts(line) if h not in lost_hosts)
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()

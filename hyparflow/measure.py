@@ -22,16 +22,17 @@ __all__ = ["run_probe", "ping_pong", "rings", "compute", "stage_costs", "StageTi
 IDLE = 0.01
 
 
-def run_probe(ranks, probe, *args):
-    """Run `hyparflow.probes.<probe>(*args)` on `ranks` ranks under mpiexec; the
-    results it reports, as dicts."""
+def run_probe(ranks, probe, *args, hosts=None):
+    """Run `hyparflow.probes.<probe>(*args)` on `ranks` ranks under mpiexec (on `hosts`,
+    mpiexec's -hosts list, if given); the results it reports, as dicts."""
     from .launch import find_mpiexec
 
     mpiexec = find_mpiexec(os.environ)
     if not mpiexec:
         raise ValueError("No mpiexec to measure this machine with; give --latency and "
                          "--bandwidth.")
-    out = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c",
+    where = ["-hosts", hosts] if hosts else []
+    out = subprocess.run([mpiexec, *where, "-n", str(ranks), sys.executable, "-c",
                           f"from hyparflow.probes import {probe}; {probe}(*{args!r})"],
                          capture_output=True, text=True, timeout=1200)
     results = []
@@ -48,9 +49,10 @@ def run_probe(ranks, probe, *args):
     return results
 
 
-def ping_pong():
-    """(alpha s, beta s/byte) between two ranks."""
-    found = run_probe(2, "ping_pong")[-1]
+def ping_pong(hosts=None):
+    """(alpha s, beta s/byte) between two ranks: here, or on `hosts` ("h1:2" for two
+    ranks within host h1, "h1:1,h2:1" for the link between h1 and h2)."""
+    found = run_probe(2, "ping_pong", hosts=hosts)[-1]
     return found["alpha"], found["beta"]
 
 

@@ -91,10 +91,13 @@ class Network:
         a, b = self._terms(across, ranks)
         return a + nbytes * b
 
-    def exchange(self, nbytes, ranks):
+    def exchange(self, nbytes, ranks, across=False):
         """A split layer's exchange between `ranks` tensor ranks, each sending its
         `nbytes` to every other: measured as hyparflow runs it (inside the compiled
-        stage, through a Python call) when known, else (ranks - 1) messages."""
+        stage, through a Python call) when known, else (ranks - 1) messages; `across`:
+        the tensor ranks span hosts, (ranks - 1) messages over the link between them."""
+        if across:
+            return (ranks - 1) * self.message(nbytes, across=True)
         if ranks in self.exchanges:
             a, b = self.exchanges[ranks]
             return a + nbytes * b
@@ -207,14 +210,16 @@ def _elements(graph, t):
     return numel(graph.tensors[t].shape)
 
 
-def _tensor_costs(graph, num_tensor, m, network):
+def _tensor_costs(graph, num_tensor, m, network, across=False):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
-    `num_tensor` ranks would split (the default choice: by size)."""
+    `num_tensor` ranks would split (the default choice: by size); `across`: the tensor
+    ranks of a stage span hosts."""
     from . import tensor as T
 
     if num_tensor == 1:
         return {}
     out = {}
+    network = _Across(network) if across else network
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
@@ -252,6 +257,32 @@ class Row(NamedTuple):
         return self.fixed + self.per_sample * batch
 
 
+class _Across:
+    """A network whose exchanges all go over the link between hosts."""
+
+    def __init__(self, network):
+        self.network = network
+
+    def exchange(self, nbytes, ranks):
+        return self.network.exchange(nbytes, ranks, across=True)
+
+
+def _tensor_spans(num_tensor, ranks_per_node):
+    """Whether some stage's `num_tensor` consecutive ranks span hosts of
+    `ranks_per_node` ranks filled in order."""
+    return bool(ranks_per_node) and num_tensor > 1 and (
+        num_tensor > ranks_per_node or ranks_per_node % num_tensor != 0)
+
+
+def _crosses(src, dst, stages, replicas, num_tensor, ranks_per_node):
+    """Whether the boundary from stage `src` to `dst` crosses hosts in some replica, with
+    `ranks_per_node` ranks on each host filled in rank order (None: one host)."""
+    if not ranks_per_node:
+        return False
+    return any((r * stages + src) * num_tensor // ranks_per_node
+               != (r * stages + dst) * num_tensor // ranks_per_node for r in range(replicas))
+
+
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
             stage_timer=None):
@@ -281,7 +312,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         slowdown = compute.slowdown(m)
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
-    split = _tensor_costs(graph, num_tensor, m, network)
+    split = _tensor_costs(graph, num_tensor, m, network,
+                          across=_tensor_spans(num_tensor, ranks_per_node))
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at
@@ -297,7 +329,12 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                   for a, c in zip(starts, counts)]
     send = [0.0] * stages
     for e in part.edges:
-        send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m)
+        # Hosts are filled in rank order (rank = (replica * S + stage) * T + tensor): a
+        # pipeline longer than a host's ranks sends some boundaries over the slower
+        # link between hosts, which its stage then pays at every microbatch.
+        send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m,
+                                       across=_crosses(e.src, e.dst, stages, replicas,
+                                                       num_tensor, ranks_per_node))
     params = [sum(rows[i].param_bytes / div(i) for i in range(a, a + c))
               for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
@@ -450,6 +487,10 @@ def main(argv=None):
     parser.add_argument("--ranks-per-node", type=int)
     parser.add_argument("--bandwidth", help="e.g. 12.5GB/s (default: measured with MPI here)")
     parser.add_argument("--latency", help="e.g. 2us (default: measured with MPI here)")
+    parser.add_argument("--hosts", metavar="H1:N1,H2:N2",
+                        help="plan for these hosts (as `hyparflow run --hosts`, equal slots): "
+                             "the link within a host and the link between the first two "
+                             "are measured with a ping-pong through mpiexec")
     parser.add_argument("--cores", type=int, default=os.cpu_count(),
                         help="cores per node (ranks beyond them share cores)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -461,6 +502,15 @@ def main(argv=None):
                                                 "profile once, plan for many clusters")
     parser.add_argument("--output", help="write the best plan that fits here (JSON)")
     args = parser.parse_args(argv)
+    hosts = None
+    if args.hosts:
+        from . import hosts as H
+
+        hosts = H.parse_hosts(args.hosts)
+        if len({n for _, n in hosts}) > 1 or len(hosts) < 2:
+            parser.error(f"--hosts: give two or more hosts with equal slots. Received: "
+                         f"{args.hosts!r}")
+        args.nodes, args.ranks_per_node = len(hosts), hosts[0][1]
     from . import _env
     _env.start_tensorflow()
     from . import graph as G
@@ -475,7 +525,17 @@ def main(argv=None):
                                                  for t in n.outputs),
                               memory=_memory())
     here = args.nodes == 1 and not (args.bandwidth or args.latency)
-    if args.bandwidth or args.latency:
+    if hosts:
+        # The per-link figures the placement needs: two ranks within the first host (its
+        # shared memory), and one on each of the first two hosts (the network between).
+        (h1, n1), (h2, _) = hosts[:2]
+        within = measure.ping_pong(f"{h1}:2") if n1 > 1 else measure.ping_pong(f"{h1}:1,{h1}:1")
+        between = measure.ping_pong(f"{h1}:1,{h2}:1")
+        network = Network(*within, *between)
+        print(f"links: within {h1} alpha {within[0] * 1e6:.1f} us, "
+              f"{1 / within[1] / 1e9:.3f} GB/s; {h1} to {h2} alpha {between[0] * 1e6:.1f} us, "
+              f"{1 / between[1] / 1e9:.3f} GB/s", flush=True)
+    elif args.bandwidth or args.latency:
         probe = measure_network() if not (args.bandwidth and args.latency) else None
         network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
                           1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
@@ -530,7 +590,7 @@ def main(argv=None):
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                   cores=args.cores if args.nodes == 1 else None, compute=compute,
+                   cores=args.cores if args.nodes == 1 or hosts else None, compute=compute,
                    stage_costs=extra, stage_timer=timer)
     one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
                              tensor=(1,), stage_costs=extra, stage_timer=timer)][0]

@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
-           "heartbeat_seconds", "peer_timeout", "transposed", "sparse", "overlap",
+           "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse", "overlap",
            "slowdown", "slurm_templates"]
 
 
@@ -50,6 +50,8 @@ VARIABLES = (
              "exit code 75, naming it and its host (0 = no heartbeat)"),
     Variable("HYPARFLOW_HEARTBEAT_SECONDS", "2",
              "seconds between a rank's heartbeats"),
+    Variable("HYPARFLOW_PROBE_SECONDS", "10",
+             "how long a host gets to answer `hyparflow run --restarts`'s probe"),
     Variable("HYPARFLOW_OVERLAP", "auto (on when ranks span hosts)",
              "`1` / `0`: gradient buckets start inside the backward, or after it"),
     Variable("HYPARFLOW_TRANSPOSED", "1",
@@ -152,6 +154,11 @@ def peer_timeout() -> Optional[float]:
     value = _number("HYPARFLOW_PEER_TIMEOUT", float)
     value = 20.0 if value is None else value
     return value if value > 0 else None
+
+
+def probe_seconds(environ: Optional[Mapping[str, str]] = None) -> float:
+    value = _number("HYPARFLOW_PROBE_SECONDS", float, environ)
+    return max(1.0, 10.0 if value is None else float(value))
 
 
 def transposed() -> bool:

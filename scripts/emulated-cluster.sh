@@ -186,7 +186,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/slurm/run/munge.socket
+# cred_expire: also how long a requeued job waits before it may start again (default
+# 120 s); the 2-node requeue test waits for it.
+AuthInfo=socket=$DIR/slurm/run/munge.socket,cred_expire=10
 StateSaveLocation=$DIR/slurm/state
 SlurmdSpoolDir=$DIR/slurm/spool/%n
 SlurmctldPidFile=$DIR/slurm/run/slurmctld.pid

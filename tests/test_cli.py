@@ -203,6 +203,8 @@ def assert_common(text, exports):
     assert "trap on_time_limit USR1" in text and 'kill -USR1 "$PID"' in text
     assert 'if [ "$STATUS" -eq "$PREEMPTED" ]; then' in text and "PREEMPTED=75" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # After USR1, srun's SIGTERM to ranks still exiting (one exited 75 first) is requeued too.
+    assert 'if [ -n "$STOPPING" ] && [ "$STATUS" -eq 143 ]; then' in text and "STOPPING=1" in text
     assert ('export OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK" '
             'HYPARFLOW_THREADS="$SLURM_CPUS_PER_TASK"') in text
     # Only the counts given are exported: a script's own num_stages must not meet a

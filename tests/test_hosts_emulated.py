@@ -288,3 +288,121 @@ def test_sbatch_templates_on_two_nodes(tmp_path):
     reports = _reports(single)
     assert len(reports) == 2 and len({r["host"] for r in reports}) == 1, log
     assert all(r["diff"] <= 1e-5 for r in reports), reports
+
+
+# ------------------------------------------------------------------ restart on the hosts left
+
+def _wait_for_steps(directory, ranks, step, proc, log, seconds=150):
+    deadline = time.monotonic() + seconds
+    while True:
+        done = []
+        for r in ranks:
+            try:
+                done.append(int(open(os.path.join(directory, f"step-{r}")).read() or 0))
+            except (OSError, ValueError):
+                done.append(0)
+        if min(done) >= step:
+            return
+        assert proc.poll() is None, open(log).read()[-4000:]
+        assert time.monotonic() < deadline, f"no step {step} in {seconds} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+def test_restart_after_a_cut_link_finishes_on_the_host_left(tmp_path):
+    """2 stages, one per host, Adam, a checkpoint every 2 steps; once both ranks are past
+    step 6 the second host's link is cut. `--restarts 1`: the first host's rank ends
+    (heartbeat), the probe finds the second host lost, the run starts again on the first
+    host alone with 1 stage and resumes from the newest checkpoint; its final weights are
+    those of plain model.fit continued from that checkpoint (weights and Adam's state)."""
+    h1, h2 = HOSTS[:2]
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    env = dict(ENV, HYPARFLOW_PEER_TIMEOUT="8", HYPARFLOW_PROBE_SECONDS="5")
+    argv = [sys.executable, "-m", "hyparflow", "run", "--hosts", f"{h1}:1,{h2}:1", "--stages",
+            "2", "--restarts", "1", SCRIPT, "resumable", str(out)]
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, text=True, start_new_session=True,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for_steps(out, (0, 1), 6, proc, log)
+        subprocess.run(["bash", CLUSTER, "cut", h2], check=True, timeout=20)
+        cut = time.monotonic()
+        proc.wait(timeout=200)
+        seconds = time.monotonic() - cut
+    finally:
+        subprocess.run(["bash", CLUSTER, "heal", h2], timeout=20)
+        _end(proc)
+    text = log.read_text()
+    print(f"restarted and finished {seconds:.1f} s after the cut\n{text[-4000:]}")
+    assert proc.returncode == 0, text[-4000:]
+    assert f"{h1} answers, {h2} LOST (no answer)" in text, text[-4000:]
+    assert f"restart 1 of 1 (lost {h2}): 1 stage x 1 replica on {h1}:1 (was 2 stages x " \
+           f"1 replica on {h1}:1,{h2}:1)" in text, text[-4000:]
+    assert f"finished after 1 restart (lost {h2}), on 1 stage x 1 replica on {h1}:1" in text
+    result = json.load(open(out / "result.json"))
+    assert result["host"] == h1 and result["ranks"] == 1 and result["stages"] == 1, result
+    assert result["resumed"] and f"resuming from {result['resumed']}" in text, text[-4000:]
+    # It resumed after step 6 (the cut came later), not from the beginning.
+    assert result["iterations_at_resume"] >= 6, result
+    assert result["iterations"][0] == result["iterations"][1] == 32, result
+    assert result["diff"] <= 1e-5, result
+
+
+@slurm_only
+@pytest.mark.timeout(300)
+def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
+    """The hybrid template on 2 nodes (a stage on each, Adam, a checkpoint every 2 steps).
+    Mid-run the batch script gets USR1, as `--signal=B:USR1@lead` sends it before the time
+    limit: the ranks checkpoint and exit 75, the script requeues the job, and Slurm starts
+    it again on the 2 nodes; it resumes from that checkpoint and finishes with the weights
+    of plain model.fit continued from the checkpoint."""
+    from hyparflow import cli
+
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    job_file = tmp_path / "job.sbatch"
+    name = f"hf-requeue-{tmp_path.name[-8:]}"
+    assert cli.main(["slurm", "--nodes", "2", "--tasks-per-node", "1", "--stages", "2",
+                     "--time", "00:05:00", "--job-name", name, "--log", str(log),
+                     "--output", str(job_file), SCRIPT, "resumable", str(out)]) == 0
+    submitted = subprocess.run(["sbatch", "--parsable", str(job_file)], capture_output=True,
+                               text=True, timeout=30, env=ENV, cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+
+    def state():
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                              text=True, timeout=30, env=ENV).stdout.strip()
+
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            steps = []
+            for r in (0, 1):
+                try:
+                    steps.append(int((out / f"step-{r}").read_text() or 0))
+                except (OSError, ValueError):
+                    steps.append(0)
+            if min(steps) >= 5:
+                break
+            assert state(), f"the job ended before step 5\n{log.read_text() if log.exists() else ''}"
+            assert time.monotonic() < deadline, "no step 5 in 150 s"
+            time.sleep(0.2)
+        signalled = time.monotonic()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30,
+                       env=ENV)
+        while state():
+            assert time.monotonic() - signalled < 200, f"job {job} still {state()}"
+            time.sleep(1)
+        seconds = time.monotonic() - signalled
+    finally:
+        subprocess.run(["scancel", job], env=ENV, timeout=30)
+    text = log.read_text()
+    print(f"requeued and finished {seconds:.1f} s after USR1\n{text[-4000:]}")
+    assert "(checkpointed before the time limit, or a lost node): requeueing job" in text, \
+        text[-4000:]
+    assert text.count(f"hyparflow: job {job} on") == 2, text[-4000:]
+    result = json.load(open(out / "result.json"))
+    assert result["resumed"] and f"resuming from {result['resumed']}" in text, text[-4000:]
+    assert result["ranks"] == 2 and result["stages"] == 2, result
+    assert result["iterations_at_resume"] >= 5, result
+    assert result["iterations"][0] == result["iterations"][1] == 32, result
+    assert result["diff"] <= 1e-5, result

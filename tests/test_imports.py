@@ -23,6 +23,7 @@ RULES = {
     "hyparflow.comm": ["tensorflow", "keras"],
     "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.heartbeat": ["tensorflow", "keras"],
+    "hyparflow.restart": ["tensorflow", "mpi4py", "keras"],
 }
 
 

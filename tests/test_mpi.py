@@ -217,3 +217,52 @@ def test_silence_outside_fit_is_not_a_lost_peer():
     assert "lost" not in out.stderr, out.stderr[-3000:]
     assert out.stdout.count("finished both fits") == 2
     assert "rank 0 finished its own work" in out.stdout
+
+
+def test_heartbeat_neighbours_name_a_lost_host_on_every_rank(tmp_path):
+    """8 ranks, 2 per pretend host, each beating to 3 neighbours (rank +-1, +4), not 7.
+    Host node1 (ranks 2, 3) frozen: its neighbours find it silent, and every other rank,
+    also those that watch neither (0 and 5), names both its ranks and ends with 75."""
+    import signal
+
+    from hyparflow.heartbeat import neighbours
+
+    script = os.path.join(HERE, "mpi", "heartbeat_script.py")
+    env = dict(os.environ, HYPARFLOW_PEER_TIMEOUT="2", HYPARFLOW_HEARTBEAT_SECONDS="0.3",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([MPIEXEC, "-n", "8", sys.executable, script, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    frozen = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid-*"))) < 8:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        frozen = [int((tmp_path / f"pid-{r}").read_text()) for r in (2, 3)]
+        start = time.monotonic()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        for pid in frozen:   # mpiexec may have ended them already
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"lost host named by every rank {seconds:.1f} s after SIGSTOP\n{out[-3000:]}")
+    for r in range(8):
+        peers = [int(p) for p in (tmp_path / f"peers-{r}").read_text().split()]
+        assert peers == neighbours(r, 8) and len(peers) == 3, (r, peers)
+    for r in (0, 1, 4, 5, 6, 7):
+        assert f"hyparflow: rank {r} on host node{r // 2}: lost rank 2 on host node1, rank 3 " \
+               f"on host node1 (" in out, out[-3000:]
+    assert "found by rank" in out      # 0 and 5 watch neither: they heard the verdict
+    assert "still running" not in out
+    assert seconds < 15, f"took {seconds:.1f} s"

@@ -246,6 +246,14 @@ def test_cost_model_knows_the_tensor_axis():
     plans = planner.search(graph, rows, 0.0, free, 64, 4)
     assert {(p["stages"], p["tensor"], p["replicas"]) for p in plans} >= {
         (1, 2, 2), (1, 4, 1), (2, 2, 1), (1, 1, 4)}
+    # Tensor ranks on two hosts exchange over the link between them, ranks within a
+    # host over its own.
+    hosts = planner.Network(1e-6, 1e-10, 1e-4, 1e-8)
+    within = planner.predict(graph, rows, 0.0, hosts, [3], 64, 1, 1, "1f1b", num_tensor=2,
+                             ranks_per_node=2)
+    spread = planner.predict(graph, rows, 0.0, hosts, [3], 64, 1, 1, "1f1b", num_tensor=2,
+                             ranks_per_node=1)
+    assert spread["comm_s"] > 10 * within["comm_s"] > 0
 
 
 def test_profiles_are_taken_at_batches_that_fit_in_memory():
@@ -294,3 +302,32 @@ def test_timed_stages_replace_the_profiles_of_a_pipeline():
     split = planner.predict(graph, rows, 0.0, free, [5], 64, 1, 1, "1f1b", num_tensor=2,
                             stage_timer=timer)
     assert split["step_s"] > 0.1
+
+
+def test_pipeline_boundaries_that_cross_hosts_pay_the_link_between_hosts():
+    """2 hosts of 2 ranks, a link between hosts 100x slower than within: a 4-stage
+    pipeline (its middle boundary crosses hosts) pays the slow link at every microbatch,
+    2 stages x 2 replicas keep the boundaries within a host (only the small gradient sums
+    cross), and the search ranks the latter first for a model of wide activations."""
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-4, 10, 0, 100)] * len(graph.nodes)   # tiny weights, wide activations
+    near = planner.Network(1e-6, 1e-10)
+    split = planner.Network(1e-6, 1e-10, 1e-4, 1e-8)      # 10 GB/s within, 100 MB/s across
+    counts = [1, 1, 1, 2]
+    long_near = planner.predict(graph, rows, 0.0, near, counts, 4096, 1, 4, "1f1b",
+                                ranks_per_node=2)
+    long_split = planner.predict(graph, rows, 0.0, split, counts, 4096, 1, 4, "1f1b",
+                                 ranks_per_node=2)
+    assert long_split["comm_s"] > 10 * long_near["comm_s"]
+    short_near = planner.predict(graph, rows, 0.0, near, [2, 3], 4096, 2, 4, "1f1b",
+                                 ranks_per_node=2)
+    short_split = planner.predict(graph, rows, 0.0, split, [2, 3], 4096, 2, 4, "1f1b",
+                                  ranks_per_node=2)
+    # Only the gradient sums (a few hundred bytes) cross: the pipeline's own messages not.
+    assert short_split["comm_s"] - short_near["comm_s"] < 0.05 * (long_split["comm_s"]
+                                                                  - long_near["comm_s"])
+    assert planner._crosses(1, 2, 4, 1, 1, 2) and not planner._crosses(0, 1, 4, 1, 1, 2)
+    assert not planner._crosses(0, 1, 2, 2, 1, 2)
+    best = planner.search(graph, rows, 0.0, split, 4096, 4, microbatches=(4,),
+                          schedules=("1f1b",), ranks_per_node=2, tensor=(1,))[0]
+    assert best["stages"] <= 2, best     # no pipeline spans the two hosts

@@ -3,6 +3,7 @@
     python hosts_script.py contract OUTDIR   # fit (S, R, M from hyparflow run) against model.fit
     python hosts_script.py long MARKER       # train until stopped; MARKER.K once an epoch is done
     python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
+    python hosts_script.py resumable OUTDIR  # fit with checkpoints and resume=True (restarts)
 
 `contract`: every rank writes OUTDIR/rank-K.json with its host, its threads, the largest
 weight difference from plain `model.fit` (Adam) and, per step, how many gradient buckets
@@ -89,4 +90,68 @@ def pause():
         print("rank 0 finished its own work", flush=True)
 
 
-{"contract": contract, "long": long, "pause": pause}[MODE]()
+def resumable_model():
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu")(inp)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def resumable():
+    """Adam, checkpoints every 2 steps, resume=True, the layout from `hyparflow run`; slow
+    steps (OUTDIR/step-K: the rank's step) so that a host can be lost mid-run. Rank 0 of
+    the run that finishes writes OUTDIR/result.json: its layout and host, the checkpoint
+    it resumed from, and the largest difference of its weights from plain `model.fit`
+    continued from that checkpoint (its weights and Adam's state) over the same batches."""
+    import time
+
+    from hyparflow import checkpoint
+
+    os.makedirs(TARGET, exist_ok=True)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    y = rng.integers(0, 3, 256)
+    batch, epochs = 32, 4
+    ckpt = os.path.join(TARGET, "ckpt")
+    resumed = checkpoint.latest_valid(ckpt, warn=None)[0] if os.path.isdir(ckpt) else None
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            time.sleep(0.3)
+            with open(os.path.join(TARGET, f"step-{hf.rank()}"), "w") as f:
+                f.write(str(int(self.model.optimizer.iterations.numpy())))
+
+    model = resumable_model()
+    hf.fit(model, x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+           callbacks=[Slow()], checkpoint_dir=ckpt, checkpoint_every=2, keep=None, resume=True)
+    if not hf.is_main():
+        return
+    result = {"host": socket.gethostname(), "ranks": hf.size(),
+              "stages": int(os.environ.get("HYPARFLOW_NUM_STAGES", "1")), "resumed": resumed}
+    if resumed:
+        reference = resumable_model()
+        reference.optimizer.build(reference.trainable_variables)
+        manifest = checkpoint.restore_model(reference, resumed)
+        epoch, step = manifest["epoch"], manifest["step"]
+        result.update(epoch=epoch, step=step, iterations_at_resume=int(
+            reference.optimizer.iterations.numpy()))
+        if step:
+            reference.fit(x[step * batch:], y[step * batch:], batch_size=batch, epochs=1,
+                          shuffle=False, verbose=0)
+            epoch += 1
+        if epochs - epoch:
+            reference.fit(x, y, batch_size=batch, epochs=epochs - epoch, shuffle=False, verbose=0)
+        result["diff"] = max(float(np.abs(a - b).max()) for a, b in zip(
+            model.get_weights(), reference.get_weights()))
+        result["iterations"] = [int(model.optimizer.iterations.numpy()),
+                                int(reference.optimizer.iterations.numpy())]
+    with open(os.path.join(TARGET, "result.json"), "w") as f:
+        json.dump(result, f)
+    print(f"result: {result}", flush=True)
+
+
+{"contract": contract, "long": long, "pause": pause, "resumable": resumable}[MODE]()
