@@ -42,7 +42,14 @@ __all__ = ["enabled", "why_not", "ownership", "Zero", "ALLOWED"]
 # may override update_step).
 ALLOWED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Lion")
 
-REDUCE_TAG, GATHER_TAG = 23001, 23002  # on the groups' own communicators
+
+
+def _tag(index, phase):
+    """The tag of variable number `index` of its group in `phase` (0: reduce, 1: gather):
+    one message per variable, pair of ranks and phase in a step, so no two messages
+    that may be in flight at once share a tag (thread ranks match receives when they
+    are tested, not when posted). Below the tags of the ring allreduce (comm.py)."""
+    return 1000 + (2 * index) % 27000 + phase
 
 
 def enabled():
@@ -154,11 +161,12 @@ class _Reduce:
                 if r == comm.rank:
                     got = {p: zero.buffer(("reduce", k, a, b, p), rows.shape)
                            for p in range(comm.size) if p != r}
-                    self.reqs += [comm.irecv(buf, p, REDUCE_TAG) for p, buf in got.items()]
+                    self.reqs += [comm.irecv(buf, p, _tag(zero.index[k], 0))
+                                  for p, buf in got.items()]
                     got[r] = rows
                     self.sums.append((rows, got))
                 else:
-                    self.reqs.append(comm.isend(rows, r, REDUCE_TAG))
+                    self.reqs.append(comm.isend(rows, r, _tag(zero.index[k], 0)))
 
     def test(self):
         if self.done:
@@ -186,6 +194,7 @@ class Zero:
                  for vid, part in shard.replaces.items() if id(part) != vid}
         self.groups = []  # [(comm, positions it shards)]
         self.parts = {}  # position -> [(rank in its group, first row, end row)]
+        self.index = {}  # position -> its number in its group (the same on every member)
         self.mine = []  # [(position, first row, end row, part variable)] stepped here
         cache = optimizer.__dict__.setdefault("_hyparflow_zero", {})
         for comm, positions in groups:
@@ -193,9 +202,9 @@ class Zero:
                 continue
             ks = [k for k in positions if id(stage.trainable[k]) not in split]
             self.groups.append((comm, ks))
-            for k, parts in zip(ks, ownership([tuple(stage.trainable[k].shape) for k in ks],
-                                              comm.size)):
-                self.parts[k] = parts
+            for j, (k, parts) in enumerate(zip(ks, ownership(
+                    [tuple(stage.trainable[k].shape) for k in ks], comm.size))):
+                self.parts[k], self.index[k] = parts, j
                 var = stage.trainable[k]
                 for r, a, b in parts:
                     if r == comm.rank:
@@ -304,10 +313,10 @@ class Zero:
                     rows = _rows(target, a, b)
                     if r == comm.rank:
                         rows[...] = owned[(k, a, b)].numpy()
-                        reqs += [comm.isend(rows, p, GATHER_TAG)
+                        reqs += [comm.isend(rows, p, _tag(self.index[k], 1))
                                  for p in range(comm.size) if p != r]
                     else:
-                        reqs.append(comm.irecv(rows, r, GATHER_TAG))
+                        reqs.append(comm.irecv(rows, r, _tag(self.index[k], 1)))
         wait(reqs)
         for k, target in targets:
             # A fresh copy: TensorFlow may keep an assigned tensor's memory as the
