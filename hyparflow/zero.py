@@ -304,24 +304,50 @@ class Zero:
         """Every part's new values to every rank of its group, then into the variables
         (`wait(requests)`: waits under the watchdog)."""
         owned = {(k, a, b): part for k, a, b, part in self.mine}
-        reqs, targets = [], []
+        reqs, received, items = [], [], []
         for comm, positions in self.groups:
             for k in positions:
-                target = self._target(k)
-                targets.append((k, target))
+                var = self.stage.trainable[k]
                 for r, a, b in self.parts[k]:
-                    rows = _rows(target, a, b)
                     if r == comm.rank:
-                        rows[...] = owned[(k, a, b)].numpy()
-                        reqs += [comm.isend(rows, p, _tag(self.index[k], 1))
+                        part = owned[(k, a, b)]
+                        value = np.asarray(part.numpy(), np.float32)
+                        reqs += [comm.isend(value, p, _tag(self.index[k], 1))
                                  for p in range(comm.size) if p != r]
+                        items.append((var, a, b, part))
                     else:
+                        rows = _rows(self._target(k), a, b)
                         reqs.append(comm.irecv(rows, r, _tag(self.index[k], 1)))
+                        received.append(rows)
+                        items.append((var, a, b, None))
         wait(reqs)
-        for k, target in targets:
-            # A fresh copy: TensorFlow may keep an assigned tensor's memory as the
-            # variable's own, and the buffer is the next step's gradient buffer.
-            self.stage.trainable[k].assign(np.array(target, copy=True))
+        key = ("write", len(items))
+        if key not in self._functions:
+            self._functions[key] = self._writer(items, received)
+        self._functions[key]([_tensor(rows) for rows in received])
+
+    def _writer(self, items, received):
+        """A function writing every part's rows into its variable in place (a scatter
+        into the variable's own memory: assigning a whole new value made TensorFlow
+        take fresh memory every step, whose page faults cost more than the copy)."""
+        import tensorflow as tf
+
+        def write(values):
+            values = iter(values)
+            for var, a, b, part in items:
+                value = part.value if part is not None else next(values)
+                value = tf.cast(value, var.dtype)
+                if len(var.shape) == 0:
+                    var.value.assign(value)
+                else:
+                    tf.raw_ops.ResourceScatterUpdate(
+                        resource=var.value.handle, indices=tf.range(a, b, dtype=tf.int64),
+                        updates=value)
+
+        if self.eager:
+            return write
+        specs = [tf.TensorSpec(rows.shape, tf.float32) for rows in received]
+        return tf.function(write, input_signature=[specs])
 
     # -- checkpoints --------------------------------------------------------------
 
