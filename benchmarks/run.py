@@ -24,7 +24,8 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.path
 
 # workload -> (global batch, list of (S, R, M, schedule[, T[, extra environment]]))
 PLANS = {
-    "mlp": (256, [(1, 2, 1, "gpipe"), (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
+    "mlp": (256, [(1, 2, 1, "gpipe"), (1, 2, 1, "gpipe", 1, {"HYPARFLOW_ZERO": "0"}),
+                  (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
                   (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
     "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
@@ -32,8 +33,10 @@ PLANS = {
     # data, pipeline, tensor and hybrid (4 ranks on the cores there are)
     "gpt": (64, [(1, 2, 1, "1f1b"), (2, 1, 4, "1f1b"), (1, 1, 1, "1f1b", 2),
                  (2, 1, 4, "1f1b", 2)]),
-    # the embedding's gradient as pairs (the default) and reduced densely
-    "embed": (256, [(1, 2, 1, "1f1b"), (1, 2, 1, "1f1b", 1, {"HYPARFLOW_SPARSE": "0"})]),
+    # the embedding's gradient as pairs (the default) and reduced densely; the optimizer
+    # step sharded over the replicas (the default) and not
+    "embed": (256, [(1, 2, 1, "1f1b"), (1, 2, 1, "1f1b", 1, {"HYPARFLOW_ZERO": "0"}),
+                    (1, 2, 1, "1f1b", 1, {"HYPARFLOW_SPARSE": "0"})]),
 }
 
 

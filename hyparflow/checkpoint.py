@@ -219,6 +219,8 @@ class Checkpointer:
         runtime.average_state()
         runtime.gather_shards()  # split layers: every part, whole, into the model's variables
         whole = runtime.full_slots()
+        # Optimizer state sharded over the replicas (hyparflow.zero), put together.
+        sharded = runtime.zero_slots()
         name = f"ckpt-{position['global_step']:09d}"
         final = os.path.join(self.directory, name)
         tmp = comm.bcast_obj(os.path.join(self.directory, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -249,6 +251,8 @@ class Checkpointer:
                     if (n.startswith("slot/") and n[5:].rsplit("/", 1)[0] in owned) or (
                             n.startswith("optimizer/") and s == 0):
                         arrays[n] = whole[id(var)] if id(var) in whole else np.asarray(var.numpy())
+                arrays.update({n: value for n, value in sharded.items()
+                               if n[5:].rsplit("/", 1)[0] in owned})
                 np.savez(os.path.join(tmp, file), **arrays)
                 files[file] = _sha256(os.path.join(tmp, file))
         except OSError as exc:

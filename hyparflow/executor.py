@@ -53,10 +53,14 @@ class Executor:
         self._dests = [p.dests for p in partition.stages]
         self.boundary = Boundary(comm, graph, self.plan, self._rank_of, len(partition.edges))
 
-    def set_groups(self, groups, early=False):
+    def set_groups(self, groups, early=False, zero=None):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
-        `early`: buckets start their allreduces from inside the step's last backward."""
+        `early`: buckets start their allreduces from inside the step's last backward.
+        `zero`: a `hyparflow.zero.Zero` when the optimizer step is sharded."""
         self.buckets = overlap.Buckets(self.stage, groups)
+        self.zero = zero if zero else None
+        if self.zero is not None:
+            self.buckets.reduce = self.zero.start_reduce
         # Per group: {position: "s"/"d"/"-"} as its ranks agreed (see `_agree`).
         self._kinds = [dict() for _ in self.buckets.groups]
         early = self.buckets.shared and early
@@ -264,8 +268,17 @@ class Executor:
         self.position = "STEP"
         start = time.perf_counter()
         reduced = {k: v for x in exchanges for k, v in x.result().items()}
-        self.stage.apply(self.optimizer, [bucket for _, bucket in self.buckets.buckets], reduced)
-        self._record("optimizer", "optimizer", start)
+        buckets = [bucket for _, bucket in self.buckets.buckets]
+        if self.zero is not None:
+            self.zero.apply(self.stage.reduced(buckets), reduced)
+            self._record("optimizer", "optimizer", start, sharded=True)
+            self.position = "ALLGATHER"
+            start = time.perf_counter()
+            self.zero.gather(lambda reqs: self._wait(reqs, timeout_seconds()))
+            self._record("allgather", "allgather", start)
+        else:
+            self.stage.apply(self.optimizer, buckets, reduced)
+            self._record("optimizer", "optimizer", start)
         self._relay_sparse({k for kinds in self._kinds for k, c in kinds.items()
                             if c == _sparse.SPARSE})
         if not self.buckets.learned:

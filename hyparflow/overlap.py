@@ -64,6 +64,9 @@ class Buckets:
         self.sparse = set()  # positions whose pairs are gathered instead (`hyparflow.sparse`)
         self._lay([positions for _, positions in self.groups])
         self.learned = False
+        # How a shared bucket is summed: comm.iallreduce by default; ZeRO sums each
+        # row range on its owner only (`hyparflow.zero`): reduce(comm, bucket, flat).
+        self.reduce = None
         self.arm()
 
     def _lay(self, orders):
@@ -114,7 +117,12 @@ class Buckets:
     def _start(self, j):
         comm, bucket = self.buckets[j]
         flat = self.stage.flat_grads(bucket)
-        self._requests[j] = comm.iallreduce(flat) if _shares(comm) else None
+        if not _shares(comm):
+            self._requests[j] = None
+        elif self.reduce is not None:
+            self._requests[j] = self.reduce(comm, bucket, flat)
+        else:
+            self._requests[j] = comm.iallreduce(flat)
         self._next = j + 1
         self._early += self._left > 0
 

@@ -14,6 +14,7 @@ from . import overlap
 from . import partition as _partition
 from . import tensor as _tensor
 from . import weights
+from . import zero as _zero
 from .executor import Executor, split_batch
 from .stage import Stage
 from .timeline import Timeline
@@ -237,6 +238,12 @@ def _check_model(model, sample):
         )
 
 
+def _slot_names(model):
+    from .checkpoint import slot_names
+
+    return slot_names(model.optimizer, model)
+
+
 class Runtime:
     """Everything one rank needs to run stage s of replica r of `model`."""
 
@@ -337,17 +344,36 @@ class Runtime:
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.training:
             optimizer = self.model.optimizer
-            if not optimizer.built:
-                # Only this stage's variables: optimizer state is split like the weights.
-                optimizer.build(self.stage.trainable)
-            elif self.stage.shards:
-                _compat.check_optimizer_knows(optimizer, self.stage.trainable)
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
-            self.executor.set_groups([g for g in groups.values() if g[1]],
-                                     early=overlap.enabled(default=len(set(hosts)) > 1))
+            shared = [g for g in groups.values() if g[1]]
+            self.zero = self._plan_zero(optimizer, shared)
+            if not optimizer.built:
+                # Only this stage's variables (or, sharded, this rank's parts of them):
+                # optimizer state is split like the weights.
+                optimizer.build(self.zero.variables if self.zero else self.stage.trainable)
+            elif self.stage.shards or not self.zero:
+                _zero.check_knows(optimizer, self.zero.variables if self.zero
+                                  else self.stage.trainable)
+            self.executor.set_groups(shared, early=overlap.enabled(default=len(set(hosts)) > 1),
+                                     zero=self.zero)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
         weights.broadcast(self.comm, self.model.weights, 0)
         self.load_shards()
+
+    def _plan_zero(self, optimizer, groups):
+        """This rank's `zero.Zero` when the optimizer step is sharded over replicas
+        (every rank must agree that it can be), else None."""
+        allowed = _zero.enabled() and _zero.why_not(optimizer, self.stage.trainable) is None
+        zero = None
+        if allowed and optimizer.built and not optimizer.__dict__.get("_hyparflow_zero"):
+            allowed = False  # built for whole variables (say by model.fit): keep them whole
+        if allowed:
+            zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage._eager)
+            # An optimizer an earlier fit built for whole variables keeps stepping them.
+            allowed = not optimizer.built or _zero.knows(optimizer, zero.variables)
+        if not all(self.comm.allgather_obj(allowed)):
+            return None
+        return zero if zero else None
 
     def close(self):
         """Free the sub-communicators connect() made (MPI has a limited number of them,
@@ -403,12 +429,24 @@ class Runtime:
 
     def slot_slicer(self):
         """For restoring: optimizer variable -> function giving its part of a whole value."""
-        return {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
-                for shard, slot, axis in self._part_slots()}
+        out = {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
+               for shard, slot, axis in self._part_slots()}
+        if getattr(self, "zero", None):
+            out.update(self.zero.slicers(_slot_names(self.model)))
+        return out
+
+    def zero_slots(self):
+        """{checkpoint key: whole value} of the optimizer state sharded over replicas
+        (collective over the replicas; empty without sharding)."""
+        if not getattr(self, "zero", None):
+            return {}
+        return self.zero.whole_slots(_slot_names(self.model))
 
     def load_shards(self):
         for shard in self.stage.shards.values():
             shard.load()
+        if getattr(self, "zero", None):
+            self.zero.load()
 
     def gather_shards(self):
         """The split layers' variables put back together on their stage's ranks."""

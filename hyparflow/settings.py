@@ -13,8 +13,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
-           "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse", "overlap",
-           "slowdown", "slurm_templates"]
+           "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
+           "zero", "overlap", "slowdown", "slurm_templates"]
 
 
 class Variable(NamedTuple):
@@ -57,6 +57,9 @@ VARIABLES = (
     Variable("HYPARFLOW_TRANSPOSED", "1",
              "`0`: Dense input gradients by TensorFlow's own `transpose_b` product "
              "instead of a kept `W^T` (for measuring)"),
+    Variable("HYPARFLOW_ZERO", "auto (shared whenever the optimizer allows)",
+             "`0`: every replica steps the whole optimizer, instead of each stepping its "
+             "share of the rows and keeping only that share's state (ZeRO stage 1)"),
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
@@ -101,7 +104,7 @@ def _flag(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bo
     if text is None or text.lower() == "auto":
         return None
     if text not in ("0", "1"):
-        raise SettingError(f"{name} must be 1 or 0 (or unset). Received: {name}={text!r}")
+        raise SettingError(f"{name} must be 1, 0 or auto (or unset). Received: {name}={text!r}")
     return text == "1"
 
 
@@ -172,6 +175,11 @@ def sparse() -> bool:
 def overlap() -> Optional[bool]:
     """True / False when HYPARFLOW_OVERLAP forces it; None: the runtime decides."""
     return _flag("HYPARFLOW_OVERLAP")
+
+
+def zero() -> bool:
+    """Whether the optimizer step may be shared out over the replicas (default yes)."""
+    return _flag("HYPARFLOW_ZERO") is not False
 
 
 def slowdown() -> float:

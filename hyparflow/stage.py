@@ -627,14 +627,31 @@ class Stage:
         """Step `optimizer` with the reduced buffers of `flat_grads` (`buckets`: their
         positions) and `sparse`: {position: (indices, values) or a dense sum}."""
         grads = [None] * len(self.trainable)
+        for k, view in self.reduced(buckets).items():
+            grads[k] = _as_tensor(view)
+        for k, value in (sparse or {}).items():
+            grads[k] = value
+        self._step(optimizer, grads)
+
+    def reduced(self, buckets):
+        """{position: its gradient buffer} of the variables of `buckets` whose flag
+        (summed with the other ranks') says some rank had a gradient."""
+        out = {}
         for positions in buckets:
             packing = self._buffers[tuple(positions)]
             for k, view, flag in zip(positions, packing.views, packing.flags):
                 if flag > 0:
-                    grads[k] = _as_tensor(view)
-        for k, value in (sparse or {}).items():
-            grads[k] = value
-        self._step(optimizer, grads)
+                    out[k] = view
+        return out
+
+    def grad_view(self, k):
+        """Variable k's gradient buffer (None for a variable whose pairs are kept)."""
+        if self._views is None:
+            self._make_buffers()
+        return self._views[k]
+
+    def slices_of(self, k, pairs):
+        return self._slices_of(k, pairs)
 
     def _slices_of(self, k, pairs):
         """(indices, values) -> the `tf.IndexedSlices` Keras would hand the optimizer."""

@@ -53,7 +53,7 @@ def test_stage_does_not_import_mpi():
 PLANNING = {"planner", "measure", "probes", "profile", "costs"}
 ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
           "comm", "local", "partition", "graph", "topology", "schedule", "weights",
-          "heartbeat", "data", "logs", "errors", "checkpoint", "timeline", "inference",
+          "heartbeat", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
           "layout", "settings", "clock", "_compat", "_env"}
 
 

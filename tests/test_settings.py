@@ -24,7 +24,7 @@ def test_malformed_values_name_the_variable(monkeypatch):
                                                     r"Received: HYPARFLOW_TIMEOUT='ten'"):
         settings.timeout()
     monkeypatch.setenv("HYPARFLOW_OVERLAP", "yes")
-    with pytest.raises(settings.SettingError, match=r"HYPARFLOW_OVERLAP must be 1 or 0"):
+    with pytest.raises(settings.SettingError, match=r"HYPARFLOW_OVERLAP must be 1, 0 or auto"):
         settings.overlap()
     monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "0")
     with pytest.raises(settings.SettingError, match=r"HYPARFLOW_NUM_STAGES must be >= 1"):
