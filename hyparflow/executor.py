@@ -74,6 +74,9 @@ class Executor:
                 # the same order as GPipe's, and lets each backward fuse with its forward.
                 name = "1f1b" if self.topo.num_stages == 1 else self.schedule
                 compute = sched.build(name, self.topo.num_stages, m)
+                # The last stage's forward and backward of a microbatch in one call
+                # where the schedule has them back to back (the planner reads the same).
+                compute = sched.fuse(compute, self._dests, self.stage.recompute)
             else:
                 compute = sched.forward_only(self.topo.num_stages, m)
             lowered = sched.lower(compute, self._sources, self._dests)
@@ -119,15 +122,15 @@ class Executor:
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
         actions = self.lowered(len(micro_indices), training)
-        fused = set()
+        # Split backward (W actions): B leaves the deferred kernels' gradients to W.
+        stage.split = training and sched.splits(actions)
         # The step's last backward reports gradients as it makes them, so that
         # allreduces start early (only when they are shared: hooks cost a little).
+        # Kernels a W computes never report: their buckets start after the step's W's.
         hooked = training and self.stage.on_arrival is not None and bool(self.stage.hooks)
-        last = max((a.microbatch for a in actions if a.kind == sched.B), default=None)
-        for position, a in enumerate(actions):
+        last = max((a.microbatch for a in actions if a.kind in (sched.B, sched.FB)), default=None)
+        for a in actions:
             i = a.microbatch
-            if a.kind == sched.B and i in fused:
-                continue  # done together with its forward
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
@@ -136,7 +139,7 @@ class Executor:
                     self._wait(reqs, timeout)
                     reqs = box.activation_requests(i, a.peer)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
-            elif a.kind == sched.F:
+            elif a.kind in (sched.F, sched.FB):
                 idx = micro_indices[i]
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
                 received, masks = box.activations(i)
@@ -146,15 +149,12 @@ class Executor:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
                 share = len(idx) / batch_size
-                follows = actions[position + 1] if position + 1 < len(actions) else None
-                if (training and stage.is_last and not stage.recompute and follows is not None
-                        and follows.kind == sched.B and follows.microbatch == i):
+                if a.kind == sched.FB:
                     grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
                                                       hooked=hooked and i == last)
                     grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
-                    fused.add(i)
                     out = []
-                    self._record(str(a) + "+B", "backward", start, microbatch=i)
+                    self._record(str(a), "backward", start, microbatch=i)
                 elif training:
                     out, c = stage.forward(i, inputs, y, sw, share=share,
                                            seed=(seed, first_id + i), hooked=hooked and i == last)
@@ -165,7 +165,7 @@ class Executor:
                 outs[i] = {t: o.numpy() for t, o in zip(
                     stage.output_ids + [("mask", t) for t in stage.output_mask_ids], out)}
                 total += float(c)
-                if i not in fused:
+                if a.kind == sched.F:
                     self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
                 sends += box.send_activations(i, a.peer, outs[i], training)
@@ -179,6 +179,11 @@ class Executor:
                 grads = stage.backward(i, out_grads)
                 grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
                 self._record(str(a), "backward", start, microbatch=i)
+            elif a.kind == sched.W:
+                if stage.splitting:
+                    stage.weight_grads(list(a.microbatches))
+                self._record(str(a), "weight", start, microbatch=i, count=a.count,
+                             layers=len(stage.deferred) if stage.splitting else 0)
             elif a.kind == sched.SEND_GRAD:
                 sends += box.send_gradients(i, a.peer, grads_in[i])
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)

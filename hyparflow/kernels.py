@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from . import _compat
 
-__all__ = ["Transposed", "eligible", "enabled"]
+__all__ = ["Transposed", "eligible", "enabled", "deferrable", "deferred_call", "weight_grad"]
 
 
 def enabled():
@@ -78,3 +78,53 @@ class Transposed:
         if mask is not None:
             _compat.set_mask(y, mask)  # Dense passes its input's mask on
         return y
+
+
+def deferrable(op, input_dtype):
+    """Whether layer call `op`'s kernel gradient can wait for a later, batched call
+    (a split backward's W): a plain float32 Dense whose kernel nothing but the
+    product reads (no kernel regulariser, whose gradient would come in B)."""
+    return (eligible(op, input_dtype) and op.kernel_regularizer is None
+            and op.kernel.trainable)
+
+
+def deferred_call(op, args, kwargs, z, wt=None):
+    """Dense call `op` for a split backward: `y = act(x @ stop_gradient(W) + b + z)`.
+    `z` is a zero input of the shape of `x @ W`: its gradient is the product's
+    output gradient, which W needs with `x` (returned too) for `x^T dy`. The
+    kernel gets no gradient here; the bias does (cheap, in B). `wt`: the kept
+    `W^T` (`Transposed`), so that the input gradient runs at forward speed."""
+    x = args[0] if args else kwargs["inputs"]
+    mask = _compat.get_mask(x)
+    kernel = tf.stop_gradient(op.kernel.value)
+    flat = tf.reshape(x, (-1, x.shape[-1])) if x.shape.rank != 2 else x
+    if wt is not None:
+        wt_value = wt.wt
+
+        @tf.custom_gradient
+        def product(flat):
+            def grad(dy):
+                return tf.matmul(dy, wt_value)
+            return tf.matmul(flat, kernel), grad
+
+        y = product(flat)
+    else:
+        y = tf.matmul(flat, kernel)
+    if x.shape.rank != 2:
+        y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [kernel.shape[-1]]], 0))
+        y.set_shape(x.shape[:-1].concatenate([kernel.shape[-1]]))
+    y = y + z
+    if op.bias is not None:
+        y = keras.ops.add(y, op.bias.value)
+    if op.activation is not None:
+        y = op.activation(y)
+    if mask is not None:
+        _compat.set_mask(y, mask)
+    return y, x
+
+
+def weight_grad(x, dy):
+    """A deferred Dense kernel's gradient `x^T dy` over all rows (any leading shape)."""
+    flat_x = tf.reshape(x, (-1, x.shape[-1]))
+    flat_dy = tf.reshape(dy, (-1, dy.shape[-1]))
+    return tf.matmul(flat_x, flat_dy, transpose_a=True)
