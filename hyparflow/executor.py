@@ -17,7 +17,11 @@ from . import sparse as _sparse
 from .boundary import Boundary
 from .comm import CommTimeout, timeout_seconds, wait_all
 
-__all__ = ["Executor", "split_batch"]
+__all__ = ["Executor", "split_batch", "AUTO"]
+
+# What schedule="auto" tries, each for two steps (the first traces), before keeping
+# the fastest by the slowest rank's time of its second step.
+AUTO = ("1f1b", "zb-h1", "zb-batched")
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -40,6 +44,12 @@ class Executor:
         self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
         self.stage, self.optimizer = stage, optimizer
         self.schedule, self.num_microbatches = schedule, num_microbatches
+        # schedule="auto": the steps `_trials` plays in turn, and their times.
+        self._trials = [name for name in AUTO for _ in range(2)] if schedule == "auto" else []
+        self._timed = {}
+        self.chosen = None  # what "auto" chose, once it has
+        if schedule == "auto":
+            self.schedule = AUTO[0]
         self.s = topology.stage(comm.rank)
         self.r = topology.replica(comm.rank)
         self.t = topology.tensor(comm.rank)  # messages go to the same tensor rank
@@ -67,7 +77,7 @@ class Executor:
         return self.buckets.groups
 
     def lowered(self, m, training=True):
-        key = (m, training)
+        key = (m, training, self.schedule)
         if key not in self._lowered:
             if training:
                 # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
@@ -96,6 +106,8 @@ class Executor:
         list of index arrays into the data); returns the step's summed loss contribution."""
         start = time.perf_counter()
         contribution = 0.0
+        if self._trials:
+            self.schedule = self._trials[0]
         self.stage.begin_step()
         self.buckets.arm()
         if micro_indices:
@@ -103,7 +115,25 @@ class Executor:
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
         self._allreduce_and_apply()
         self._record("step", "step", start, step=step_id)
+        if self._trials:
+            self._try(time.perf_counter() - start)
         return contribution
+
+    def _try(self, seconds):
+        """schedule="auto": note this step's time under the schedule on trial; after
+        the last trial every rank keeps the schedule whose second step (the first
+        traces) was fastest on the slowest rank (a collective: all ranks step alike).
+        Every schedule trains to the same weights, so trying them costs only time."""
+        self._timed[self._trials.pop(0)] = seconds  # the second step's overwrites
+        if self._trials:
+            return
+        mine = [self._timed[name] for name in AUTO]
+        everyone = self.comm.allgather_obj(mine) if self.comm.size > 1 else [mine]
+        slowest = [max(times[k] for times in everyone) for k in range(len(AUTO))]
+        self.schedule = self.chosen = AUTO[slowest.index(min(slowest))]
+        if self.timeline is not None:
+            self.timeline.add("auto: " + self.chosen, "step", time.perf_counter(),
+                              time.perf_counter(), times=dict(zip(AUTO, slowest)))
 
     def infer(self, kind, micro_indices, batch_size, data):
         """Forward-only pass ("evaluate" or "predict") over this rank's microbatches.

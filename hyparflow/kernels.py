@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from . import _compat
 
-__all__ = ["Transposed", "eligible", "enabled", "deferrable", "deferred_call", "weight_grad"]
+__all__ = ["Transposed", "eligible", "enabled", "deferrable", "deferred_nodes", "deferred_call",
+           "weight_grad"]
 
 
 def enabled():
@@ -86,6 +87,36 @@ def deferrable(op, input_dtype):
     product reads (no kernel regulariser, whose gradient would come in B)."""
     return (eligible(op, input_dtype) and op.kernel_regularizer is None
             and op.kernel.trainable)
+
+
+def deferred_nodes(graph, nodes, exclude=()):
+    """[(node, shape of its output without the batch)]: the Dense calls among `nodes`
+    (not in `exclude`: split over tensor ranks) whose kernel gradient a W can
+    compute. The kernel must be read by this one call of the whole model (a shared
+    layer's or a tied kernel's gradient sums over calls, which B computes), and
+    every dimension but the batch known (W's zero inputs are made to measure)."""
+    if graph.functional is None:
+        return []
+    calls, holders = {}, {}
+    for node in graph.nodes:
+        calls[id(node.op)] = calls.get(id(node.op), 0) + 1
+        for v in getattr(node.op, "trainable_weights", ()):
+            holders.setdefault(id(v), set()).add(id(node.op))
+    out = []
+    for i in nodes:
+        node = graph.nodes[i]
+        op = node.op
+        if i in exclude or len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue
+        if calls[id(op)] != 1 or not deferrable(op, graph.tensors[node.inputs[0]].dtype):
+            continue
+        if holders.get(id(op.kernel)) != {id(op)}:
+            continue
+        shape = tuple(graph.tensors[node.outputs[0]].shape[1:])
+        if any(d is None for d in shape + tuple(graph.tensors[node.inputs[0]].shape[1:])):
+            continue
+        out.append((i, shape))
+    return out
 
 
 def deferred_call(op, args, kwargs, z, wt=None):

@@ -267,9 +267,9 @@ class Runtime:
                 f"{product} = {per_replica * num_replicas} ranks, but {comm.size} were "
                 f"launched. Launch mpiexec -n {per_replica * num_replicas}{hint}."
             )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}. "
-                             f"Received: schedule={schedule!r}")
+        if schedule not in SCHEDULES and schedule != "auto":
+            raise ValueError(f"Unknown schedule {schedule!r}; choose one of "
+                             f"{sorted(SCHEDULES) + ['auto']}. Received: schedule={schedule!r}")
         if training:
             _check_optimizer(model.optimizer, num_stages, num_tensor)
         self.model, self.comm = model, comm

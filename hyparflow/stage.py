@@ -185,34 +185,11 @@ class Stage:
         return out
 
     def _deferrable(self, graph, plan):
-        """The Dense calls of this stage whose kernel gradient W can compute: read by
-        this one call of the whole model (a shared layer's or a tied kernel's
-        gradient sums over calls, which B computes), not split over tensor ranks,
-        with every dimension but the batch known."""
-        if graph.functional is None:
-            return []
-        calls, holders = {}, {}
-        for node in graph.nodes:
-            calls[id(node.op)] = calls.get(id(node.op), 0) + 1
-            for v in getattr(node.op, "trainable_weights", ()):
-                holders.setdefault(id(v), set()).add(id(node.op))
+        """`kernels.deferred_nodes` of this stage, with each kernel's position."""
         positions = {id(v): k for k, v in enumerate(self.trainable)}
-        out = []
-        for i in plan.nodes:
-            node = graph.nodes[i]
-            op = node.op
-            if i in self.shards or len(node.inputs) != 1 or len(node.outputs) != 1:
-                continue
-            if calls[id(op)] != 1 or not kernels.deferrable(op, graph.tensors[node.inputs[0]].dtype):
-                continue
-            if holders.get(id(op.kernel)) != {id(op)} or id(op.kernel) not in positions:
-                continue
-            shape = tuple(graph.tensors[node.outputs[0]].shape[1:])
-            if any(d is None for d in shape) or None in tuple(
-                    graph.tensors[node.inputs[0]].shape[1:]):
-                continue
-            out.append((i, positions[id(op.kernel)], shape))
-        return out
+        return [(i, positions[id(graph.nodes[i].op.kernel)], shape)
+                for i, shape in kernels.deferred_nodes(graph, plan.nodes, self.shards)
+                if id(graph.nodes[i].op.kernel) in positions]
 
     @property
     def splitting(self):

@@ -76,3 +76,90 @@ def test_matches_model_fit(schedule, s, r, m, extra, optimizer, tol):
                           shuffle=False, schedule=schedule, **extra)
     for w, _ in results:
         assert max_diff(w, expected) <= tol
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-batched"])
+def test_tensor_split_layer_beside_deferred_ones(schedule):
+    """T=2: the split layer's kernel gradient comes in B (each rank its part), the
+    other Dense kernels in W."""
+    x, y = data()
+    start, expected = reference("adam", 2)
+    results = train_ranks(lambda: build("adam"), x, y, num_stages=2, num_replicas=1,
+                          num_microbatches=2, weights=start, batch_size=BATCH, epochs=EPOCHS,
+                          shuffle=False, schedule=schedule, num_tensor=2, tensor_layers=["d1"])
+    for w, _ in results:
+        assert max_diff(w, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("schedule,stages", [("zb-batched", 2), ("zb-h1", 3), ("zb-batched", 4)])
+def test_tied_embeddings(schedule, stages):
+    import test_tied
+
+    x, y = test_tied.data()
+    x, y = x[:64], y[:64]
+    model = test_tied.build()
+    start = model.get_weights()
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    results = train_ranks(test_tied.build, x, y, num_stages=stages, num_replicas=1,
+                          num_microbatches=2, weights=start, batch_size=32, epochs=1,
+                          shuffle=False, schedule=schedule)
+    for w, _ in results:
+        assert max_diff(w, model.get_weights()) <= 1e-4
+
+
+def test_deferred_kernels_are_the_plain_dense_calls_read_once():
+    from hyparflow import kernels
+    from hyparflow.graph import from_model
+
+    graph = from_model(build())
+    names = [graph.nodes[i].op.name for i, _ in kernels.deferred_nodes(graph, range(len(graph.nodes)))]
+    # Not "shared" (called twice) nor "reg" (its regulariser's gradient comes in B).
+    assert names == ["d0", "d1", "d2", "logits"]
+
+
+def test_auto_tries_each_schedule_then_keeps_the_fastest(monkeypatch):
+    from hyparflow import executor as ex
+
+    chosen = []
+    tried = []
+    original = ex.Executor._try
+
+    def noting(self, seconds):
+        tried.append(self.schedule)
+        original(self, seconds)
+        if self.chosen is not None and not self._trials and len(chosen) < self.comm.size:
+            chosen.append(self.chosen)
+
+    monkeypatch.setattr(ex.Executor, "_try", noting)
+    x, y = data()
+    start, expected = reference("sgd", 4)
+    results = train_ranks(lambda: build("sgd"), x, y, num_stages=2, num_replicas=1,
+                          num_microbatches=4, weights=start, batch_size=BATCH, epochs=EPOCHS,
+                          shuffle=False, schedule="auto")
+    for w, _ in results:
+        assert max_diff(w, expected) <= 1e-5
+    # Each rank tried every candidate twice, then all agreed on one.
+    assert sorted(tried) == sorted([name for name in ex.AUTO for _ in range(2)] * 2)
+    assert len(chosen) == 2 and chosen[0] == chosen[1] and chosen[0] in ex.AUTO
+
+
+def test_unknown_schedule_is_refused_with_the_choices():
+    x, y = data()
+    with pytest.raises(ValueError, match=r"'zb-h1'.*'auto'.*schedule='zb'"):
+        train_ranks(build, x, y, num_stages=2, num_replicas=1, num_microbatches=2,
+                    weights=build().get_weights(), batch_size=BATCH, schedule="zb")
+
+
+def test_trace_shows_b_and_w_apart(tmp_path):
+    import json
+
+    x, y = data()
+    trace = str(tmp_path / "t.json")
+    train_ranks(build, x[:32], y[:32], num_stages=2, num_replicas=1, num_microbatches=4,
+                weights=build().get_weights(), batch_size=BATCH, epochs=1, shuffle=False,
+                schedule="zb-batched", trace=trace)
+    events = json.load(open(trace))["traceEvents"]
+    weights = [e for e in events if e.get("cat") == "weight"]
+    assert weights and all(e["args"]["layers"] >= 1 for e in weights)
+    assert {e["name"] for e in weights} >= {"W0-3"}
+    assert any(e.get("cat") == "backward" and e["name"].startswith("B") for e in events)
