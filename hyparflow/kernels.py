@@ -81,12 +81,27 @@ class Transposed:
         return y
 
 
+def defer_conv():
+    """HYPARFLOW_DEFER_CONV=1: Conv2D kernels' gradients wait for W too (off by
+    default: see docs/performance.md for what it measured)."""
+    return os.environ.get("HYPARFLOW_DEFER_CONV", "0").strip() == "1"
+
+
+def _plain_conv(op, input_dtype):
+    return (type(op) is keras.layers.Conv2D and op.built and op.groups == 1
+            and not getattr(op, "lora_enabled", False)
+            and getattr(op, "quantization_mode", None) is None
+            and op.activity_regularizer is None and op.compute_dtype == "float32"
+            and op.kernel.dtype == "float32" and input_dtype == "float32")
+
+
 def deferrable(op, input_dtype):
     """Whether layer call `op`'s kernel gradient can wait for a later, batched call
-    (a split backward's W): a plain float32 Dense whose kernel nothing but the
-    product reads (no kernel regulariser, whose gradient would come in B)."""
-    return (eligible(op, input_dtype) and op.kernel_regularizer is None
-            and op.kernel.trainable)
+    (a split backward's W): a plain float32 Dense (or, with `defer_conv`, Conv2D)
+    whose kernel nothing but the product reads (no kernel regulariser, whose
+    gradient would come in B)."""
+    plain = eligible(op, input_dtype) or (defer_conv() and _plain_conv(op, input_dtype))
+    return plain and op.kernel_regularizer is None and op.kernel.trainable
 
 
 def deferred_nodes(graph, nodes, exclude=()):
@@ -128,6 +143,16 @@ def deferred_call(op, args, kwargs, z, wt=None):
     x = args[0] if args else kwargs["inputs"]
     mask = _compat.get_mask(x)
     kernel = tf.stop_gradient(op.kernel.value)
+    if isinstance(op, keras.layers.Conv2D):
+        # As BaseConv.call, with the kernel stopped and z added to the product.
+        y = op.convolution_op(x, kernel) + z
+        if op.use_bias:
+            shape = ((1,) * 3 + (op.filters,) if op.data_format == "channels_last"
+                     else (1, op.filters, 1, 1))
+            y = keras.ops.add(y, keras.ops.reshape(op.bias.value, shape))
+        if op.activation is not None:
+            y = op.activation(y)
+        return y, x
     flat = tf.reshape(x, (-1, x.shape[-1])) if x.shape.rank != 2 else x
     if wt is not None:
         wt_value = wt.wt
@@ -154,8 +179,15 @@ def deferred_call(op, args, kwargs, z, wt=None):
     return y, x
 
 
-def weight_grad(x, dy):
-    """A deferred Dense kernel's gradient `x^T dy` over all rows (any leading shape)."""
+def weight_grad(op, x, dy):
+    """A deferred kernel's gradient over all rows: `x^T dy` for a Dense (any leading
+    shape); a Conv2D's by TensorFlow's filter gradient of its convolution."""
+    if isinstance(op, keras.layers.Conv2D):
+        kernel = op.kernel.value
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            y = op.convolution_op(x, kernel)
+        return tape.gradient(y, kernel, output_gradients=dy)
     flat_x = tf.reshape(x, (-1, x.shape[-1]))
     flat_dy = tf.reshape(dy, (-1, dy.shape[-1]))
     return tf.matmul(flat_x, flat_dy, transpose_a=True)

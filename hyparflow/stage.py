@@ -497,8 +497,10 @@ class Stage:
         dys = [tf.concat([k[1][j] for k in kept], 0) if len(kept) > 1 else kept[0][1][j]
                for j in range(len(self.deferred))]
         if "weights" not in self._functions:
+            ops = [self.graph.nodes[i].op for i, _, _ in self.deferred]
+
             def weights(xs, dys):
-                return [kernels.weight_grad(x, dy) for x, dy in zip(xs, dys)]
+                return [kernels.weight_grad(op, x, dy) for op, x, dy in zip(ops, xs, dys)]
 
             signature = [[tf.TensorSpec((None,) + tuple(x.shape[1:]), tf.float32) for x in xs],
                          [tf.TensorSpec((None,) + shape, tf.float32)

@@ -163,3 +163,30 @@ def test_trace_shows_b_and_w_apart(tmp_path):
     assert weights and all(e["args"]["layers"] >= 1 for e in weights)
     assert {e["name"] for e in weights} >= {"W0-3"}
     assert any(e.get("cat") == "backward" and e["name"].startswith("B") for e in events)
+
+
+@pytest.mark.parametrize("schedule", ["zb-batched", "zb-h1"])
+def test_deferred_convolutions(schedule, monkeypatch):
+    """HYPARFLOW_DEFER_CONV=1: Conv2D kernels (with bias and activation) wait for W too,
+    with a skip connection crossing two stages."""
+    import models
+
+    monkeypatch.setenv("HYPARFLOW_DEFER_CONV", "1")
+    from hyparflow import kernels
+    from hyparflow.graph import from_model
+
+    graph = from_model(models.skip_cnn())
+    kinds = {type(graph.nodes[i].op).__name__
+             for i, _ in kernels.deferred_nodes(graph, range(len(graph.nodes)))}
+    assert kinds == {"Conv2D", "Dense"}
+    x, y = models.skip_cnn_data(48)
+    model = models.skip_cnn()
+    start = model.get_weights()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for s in (2, 3):
+        results = train_ranks(models.skip_cnn, x, y, num_stages=s, num_replicas=1,
+                              num_microbatches=4, weights=start, batch_size=BATCH, epochs=1,
+                              shuffle=False, schedule=schedule,
+                              balance=models.SKIP_CNN_BALANCE[s])
+        for w, _ in results:
+            assert max_diff(w, model.get_weights()) <= 1e-5
