@@ -22,6 +22,7 @@ __all__ = ["Executor", "split_batch", "AUTO"]
 # What schedule="auto" tries, each for two steps (the first traces), before keeping
 # the fastest by the slowest rank's time of its second step.
 AUTO = ("1f1b", "zb-h1", "zb-batched")
+FILL_AT = 2  # microbatches a W filling a wait takes at least (`Executor._fill`)
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -165,6 +166,7 @@ class Executor:
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
                 reqs = box.activation_requests(i, a.peer)
+                self._fill(reqs)
                 while reqs:  # a header first, where shapes are known only at run time
                     self._wait(reqs, timeout)
                     reqs = box.activation_requests(i, a.peer)
@@ -201,7 +203,9 @@ class Executor:
                 sends += box.send_activations(i, a.peer, outs[i], training)
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.RECV_GRAD:
-                self._wait(box.gradient_requests(i, a.peer), timeout)
+                reqs = box.gradient_requests(i, a.peer)
+                self._fill(reqs)
+                self._wait(reqs, timeout)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
                 out_grads = box.gradients(i)
@@ -210,10 +214,11 @@ class Executor:
                 grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
                 self._record(str(a), "backward", start, microbatch=i)
             elif a.kind == sched.W:
-                if stage.splitting:
-                    stage.weight_grads(list(a.microbatches))
-                self._record(str(a), "weight", start, microbatch=i, count=a.count,
-                             layers=len(stage.deferred) if stage.splitting else 0)
+                left = [j for j in a.microbatches if j in stage.waiting]  # not done in a wait
+                if stage.splitting and left:
+                    stage.weight_grads(left)
+                    self._record(str(a), "weight", start, microbatch=left[0], count=len(left),
+                                 layers=len(stage.deferred))
             elif a.kind == sched.SEND_GRAD:
                 sends += box.send_gradients(i, a.peer, grads_in[i])
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
@@ -224,6 +229,25 @@ class Executor:
         self._wait(sends, timeout)
         self._record("send wait", "wait", start)
         return total if training else (total, predictions)
+
+    def _fill(self, reqs):
+        """Where the schedule fills waits with batched W (`schedule.FILLS`): before
+        waiting for a message that has not come, compute the weights of the
+        microbatches waiting for them (at least `FILL_AT`, for products of at least
+        that many microbatches' rows). The static schedule places W by unit times;
+        this puts it where this run's stages actually wait. Which microbatches go
+        into one call then varies with timing, so sums differ by round-off only."""
+        stage = self.stage
+        if (self.schedule not in sched.FILLS or not stage.splitting
+                or len(stage.waiting) < FILL_AT):
+            return
+        if all(r is None or r.test() for r in reqs):
+            return  # it has come: no wait to fill
+        start = time.perf_counter()
+        ids = sorted(stage.waiting)
+        stage.weight_grads(ids)
+        self._record(f"W{ids[0]}-{ids[-1]}", "weight", start, microbatch=ids[0], count=len(ids),
+                     layers=len(stage.deferred), filled=True)
 
     def _sparse_exchanges(self, slices, held):
         """Start gathering each group's sparse pairs; pairs of a variable its group

@@ -23,7 +23,7 @@ __all__ = [
     "Action", "F", "B", "W", "FB", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
     "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "zb_h1", "zb_batched", "forward_only", "build",
     "fuse", "lower", "validate", "simulate", "Simulation", "parse", "format_actions", "SCHEDULES",
-    "SPLIT", "splits",
+    "SPLIT", "FILLS", "splits",
 ]
 
 F, B, W, FB = "F", "B", "W", "FB"
@@ -207,6 +207,9 @@ def forward_only(num_stages, num_microbatches):
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-batched": zb_batched}
 SPLIT = ("zb-h1", "zb-batched")  # schedules whose backward is split into B and W
+# Schedules whose executor also runs W wherever a stage would wait for a message
+# (`Executor._fill`), on top of the W's placed here.
+FILLS = ("zb-batched",)
 
 
 def splits(actions):

@@ -120,6 +120,7 @@ class Stage:
         self.split = False
         self.deferred = self._deferrable(graph, plan)
         self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W
+        self._zero_cache = {}
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
         self._loss_ops = []
@@ -220,10 +221,13 @@ class Stage:
         return signature
 
     def _zeros(self, inputs):
-        """The zero inputs of the `deferred` calls for a microbatch of `inputs`."""
-        rows = tf.shape(inputs[0])[0]
-        return [tf.zeros(tf.concat([[rows], tf.constant(shape, tf.int32)], 0), tf.float32)
-                for _, _, shape in self.deferred]
+        """The zero inputs of the `deferred` calls for a microbatch of `inputs`: made
+        once per row count (they are never written), as making them costs eager ops."""
+        rows = int(inputs[0].shape[0])
+        if rows not in self._zero_cache:
+            self._zero_cache[rows] = [tf.zeros((rows,) + shape, tf.float32)
+                                      for _, _, shape in self.deferred]
+        return self._zero_cache[rows]
 
     def _function(self, kind, has_sample_weight, hooked=(), split=False):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
@@ -252,7 +256,14 @@ class Stage:
             out = self.model(x, training=training)
             return {"opaque": _compat.tree.flatten(out)}
         z_of = {i: z for (i, _, _), z in zip(self.deferred, zs)} if zs is not None else {}
-        values = {id(g.tensors[t].keras_tensor): v for t, v in zip(self.input_ids, inputs)}
+        # Inputs whose gradient nobody wants (data, integer ids) are cut from the
+        # backward: a compiled forward called under a tape gets a backward that makes
+        # every input's gradient, wanted or not (the first Dense layer's `dy @ W^T`,
+        # at the slow `transpose_b` speed, was a third of the MLP's first stage's B).
+        diff = set(self._diff)
+        values = {id(g.tensors[t].keras_tensor): v if k in diff or not v.dtype.is_floating
+                  else tf.stop_gradient(v)
+                  for k, (t, v) in enumerate(zip(self.input_ids, inputs))}
         masks = iter(inputs[len(self.input_ids):])
         for t, present in zip(self.mask_ids, self.presence):
             if present:
@@ -485,6 +496,11 @@ class Stage:
         it = iter(result)
         full = [None if k in deferred else next(it) for k in range(len(self.trainable))]
         return full + list(it)
+
+    @property
+    def waiting(self):
+        """Microbatches whose deferred weight gradients W has yet to compute."""
+        return self._kept.keys()
 
     def weight_grads(self, microbatches):
         """W: the deferred kernels' gradients of `microbatches`, in one call over their
