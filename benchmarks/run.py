@@ -25,8 +25,10 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.path
 # workload -> (global batch, list of (S, R, M, schedule[, T[, extra environment]]))
 PLANS = {
     "mlp": (256, [(1, 2, 1, "gpipe"), (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
-                  (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
-    "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
+                  (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 8, "zb-h1"), (2, 1, 8, "zb-batched"),
+                  (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched")]),
+    "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched"),
+                       (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
     "wide": (64, [(2, 1, 4, "1f1b"), (1, 1, 1, "gpipe", 2), (1, 1, 4, "gpipe", 2)]),
     # data, pipeline, tensor and hybrid (4 ranks on the cores there are)

@@ -261,8 +261,8 @@ class Stage:
         # every input's gradient, wanted or not (the first Dense layer's `dy @ W^T`,
         # at the slow `transpose_b` speed, was a third of the MLP's first stage's B).
         diff = set(self._diff)
-        values = {id(g.tensors[t].keras_tensor): v if k in diff or not v.dtype.is_floating
-                  else tf.stop_gradient(v)
+        values = {id(g.tensors[t].keras_tensor): v
+                  if k in diff or not tf.as_dtype(v.dtype).is_floating else tf.stop_gradient(v)
                   for k, (t, v) in enumerate(zip(self.input_ids, inputs))}
         masks = iter(inputs[len(self.input_ids):])
         for t, present in zip(self.mask_ids, self.presence):
