@@ -26,8 +26,10 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.path
 PLANS = {
     "mlp": (256, [(1, 2, 1, "gpipe"), (1, 2, 1, "gpipe", 1, {"HYPARFLOW_ZERO": "0"}),
                   (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
-                  (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 4, "1f1b")]),
-    "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 8, "1f1b")]),
+                  (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 8, "zb-h1"), (2, 1, 8, "zb-batched"),
+                  (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched")]),
+    "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched"),
+                       (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
     "wide": (64, [(2, 1, 4, "1f1b"), (1, 1, 1, "gpipe", 2), (1, 1, 4, "gpipe", 2)]),
     # data, pipeline, tensor and hybrid (4 ranks on the cores there are)
@@ -48,6 +50,17 @@ def run(cmd, env=None, timeout=3000):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _config(text):
+    """"S,R,M,SCHEDULE[,T[,VAR=VALUE...]]" -> a PLANS entry."""
+    parts = text.split(",")
+    if len(parts) < 4:
+        raise SystemExit(f"--configs wants S,R,M,SCHEDULE[,T[,VAR=VALUE...]]; received {text!r}")
+    s, r, m, schedule = int(parts[0]), int(parts[1]), int(parts[2]), parts[3]
+    t = int(parts[4]) if len(parts) > 4 and "=" not in parts[4] else 1
+    extra = dict(p.split("=", 1) for p in parts[4:] if "=" in p)
+    return (s, r, m, schedule, t, extra)
+
+
 def worker_cmd(*args):
     return [sys.executable, os.path.join(HERE, "worker.py"), *map(str, args)]
 
@@ -60,6 +73,9 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", default=os.path.join(HERE, "results.json"))
     parser.add_argument("--trace-dir", default=None, help="keep the traces (and pictures) here")
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="instead of each workload's own list: S,R,M,SCHEDULE[,T[,VAR=VALUE...]]"
+                             " (e.g. 2,1,8,zb-h1 or 2,1,4,1f1b,1,HYPARFLOW_TRANSPOSED=0)")
     args = parser.parse_args()
     env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     rows, results = [], {}
@@ -67,6 +83,8 @@ def main():
     os.makedirs(trace_dir, exist_ok=True)
     for workload in [w for w in args.only if w in PLANS]:
         batch, configs = PLANS[workload]
+        if args.configs is not None:
+            configs = [_config(c) for c in args.configs]
         base = run(worker_cmd("baseline", workload, batch, args.steps), env)
         cores = os.cpu_count() or 1
         every = run(worker_cmd("baseline", workload, batch, args.steps),

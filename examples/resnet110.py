@@ -74,7 +74,8 @@ def main():
                         help="pipeline stages (default: hyparflow run --stages, else 1)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per replica (default: hyparflow run --microbatches, else 1)")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "zb-batched", "auto"),
+                        default="1f1b")
     parser.add_argument("--balance", choices=("estimate", "time", "params", "memory"),
                         default="estimate", help="how to cut the layers into stages (see docs/planning.md)")
     parser.add_argument("--recompute", action="store_true",

@@ -17,7 +17,12 @@ from . import sparse as _sparse
 from .boundary import Boundary
 from .comm import CommTimeout, timeout_seconds, wait_all
 
-__all__ = ["Executor", "split_batch"]
+__all__ = ["Executor", "split_batch", "AUTO"]
+
+# What schedule="auto" tries, each for two steps (the first traces), before keeping
+# the fastest by the slowest rank's time of its second step.
+AUTO = ("1f1b", "zb-h1", "zb-batched")
+FILL_AT = 2  # microbatches a W filling a wait takes at least (`Executor._fill`)
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -40,6 +45,12 @@ class Executor:
         self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
         self.stage, self.optimizer = stage, optimizer
         self.schedule, self.num_microbatches = schedule, num_microbatches
+        # schedule="auto": the steps `_trials` plays in turn, and their times.
+        self._trials = [name for name in AUTO for _ in range(2)] if schedule == "auto" else []
+        self._timed = {}
+        self.chosen = None  # what "auto" chose, once it has
+        if schedule == "auto":
+            self.schedule = AUTO[0]
         self.s = topology.stage(comm.rank)
         self.r = topology.replica(comm.rank)
         self.t = topology.tensor(comm.rank)  # messages go to the same tensor rank
@@ -71,13 +82,16 @@ class Executor:
         return self.buckets.groups
 
     def lowered(self, m, training=True):
-        key = (m, training)
+        key = (m, training, self.schedule)
         if key not in self._lowered:
             if training:
                 # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
                 # the same order as GPipe's, and lets each backward fuse with its forward.
                 name = "1f1b" if self.topo.num_stages == 1 else self.schedule
                 compute = sched.build(name, self.topo.num_stages, m)
+                # The last stage's forward and backward of a microbatch in one call
+                # where the schedule has them back to back (the planner reads the same).
+                compute = sched.fuse(compute, self._dests, self.stage.recompute)
             else:
                 compute = sched.forward_only(self.topo.num_stages, m)
             lowered = sched.lower(compute, self._sources, self._dests)
@@ -97,6 +111,8 @@ class Executor:
         list of index arrays into the data); returns the step's summed loss contribution."""
         start = time.perf_counter()
         contribution = 0.0
+        if self._trials:
+            self.schedule = self._trials[0]
         self.stage.begin_step()
         self.buckets.arm()
         if micro_indices:
@@ -104,7 +120,25 @@ class Executor:
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
         self._allreduce_and_apply()
         self._record("step", "step", start, step=step_id)
+        if self._trials:
+            self._try(time.perf_counter() - start)
         return contribution
+
+    def _try(self, seconds):
+        """schedule="auto": note this step's time under the schedule on trial; after
+        the last trial every rank keeps the schedule whose second step (the first
+        traces) was fastest on the slowest rank (a collective: all ranks step alike).
+        Every schedule trains to the same weights, so trying them costs only time."""
+        self._timed[self._trials.pop(0)] = seconds  # the second step's overwrites
+        if self._trials:
+            return
+        mine = [self._timed[name] for name in AUTO]
+        everyone = self.comm.allgather_obj(mine) if self.comm.size > 1 else [mine]
+        slowest = [max(times[k] for times in everyone) for k in range(len(AUTO))]
+        self.schedule = self.chosen = AUTO[slowest.index(min(slowest))]
+        if self.timeline is not None:
+            self.timeline.add("auto: " + self.chosen, "step", time.perf_counter(),
+                              time.perf_counter(), times=dict(zip(AUTO, slowest)))
 
     def infer(self, kind, micro_indices, batch_size, data):
         """Forward-only pass ("evaluate" or "predict") over this rank's microbatches.
@@ -123,24 +157,25 @@ class Executor:
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
         actions = self.lowered(len(micro_indices), training)
-        fused = set()
+        # Split backward (W actions): B leaves the deferred kernels' gradients to W.
+        stage.split = training and sched.splits(actions)
         # The step's last backward reports gradients as it makes them, so that
         # allreduces start early (only when they are shared: hooks cost a little).
+        # Kernels a W computes never report: their buckets start after the step's W's.
         hooked = training and self.stage.on_arrival is not None and bool(self.stage.hooks)
-        last = max((a.microbatch for a in actions if a.kind == sched.B), default=None)
-        for position, a in enumerate(actions):
+        last = max((a.microbatch for a in actions if a.kind in (sched.B, sched.FB)), default=None)
+        for a in actions:
             i = a.microbatch
-            if a.kind == sched.B and i in fused:
-                continue  # done together with its forward
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
                 reqs = box.activation_requests(i, a.peer)
+                self._fill(reqs)
                 while reqs:  # a header first, where shapes are known only at run time
                     self._wait(reqs, timeout)
                     reqs = box.activation_requests(i, a.peer)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
-            elif a.kind == sched.F:
+            elif a.kind in (sched.F, sched.FB):
                 idx = micro_indices[i]
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
                 received, masks = box.activations(i)
@@ -150,15 +185,12 @@ class Executor:
                     y = [leaf[idx] for leaf in data.y]
                     sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
                 share = len(idx) / batch_size
-                follows = actions[position + 1] if position + 1 < len(actions) else None
-                if (training and stage.is_last and not stage.recompute and follows is not None
-                        and follows.kind == sched.B and follows.microbatch == i):
+                if a.kind == sched.FB:
                     grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
                                                       hooked=hooked and i == last)
                     grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
-                    fused.add(i)
                     out = []
-                    self._record(str(a) + "+B", "backward", start, microbatch=i)
+                    self._record(str(a), "backward", start, microbatch=i)
                 elif training:
                     out, c = stage.forward(i, inputs, y, sw, share=share,
                                            seed=(seed, first_id + i), hooked=hooked and i == last)
@@ -169,13 +201,15 @@ class Executor:
                 outs[i] = {t: o.numpy() for t, o in zip(
                     stage.output_ids + [("mask", t) for t in stage.output_mask_ids], out)}
                 total += float(c)
-                if i not in fused:
+                if a.kind == sched.F:
                     self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
                 sends += box.send_activations(i, a.peer, outs[i], training)
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.RECV_GRAD:
-                self._wait(box.gradient_requests(i, a.peer), timeout)
+                reqs = box.gradient_requests(i, a.peer)
+                self._fill(reqs)
+                self._wait(reqs, timeout)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
                 out_grads = box.gradients(i)
@@ -183,6 +217,12 @@ class Executor:
                 grads = stage.backward(i, out_grads)
                 grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
                 self._record(str(a), "backward", start, microbatch=i)
+            elif a.kind == sched.W:
+                left = [j for j in a.microbatches if j in stage.waiting]  # not done in a wait
+                if stage.splitting and left:
+                    stage.weight_grads(left)
+                    self._record(str(a), "weight", start, microbatch=left[0], count=len(left),
+                                 layers=len(stage.deferred))
             elif a.kind == sched.SEND_GRAD:
                 sends += box.send_gradients(i, a.peer, grads_in[i])
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
@@ -193,6 +233,25 @@ class Executor:
         self._wait(sends, timeout)
         self._record("send wait", "wait", start)
         return total if training else (total, predictions)
+
+    def _fill(self, reqs):
+        """Where the schedule fills waits with batched W (`schedule.FILLS`): before
+        waiting for a message that has not come, compute the weights of the
+        microbatches waiting for them (at least `FILL_AT`, for products of at least
+        that many microbatches' rows). The static schedule places W by unit times;
+        this puts it where this run's stages actually wait. Which microbatches go
+        into one call then varies with timing, so sums differ by round-off only."""
+        stage = self.stage
+        if (self.schedule not in sched.FILLS or not stage.splitting
+                or len(stage.waiting) < FILL_AT):
+            return
+        if all(r is None or r.test() for r in reqs):
+            return  # it has come: no wait to fill
+        start = time.perf_counter()
+        ids = sorted(stage.waiting)
+        stage.weight_grads(ids)
+        self._record(f"W{ids[0]}-{ids[-1]}", "weight", start, microbatch=ids[0], count=len(ids),
+                     layers=len(stage.deferred), filled=True)
 
     def _sparse_exchanges(self, slices, held):
         """Start gathering each group's sparse pairs; pairs of a variable its group

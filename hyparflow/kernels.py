@@ -21,7 +21,8 @@ import tensorflow as tf
 from . import _compat
 from . import settings
 
-__all__ = ["Transposed", "eligible", "enabled"]
+__all__ = ["Transposed", "eligible", "enabled", "deferrable", "deferred_nodes", "deferred_call",
+           "weight_grad"]
 
 
 def enabled():
@@ -78,3 +79,115 @@ class Transposed:
         if mask is not None:
             _compat.set_mask(y, mask)  # Dense passes its input's mask on
         return y
+
+
+def defer_conv():
+    """HYPARFLOW_DEFER_CONV=1: Conv2D kernels' gradients wait for W too (off by
+    default: see docs/performance.md for what it measured)."""
+    return settings.defer_conv()
+
+
+def _plain_conv(op, input_dtype):
+    return (type(op) is keras.layers.Conv2D and op.built and op.groups == 1
+            and not getattr(op, "lora_enabled", False)
+            and getattr(op, "quantization_mode", None) is None
+            and op.activity_regularizer is None and op.compute_dtype == "float32"
+            and op.kernel.dtype == "float32" and input_dtype == "float32")
+
+
+def deferrable(op, input_dtype):
+    """Whether layer call `op`'s kernel gradient can wait for a later, batched call
+    (a split backward's W): a plain float32 Dense (or, with `defer_conv`, Conv2D)
+    whose kernel nothing but the product reads (no kernel regulariser, whose
+    gradient would come in B)."""
+    plain = eligible(op, input_dtype) or (defer_conv() and _plain_conv(op, input_dtype))
+    return plain and op.kernel_regularizer is None and op.kernel.trainable
+
+
+def deferred_nodes(graph, nodes, exclude=()):
+    """[(node, shape of its output without the batch)]: the Dense calls among `nodes`
+    (not in `exclude`: split over tensor ranks) whose kernel gradient a W can
+    compute. The kernel must be read by this one call of the whole model (a shared
+    layer's or a tied kernel's gradient sums over calls, which B computes), and
+    every dimension but the batch known (W's zero inputs are made to measure)."""
+    if graph.functional is None:
+        return []
+    calls, holders = {}, {}
+    for node in graph.nodes:
+        calls[id(node.op)] = calls.get(id(node.op), 0) + 1
+        for v in getattr(node.op, "trainable_weights", ()):
+            holders.setdefault(id(v), set()).add(id(node.op))
+    out = []
+    for i in nodes:
+        node = graph.nodes[i]
+        op = node.op
+        if i in exclude or len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue
+        if calls[id(op)] != 1 or not deferrable(op, graph.tensors[node.inputs[0]].dtype):
+            continue
+        if holders.get(id(op.kernel)) != {id(op)}:
+            continue
+        shape = tuple(graph.tensors[node.outputs[0]].shape[1:])
+        if any(d is None for d in shape + tuple(graph.tensors[node.inputs[0]].shape[1:])):
+            continue
+        out.append((i, shape))
+    return out
+
+
+def deferred_call(op, args, kwargs, z, wt=None):
+    """Dense call `op` for a split backward: `y = act(x @ stop_gradient(W) + b + z)`.
+    `z` is a zero input of the shape of `x @ W`: its gradient is the product's
+    output gradient, which W needs with `x` (returned too) for `x^T dy`. The
+    kernel gets no gradient here; the bias does (cheap, in B). `wt`: the kept
+    `W^T` (`Transposed`), so that the input gradient runs at forward speed."""
+    x = args[0] if args else kwargs["inputs"]
+    mask = _compat.get_mask(x)
+    kernel = tf.stop_gradient(op.kernel.value)
+    if isinstance(op, keras.layers.Conv2D):
+        # As BaseConv.call, with the kernel stopped and z added to the product.
+        y = op.convolution_op(x, kernel) + z
+        if op.use_bias:
+            shape = ((1,) * 3 + (op.filters,) if op.data_format == "channels_last"
+                     else (1, op.filters, 1, 1))
+            y = keras.ops.add(y, keras.ops.reshape(op.bias.value, shape))
+        if op.activation is not None:
+            y = op.activation(y)
+        return y, x
+    flat = tf.reshape(x, (-1, x.shape[-1])) if x.shape.rank != 2 else x
+    if wt is not None:
+        wt_value = wt.wt
+
+        @tf.custom_gradient
+        def product(flat):
+            def grad(dy):
+                return tf.matmul(dy, wt_value)
+            return tf.matmul(flat, kernel), grad
+
+        y = product(flat)
+    else:
+        y = tf.matmul(flat, kernel)
+    if x.shape.rank != 2:
+        y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [kernel.shape[-1]]], 0))
+        y.set_shape(x.shape[:-1].concatenate([kernel.shape[-1]]))
+    y = y + z
+    if op.bias is not None:
+        y = keras.ops.add(y, op.bias.value)
+    if op.activation is not None:
+        y = op.activation(y)
+    if mask is not None:
+        _compat.set_mask(y, mask)
+    return y, x
+
+
+def weight_grad(op, x, dy):
+    """A deferred kernel's gradient over all rows: `x^T dy` for a Dense (any leading
+    shape); a Conv2D's by TensorFlow's filter gradient of its convolution."""
+    if isinstance(op, keras.layers.Conv2D):
+        kernel = op.kernel.value
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            y = op.convolution_op(x, kernel)
+        return tape.gradient(y, kernel, output_gradients=dy)
+    flat_x = tf.reshape(x, (-1, x.shape[-1]))
+    flat_dy = tf.reshape(dy, (-1, dy.shape[-1]))
+    return tf.matmul(flat_x, flat_dy, transpose_a=True)

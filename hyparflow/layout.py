@@ -51,9 +51,10 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in SCHEDULES and self.schedule != "auto":
             raise ValueError(f"Unknown schedule {self.schedule!r}; choose one of "
-                             f"{sorted(SCHEDULES)}. Received: schedule={self.schedule!r}")
+                             f"{sorted(SCHEDULES) + ['auto']}. "
+                             f"Received: schedule={self.schedule!r}")
 
     @property
     def pipeline(self) -> int:

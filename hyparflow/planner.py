@@ -192,10 +192,31 @@ def _work_and_wait(every, one, slowdown, ranks, num_tensor):
     return work, max(every - work * many, 0.0)
 
 
-def _fused(s, stages, schedule):
-    """Whether stage `s` runs forward and backward in one call: the last stage under
-    1F1B, or a stage alone; every other stage keeps a tape between its two calls."""
-    return s == stages - 1 and (schedule == "1f1b" or stages == 1)
+def _fused(s, stages, schedule, micro=2):
+    """Whether stage `s` runs forward and backward in one call: where the schedule
+    says so (`schedule.fuse`, which the executor reads too: the last stage under
+    1F1B, or GPipe with one microbatch, or a stage alone)."""
+    from . import schedule as sched
+
+    name = "1f1b" if stages == 1 else schedule
+    dests = [[k + 1] if k < stages - 1 else [] for k in range(stages)]
+    return any(a.kind == sched.FB for a in sched.fuse(sched.build(name, stages, micro), dests)[s])
+
+
+def _weights_share(graph, rows, nodes, m):
+    """(share of the stage's backward that its deferred kernels' weight gradients
+    take, a function k -> time of k microbatches' W over one microbatch's): by the
+    layers' profiles, a Dense call's backward being two products of its forward's
+    size, one of them the weight gradient's; the profile's fixed cost per call is
+    paid once by a batched W."""
+    from . import kernels
+
+    deferred = [i for i, _ in kernels.deferred_nodes(graph, nodes)]
+    whole = sum(rows[i][0] + rows[i][1] * m for i in nodes)
+    mine = sum(rows[i][0] + rows[i][1] * m for i in deferred) / 3
+    one = max(mine, 1e-30)
+    share = min(mine / max(2 * whole / 3, 1e-30), 1.0)
+    return share, lambda k: sum(rows[i][0] + rows[i][1] * m * k for i in deferred) / 3 / one
 
 
 def _thirds(*pairs):
@@ -347,7 +368,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # exchanges do not. Of a time `every` with all the ranks busy and `one` with
         # T of them: work * slowdown(busy) + wait, fitted through both.
         for s in range(stages):
-            fused = _fused(s, stages, schedule)
+            fused = _fused(s, stages, schedule, micro)
             f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
             if fused:
                 f, b, f1, b1 = _thirds((f, b), (f1, b1))
@@ -358,7 +379,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             exchange_f[s] = exchange_b[s] = 0.0
     elif stage_timer is not None and num_tensor == 1:
         for s in range(stages):
-            fused = _fused(s, stages, schedule)
+            fused = _fused(s, stages, schedule, micro)
             f, b = stage_timer(counts, s, m, fused)
             if fused:
                 f, b = _thirds((f, b))
@@ -366,15 +387,24 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     elif stage_costs:
         at = lambda key: interpolate(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
-            if not _fused(s, stages, schedule):
+            if not _fused(s, stages, schedule, micro):
                 whole = work[s] * at("taped")  # the summing of gradients included
                 forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
             else:
                 backward[s] += share * params[s] * stage_costs["add_s_per_byte"]
+    weight = [0.0] * stages
+    batched = [lambda k: float(k)] * stages
+    if schedule in sched.SPLIT:
+        # B leaves the deferred kernels' weight gradients to W: its share of the backward.
+        for s, (a, c) in enumerate(zip(starts, counts)):
+            nodes = [i for i in range(a, a + c) if i not in split]
+            part_w, batched[s] = _weights_share(graph, rows, nodes, m)
+            weight[s], backward[s] = backward[s] * part_w, backward[s] * (1 - part_w)
     per_stage_f = [c + s + x for c, s, x in zip(forward, send, exchange_f)]
     per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
-    lowered = sched.lower(sched.build(schedule, stages, micro),
-                          [p.sources for p in part.stages], [p.dests for p in part.stages])
+    dests = [p.dests for p in part.stages]
+    lowered = sched.lower(sched.fuse(sched.build(schedule, stages, micro), dests),
+                          [p.sources for p in part.stages], dests)
     across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
     reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
     # Each stage's allreduce and optimizer step follow its own last backward, while
@@ -383,7 +413,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     # work alone is that time over the slowdown of all the ranks computing.
     tail = reduce if slowdown is None else [r / slowdown(on_node) for r in reduce]
     sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
-                         network.wait, tail, waits)
+                         network.wait, tail, waits,
+                         weight_time=lambda s, k: weight[s] * batched[s](k))
     step = sim.finish
     memory = []
     for s, (a, c) in enumerate(zip(starts, counts)):
@@ -391,6 +422,13 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / div(i)
                           for i in range(a, a + c)) +
                       sum(rows[i].activation_bytes for i in range(a, a + c)) * m * in_flight)
+        if schedule in sched.SPLIT:
+            # Kept for W: each deferred call's input and output gradient, per microbatch.
+            from . import kernels
+            kept = sum(4 * (_elements(graph, graph.nodes[i].inputs[0])
+                            + _elements(graph, graph.nodes[i].outputs[0]))
+                       for i, _ in kernels.deferred_nodes(graph, range(a, a + c)))
+            memory[-1] += kept * m * sim.peak_kept[s]
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
             "comm_s": max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b)) * micro
             + max(network.allreduce(p, replicas, across) for p in params),
@@ -399,7 +437,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
-           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b"), ranks_per_node=None,
+           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b", "zb-h1", "zb-batched"),
+           ranks_per_node=None,
            cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
@@ -427,7 +466,8 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
         # Every stage the plans time, timed together: those with split layers in one
         # run under mpiexec, the others in passes over all of them.
         splits = getattr(stage_timer, "splits", False)
-        stage_timer.prepare([(list(c.balance), s, _fused(s, c.num_stages, c.schedule),
+        stage_timer.prepare([(list(c.balance), s,
+                              _fused(s, c.num_stages, c.schedule, c.num_microbatches),
                               c.num_tensor)
                              for c in candidates if c.num_tensor == 1 or splits
                              for s in range(c.num_stages)])
@@ -494,8 +534,8 @@ def main(argv=None):
     parser.add_argument("--cores", type=int, default=os.cpu_count(),
                         help="cores per node (ranks beyond them share cores)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                        choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zb-h1", "zb-batched"],
+                        choices=["gpipe", "1f1b", "zb-h1", "zb-batched"])
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "

@@ -1,21 +1,32 @@
 """Pipeline schedules as plain data: builders, lowering, validation, simulation.
 
 A schedule is, for each stage, an ordered list of `Action`s. Builders
-(`gpipe`, `one_f_one_b`) give compute-only lists (`F`/`B`); `lower` inserts the
-communication for a given stage graph and closes the step with `ALLREDUCE`
-and `STEP`; `validate` and `simulate` check the result without MPI or
-TensorFlow. Short string forms ("F0 F1 B0 B1") keep tests readable.
+(`gpipe`, `one_f_one_b`, `zb_h1`, `zb_batched`) give compute-only lists;
+`fuse` turns a forward followed at once by its backward on a stage that sends
+nothing into one `FB` action (one compiled call; the executor and the planner
+both read it); `lower` inserts the communication for a given stage graph and
+closes the step with `ALLREDUCE` and `STEP`; `validate` and `simulate` check
+the result without MPI or TensorFlow. Short string forms ("F0 F1 B0 B1") keep
+tests readable.
+
+Split backward (the zero-bubble schedules of Qi et al., ICLR 2024): `B` then
+computes only what the stage's inputs need (sent upstream at once) and keeps,
+for the layers whose weight gradients can wait, their inputs and output
+gradients; `W` computes those weight gradients later, for one microbatch
+(`W3`) or for several at once over their concatenated rows (`W0-3`: 0 to 3),
+where the products run at the size the kernels are fast at.
 """
 
 from dataclasses import dataclass
 
 __all__ = [
-    "Action", "F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
-    "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "forward_only", "build", "lower", "validate",
-    "simulate", "Simulation", "parse", "format_actions", "SCHEDULES",
+    "Action", "F", "B", "W", "FB", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
+    "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "zb_h1", "zb_batched", "forward_only", "build",
+    "fuse", "lower", "validate", "simulate", "Simulation", "parse", "format_actions", "SCHEDULES",
+    "SPLIT", "FILLS", "splits",
 ]
 
-F, B = "F", "B"
+F, B, W, FB = "F", "B", "W", "FB"
 SEND_ACT, RECV_ACT = "SEND_ACT", "RECV_ACT"
 SEND_GRAD, RECV_GRAD = "SEND_GRAD", "RECV_GRAD"
 ALLREDUCE, STEP = "ALLREDUCE", "STEP"
@@ -31,9 +42,16 @@ class Action:
     kind: str
     microbatch: int = -1
     peer: int = -1
+    count: int = 1  # W: microbatches microbatch .. microbatch + count - 1 in one call
+
+    @property
+    def microbatches(self):
+        return range(self.microbatch, self.microbatch + self.count)
 
     def __str__(self):
-        if self.kind in (F, B):
+        if self.kind == W and self.count > 1:
+            return f"W{self.microbatch}-{self.microbatch + self.count - 1}"
+        if self.kind in (F, B, W, FB):
             return f"{self.kind}{self.microbatch}"
         if self.kind in _SHORT:
             return f"{_SHORT[self.kind]}{self.microbatch}@{self.peer}"
@@ -46,7 +64,12 @@ def parse(text):
     for word in text.split():
         if word in (ALLREDUCE, STEP):
             actions.append(Action(word))
-        elif word[0] in (F, B) and word[1:].isdigit():
+        elif word[:2] == FB and word[2:].isdigit():
+            actions.append(Action(FB, int(word[2:])))
+        elif word[0] == W and "-" in word and all(p.isdigit() for p in word[1:].split("-")):
+            first, last = map(int, word[1:].split("-"))
+            actions.append(Action(W, first, count=last - first + 1))
+        elif word[0] in (F, B, W) and word[1:].isdigit():
             actions.append(Action(word[0], int(word[1:])))
         elif word[:2] in _LONG and "@" in word:
             micro, peer = word[2:].split("@")
@@ -97,16 +120,133 @@ def one_f_one_b(num_stages, num_microbatches):
     return lists
 
 
+def _greedy(num_stages, num_microbatches, batch_w):
+    """A split-backward schedule found by playing the pipeline with unit-time F, B
+    and W (as Qi et al. build theirs). Each stage, when it can, starts what can
+    start earliest, B before F before W at equal times: the oldest B whose gradient
+    has come; the next F while fewer than S - s microbatches are alive on stage s;
+    deferred W work.
+
+    Without `batch_w` (ZB-H1) a microbatch is alive from its F to its W (1F1B's
+    memory) and each W is one microbatch's. With `batch_w` it is alive from F to B
+    (1F1B's tapes), and W runs only when the stage would otherwise wait (or has
+    nothing else left), for every microbatch waiting, in one call.
+
+    B's come in microbatch order on every stage, as with `gpipe` and `one_f_one_b`,
+    so the inputs' gradients sum in the same order."""
+    S, M = num_stages, num_microbatches
+    lists = [[] for _ in range(S)]
+    free = [0] * S                             # when each stage is next free
+    f_end = [[None] * M for _ in range(S)]
+    b_end = [[None] * M for _ in range(S)]
+    nf, nb, nw = [0] * S, [0] * S, [0] * S
+    while any(nw[s] < M for s in range(S)):
+        best = None  # (start, priority, stage, kind)
+        for s in range(S):
+            options = []
+            if nb[s] < nf[s]:
+                ready = b_end[s + 1][nb[s]] if s + 1 < S else f_end[s][nb[s]]
+                if ready is not None:
+                    options.append((max(free[s], ready), 0, s, B))
+            alive = nf[s] - (nb[s] if batch_w else nw[s])
+            if nf[s] < M and alive < S - s:
+                ready = f_end[s - 1][nf[s]] if s > 0 else 0
+                if ready is not None:
+                    options.append((max(free[s], ready), 1, s, F))
+            if nw[s] < nb[s]:
+                soonest = min((o[0] for o in options), default=None)
+                if not batch_w or soonest is None or soonest > free[s]:
+                    options.append((free[s], 2, s, W))
+            for o in options:
+                if best is None or o[:3] < best[:3]:
+                    best = o
+        if best is None:
+            raise RuntimeError("no stage can move")  # cannot happen: B's always come
+        start, _, s, kind = best
+        length = 1
+        if kind == B:
+            lists[s].append(Action(B, nb[s]))
+            b_end[s][nb[s]] = start + 1
+            nb[s] += 1
+        elif kind == F:
+            lists[s].append(Action(F, nf[s]))
+            f_end[s][nf[s]] = start + 1
+            nf[s] += 1
+        else:
+            length = nb[s] - nw[s] if batch_w else 1
+            lists[s].append(Action(W, nw[s], count=length))
+            nw[s] += length
+        free[s] = start + length
+    return lists
+
+
+def zb_h1(num_stages, num_microbatches):
+    """ZB-H1 (Qi et al.): 1F1B with each backward split into B and W, W filling
+    the waits. At most S - s microbatches alive on stage s from F to W, as
+    1F1B's activations from F to B."""
+    _check_sizes(num_stages, num_microbatches)
+    return _greedy(num_stages, num_microbatches, batch_w=False)
+
+
+def zb_batched(num_stages, num_microbatches):
+    """Zero-bubble with batched W: F's and B's with 1F1B's bound (at most S - s
+    microbatches' tapes alive on stage s), and W only where the stage would wait
+    (and at its end), for every microbatch waiting, in one call over their
+    concatenated rows. Costs, besides 1F1B's memory, the kept inputs and output
+    gradients of the deferred layers for up to M microbatches (the replica's
+    batch)."""
+    _check_sizes(num_stages, num_microbatches)
+    return _greedy(num_stages, num_microbatches, batch_w=True)
+
+
 def forward_only(num_stages, num_microbatches):
     """Inference: every stage forwards each microbatch in order, no backward."""
     _check_sizes(num_stages, num_microbatches)
     return [[Action(F, i) for i in range(num_microbatches)] for _ in range(num_stages)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-batched": zb_batched}
+SPLIT = ("zb-h1", "zb-batched")  # schedules whose backward is split into B and W
+# Schedules whose executor also runs W wherever a stage would wait for a message
+# (`Executor._fill`), on top of the W's placed here.
+FILLS = ("zb-batched",)
+
+
+def splits(actions):
+    """Whether a stage's list splits its backward (has W actions)."""
+    return any(a.kind == W for a in actions)
+
+
+def fuse(compute, dests, recompute=False):
+    """Replace, on each stage that sends no activations (the last), every F followed
+    at once by the B of the same microbatch with one `FB` action: forward and
+    backward in one compiled call, no tape kept between two calls. Not with
+    `recompute` (whose point is to keep no forward's intermediates across calls;
+    fused, a stage keeps them only inside the call, so fusing would be allowed, but
+    the recomputed backward is what the user asked to measure)."""
+    if recompute:
+        return [list(a) for a in compute]
+    out = []
+    for s, actions in enumerate(compute):
+        if dests[s]:
+            out.append(list(actions))
+            continue
+        fused, k = [], 0
+        while k < len(actions):
+            a = actions[k]
+            nxt = actions[k + 1] if k + 1 < len(actions) else None
+            if a.kind == F and nxt is not None and nxt.kind == B and nxt.microbatch == a.microbatch:
+                fused.append(Action(FB, a.microbatch))
+                k += 2
+            else:
+                fused.append(a)
+                k += 1
+        out.append(fused)
+    return out
 
 
 def build(name, num_stages, num_microbatches):
+    """Compute-only lists of schedule `name` (F, B and, for split schedules, W)."""
     try:
         builder = SCHEDULES[name]
     except KeyError:
@@ -138,6 +278,11 @@ def lower(compute, sources, dests):
                 out += [Action(RECV_GRAD, a.microbatch, p) for p in dests[s]]
                 out.append(a)
                 out += [Action(SEND_GRAD, a.microbatch, p) for p in sources[s]]
+            elif a.kind == FB:
+                out += [Action(RECV_ACT, a.microbatch, p) for p in sources[s]]
+                out += [Action(RECV_GRAD, a.microbatch, p) for p in dests[s]]
+                out.append(a)
+                out += [Action(SEND_GRAD, a.microbatch, p) for p in sources[s]]
             else:
                 out.append(a)
         lowered.append(out + [Action(ALLREDUCE), Action(STEP)])
@@ -147,21 +292,29 @@ def lower(compute, sources, dests):
 def validate(lowered, num_microbatches, backward=True):
     """Raise ValueError unless every stage forwards and (with `backward`) backwards
     each microbatch once, backward after forward, and every receive has a
-    matching send."""
+    matching send. A stage that splits its backward (W actions) computes the
+    weights of every microbatch once, each after its B."""
     sends, recvs = {}, {}
     for s, actions in enumerate(lowered):
-        done_f, done_b = set(), set()
+        done_f, done_b, done_w = set(), set(), set()
         for a in actions:
-            if a.kind == F:
+            if a.kind in (F, FB):
                 if a.microbatch in done_f:
                     raise ValueError(f"stage {s}: microbatch {a.microbatch} forwarded twice")
                 done_f.add(a.microbatch)
-            elif a.kind == B:
+            if a.kind in (B, FB):
                 if a.microbatch not in done_f:
                     raise ValueError(f"stage {s}: backward of {a.microbatch} before its forward")
                 if a.microbatch in done_b:
                     raise ValueError(f"stage {s}: microbatch {a.microbatch} backwarded twice")
                 done_b.add(a.microbatch)
+            elif a.kind == W:
+                for i in a.microbatches:
+                    if i not in done_b:
+                        raise ValueError(f"stage {s}: weights of {i} ({a}) before its B")
+                    if i in done_w:
+                        raise ValueError(f"stage {s}: weights of {i} computed twice ({a})")
+                    done_w.add(i)
             elif a.kind in (SEND_ACT, SEND_GRAD):
                 kind = "act" if a.kind == SEND_ACT else "grad"
                 sends.setdefault((kind, s, a.peer, a.microbatch), 0)
@@ -176,6 +329,9 @@ def validate(lowered, num_microbatches, backward=True):
                 f"stage {s}: forwards {sorted(done_f)} and backwards {sorted(done_b)} "
                 f"must each be {sorted(expected)}"
             )
+        if done_w and done_w != expected:
+            raise ValueError(f"stage {s}: weights of {sorted(done_w)} computed; a stage that "
+                             f"splits its backward must compute them for {sorted(expected)}")
     if sends != recvs:
         unmatched = sorted(set(sends.items()) ^ set(recvs.items()))
         raise ValueError(f"sends and receives do not match: {unmatched[:5]}")
@@ -191,6 +347,7 @@ class Simulation:
     bubble: float
     peak_activations: list
     finish: float = None  # with every stage's tail (None: no tails, the makespan)
+    peak_kept: list = None  # microbatches between B and W (split backward) at most
 
     def __post_init__(self):
         if self.finish is None:
@@ -202,11 +359,14 @@ class Simulation:
 
 
 def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
-             latency=0.0, tail=None, waits=None):
+             latency=0.0, tail=None, waits=None, weight_time=0.0):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
-    `forward_time` / `backward_time`: one number for every stage, or a list
-    with one per stage. Raises RuntimeError on deadlock (no stage can move).
+    `forward_time` / `backward_time` / `weight_time`: one number for every
+    stage, or a list with one per stage. A `B` takes `backward_time`, an `FB`
+    forward and backward time; a `W` of k microbatches takes `weight_time(s, k)`
+    when it is a function, else k times the number (so for a split schedule,
+    `backward_time` is B's share of the backward only). Raises RuntimeError on deadlock (no stage can move).
     Sends take no time (a caller adds their cost to the sender's times), and a
     message is there as soon as it is sent unless `latency` says otherwise;
     ALLREDUCE and STEP take no time.
@@ -236,8 +396,16 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
     tails = list(tail) if tail is not None else [0.0] * n
     waits = list(waits) if waits is not None else [(0.0, 0.0)] * n
+    if callable(weight_time):
+        w_cost = weight_time
+    else:
+        w_times = list(weight_time) if isinstance(weight_time, (list, tuple)) else [weight_time] * n
+        w_cost = lambda s, k: k * w_times[s]  # noqa: E731
+    kept = _kept(lowered)
     if slowdown is not None:
-        return _shared(lowered, f_times, b_times, slowdown, copies, latency, tails, waits)
+        sim = _shared(lowered, f_times, b_times, slowdown, copies, latency, tails, waits, w_cost)
+        sim.peak_kept = kept
+        return sim
     f_times = [f + w[0] for f, w in zip(f_times, waits)]
     b_times = [b + w[1] for b, w in zip(b_times, waits)]
     pos = [0] * n
@@ -258,12 +426,12 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
                     clock[s] = max(clock[s], sent[key])
                 elif a.kind in (SEND_ACT, SEND_GRAD):
                     sent[_message(a, s)] = clock[s] + latency
-                elif a.kind in (F, B):
-                    cost = f_times[s] if a.kind == F else b_times[s]
+                elif a.kind in (F, B, FB, W):
+                    cost = _cost(a, s, f_times, b_times, w_cost)
                     clock[s] += cost
                     busy[s] += cost
-                    alive[s] += 1 if a.kind == F else -1
-                    peak[s] = max(peak[s], alive[s])
+                    alive[s] += {F: 1, B: -1}.get(a.kind, 0)
+                    peak[s] = max(peak[s], alive[s] + (a.kind == FB))
                 pos[s] += 1
                 moved = True
         if not moved:
@@ -272,7 +440,33 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     makespan = max(clock) if clock else 0.0
     bubble = 1.0 - sum(busy) / (n * makespan) if makespan else 0.0
     finish = max((c + t for c, t in zip(clock, tails)), default=0.0)
-    return Simulation(makespan, busy, bubble, peak, finish)
+    return Simulation(makespan, busy, bubble, peak, finish, kept)
+
+
+def _cost(a, s, f_times, b_times, w_cost):
+    """Seconds of work action `a` takes on stage `s`."""
+    if a.kind == F:
+        return f_times[s]
+    if a.kind == B:
+        return b_times[s]
+    if a.kind == FB:
+        return f_times[s] + b_times[s]
+    return w_cost(s, a.count)
+
+
+def _kept(lowered):
+    """Per stage, the most microbatches whose weight gradients wait (after B, before W)."""
+    out = []
+    for actions in lowered:
+        now = peak = 0
+        for a in actions:
+            if a.kind in (B, FB) and splits(actions):
+                now += 1
+            elif a.kind == W:
+                now -= a.count
+            peak = max(peak, now)
+        out.append(peak)
+    return out
 
 
 def _message(action, stage):
@@ -283,7 +477,8 @@ def _message(action, stage):
     return kind, action.peer, stage, action.microbatch
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None, waits=None):
+def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None, waits=None,
+            w_cost=None):
     """`simulate` on shared cores: between two events (a computation ends, a message
     arrives, a wait ends) every computing stage moves at 1 / slowdown(busy ranks) of
     its own speed (processor sharing); a stage in an F/B's wait (`waits`) moves at
@@ -310,11 +505,12 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
                         break
                     if a.kind in (SEND_ACT, SEND_GRAD):
                         sent[_message(a, s)] = now + latency
-                    if a.kind in (F, B):
-                        left[s] = f_times[s] if a.kind == F else b_times[s]
-                        hold[s] = waits[s][0 if a.kind == F else 1]
-                        alive[s] += 1 if a.kind == F else -1
-                        peak[s] = max(peak[s], alive[s])
+                    if a.kind in (F, B, FB, W):
+                        left[s] = _cost(a, s, f_times, b_times, w_cost)
+                        hold[s] = {F: waits[s][0], B: waits[s][1], W: 0.0}.get(
+                            a.kind, waits[s][0] + waits[s][1])
+                        alive[s] += {F: 1, B: -1}.get(a.kind, 0)
+                        peak[s] = max(peak[s], alive[s] + (a.kind == FB))
                         break
                     pos[s] += 1
                     end[s] = finish[s] = now

@@ -14,7 +14,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
-           "zero", "overlap", "slowdown", "slurm_templates"]
+           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates"]
 
 
 class Variable(NamedTuple):
@@ -57,6 +57,9 @@ VARIABLES = (
     Variable("HYPARFLOW_TRANSPOSED", "1",
              "`0`: Dense input gradients by TensorFlow's own `transpose_b` product "
              "instead of a kept `W^T` (for measuring)"),
+    Variable("HYPARFLOW_DEFER_CONV", "0",
+             "`1`: the split schedules (`zb-h1`, `zb-batched`) leave Conv2D kernels' "
+             "gradients to W too, as Dense ones (measured slower here)"),
     Variable("HYPARFLOW_ZERO", "auto (shared whenever the optimizer allows)",
              "`0`: every replica steps the whole optimizer, instead of each stepping its "
              "share of the rows and keeping only that share's state (ZeRO stage 1)"),
@@ -175,6 +178,10 @@ def sparse() -> bool:
 def overlap() -> Optional[bool]:
     """True / False when HYPARFLOW_OVERLAP forces it; None: the runtime decides."""
     return _flag("HYPARFLOW_OVERLAP")
+
+
+def defer_conv() -> bool:
+    return _flag("HYPARFLOW_DEFER_CONV") is True
 
 
 def zero() -> bool:

@@ -115,6 +115,13 @@ class Stage:
         self.originals = graph.variables_of(plan.nodes, trainable=True)
         self.transposed = self._transposed(graph, plan)
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
+        # Split backward (schedules with W actions, set by the executor per step): the
+        # Dense calls whose kernel gradients B leaves to W, as (node, position in
+        # `trainable`, shape of the product's output without the batch).
+        self.split = False
+        self.deferred = self._deferrable(graph, plan)
+        self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W
+        self._zero_cache = {}
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
         self._loss_ops = []
@@ -179,6 +186,18 @@ class Stage:
                 out[i] = made[id(node.op)]
         return out
 
+    def _deferrable(self, graph, plan):
+        """`kernels.deferred_nodes` of this stage, with each kernel's position."""
+        positions = {id(v): k for k, v in enumerate(self.trainable)}
+        return [(i, positions[id(graph.nodes[i].op.kernel)], shape)
+                for i, shape in kernels.deferred_nodes(graph, plan.nodes, self.shards)
+                if id(graph.nodes[i].op.kernel) in positions]
+
+    @property
+    def splitting(self):
+        """Whether this step's backwards leave kernel gradients to W calls."""
+        return self.split and bool(self.deferred)
+
     def begin_step(self):
         """Before a training step's first microbatch: the kept `W^T`s follow the weights."""
         for t in {id(t): t for t in self.transposed.values()}.values():
@@ -190,36 +209,62 @@ class Stage:
         if self._slowdown > 1:
             time.sleep((self._slowdown - 1) * (time.perf_counter() - start))
 
-    def _signature(self, with_y, with_sample_weight):
-        """(inputs, targets, sample weights, share), batch dimension None."""
+    def _signature(self, with_y, with_sample_weight, split=False):
+        """(inputs, targets, sample weights, share[, zeros of `deferred`]), batch
+        dimension None."""
         masks = [spec for spec, present in zip(self._mask_specs, self.presence) if present]
-        return [self._in_specs + masks, self._y_specs if with_y else [],
-                [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
-                tf.TensorSpec((), tf.float32)]
+        signature = [self._in_specs + masks, self._y_specs if with_y else [],
+                     [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
+                     tf.TensorSpec((), tf.float32)]
+        if split:
+            signature.append([tf.TensorSpec((None,) + shape, tf.float32)
+                              for _, _, shape in self.deferred])
+        return signature
 
-    def _function(self, kind, has_sample_weight, hooked=()):
+    def _zeros(self, inputs):
+        """The zero inputs of the `deferred` calls for a microbatch of `inputs`: made
+        once per row count (they are never written), as making them costs eager ops."""
+        rows = int(inputs[0].shape[0])
+        if rows not in self._zero_cache:
+            self._zero_cache[rows] = [tf.zeros((rows,) + shape, tf.float32)
+                                      for _, _, shape in self.deferred]
+        return self._zero_cache[rows]
+
+    def _function(self, kind, has_sample_weight, hooked=(), split=False):
         """The stage's computation for `kind` ("train", "evaluate" or "predict"), compiled
         once per kind with a `None` batch dimension (or eager when asked). `hooked`:
-        positions of the variables whose gradients the backward reports as it makes them."""
-        key = (kind, bool(has_sample_weight) and kind != "predict", hooked, self.presence)
+        positions of the variables whose gradients the backward reports as it makes them.
+        `split`: the deferred calls take zero inputs and their inputs are returned too."""
+        key = (kind, bool(has_sample_weight) and kind != "predict", hooked, self.presence, split)
         if key not in self._functions:
-            signature = self._signature(self.is_last and kind != "predict", key[1])
+            signature = self._signature(self.is_last and kind != "predict", key[1], split)
 
-            def body(inputs, y, sample_weight, share):
-                return self._body(inputs, y, sample_weight, share, kind, hooked)
+            def body(inputs, y, sample_weight, share, zs=None):
+                return self._body(inputs, y, sample_weight, share, kind, hooked, zs)
 
             self._functions[key] = body if self._eager else tf.function(
                 body, input_signature=signature, reduce_retracing=True)
         return self._functions[key]
 
     # -- the computation ------------------------------------------------------
-    def _run_nodes(self, inputs, training):
+    def _run_nodes(self, inputs, training, zs=None, kept=None):
+        """The stage's calls on `inputs`: {keras tensor id: value}. With `zs` (the
+        zero inputs of the `deferred` calls), those run as `kernels.deferred_call`
+        and their inputs are appended to `kept`."""
         g = self.graph
         if g.functional is None:  # a subclassed model: one opaque call
             x = inputs[0] if len(inputs) == 1 else list(inputs)
             out = self.model(x, training=training)
             return {"opaque": _compat.tree.flatten(out)}
-        values = {id(g.tensors[t].keras_tensor): v for t, v in zip(self.input_ids, inputs)}
+        z_of = {i: z for (i, _, _), z in zip(self.deferred, zs)} if zs is not None else {}
+        # Inputs whose gradient nobody wants (data, integer ids) are cut from the
+        # backward: a compiled forward called under a tape gets a backward that makes
+        # every input's gradient, wanted or not (the first Dense layer's `dy @ W^T`,
+        # at the slow `transpose_b` speed, was a third of the MLP's first stage's B).
+        diff = set(self._diff)
+        values = {id(g.tensors[t].keras_tensor): v
+                  if k in diff or not tf.as_dtype(v.dtype).is_floating else tf.stop_gradient(v)
+                  for k, (t, v) in enumerate(zip(self.input_ids, inputs))}
         masks = iter(inputs[len(self.input_ids):])
         for t, present in zip(self.mask_ids, self.presence):
             if present:
@@ -229,6 +274,10 @@ class Stage:
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
                 out = self.shards[i](args, kwargs, training)
+            elif i in z_of and training:
+                out, x = kernels.deferred_call(node.op, args, kwargs, z_of[i],
+                                               self.transposed.get(i))
+                kept.append(x)
             elif i in self.transposed and training:
                 out = self.transposed[i](args, kwargs)
             else:
@@ -255,16 +304,16 @@ class Stage:
         return [tf.convert_to_tensor(a) for a in inputs[:n]] + [
             tf.convert_to_tensor(m, tf.bool) for m in masks if m is not None]
 
-    def _body(self, inputs, y, sample_weight, share, kind="train", hooked=()):
+    def _body(self, inputs, y, sample_weight, share, kind="train", hooked=(), zs=None):
         if not hooked:
-            return self._compute(inputs, y, sample_weight, share, kind)
+            return self._compute(inputs, y, sample_weight, share, kind, zs)
         # Every trainable variable is mapped (Keras's regularisers read their values
         # from the scope); only the `hooked` ones through a hook.
         hooked = set(hooked)
         scope = _Hooked([(v, self._hook(k, v.value) if k in hooked else v.value)
                          for k, v in enumerate(self.trainable)])
         with scope:
-            result = self._compute(inputs, y, sample_weight, share, kind)
+            result = self._compute(inputs, y, sample_weight, share, kind, zs)
         scope.write_back()
         return result
 
@@ -295,8 +344,11 @@ class Stage:
             self.on_arrival(k)
         return g
 
-    def _compute(self, inputs, y, sample_weight, share, kind):
-        values = self._run_nodes(inputs, training=(kind == "train"))
+    def _compute(self, inputs, y, sample_weight, share, kind, zs=None):
+        """Returns (outputs, contribution), and with `zs` the deferred calls' inputs
+        after them (`kernels.deferred_call`)."""
+        kept = []
+        values = self._run_nodes(inputs, training=(kind == "train"), zs=zs, kept=kept)
         extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
         total = tf.add_n(extra) if extra else tf.zeros((), tf.float32)
         if self.graph.functional is None:
@@ -319,7 +371,7 @@ class Stage:
                 metrics.update_state(y_true, y_pred, sample_weight=sw)
             total = total + tf.cast(loss, tf.float32)
         if kind == "train":
-            return outs, share * total
+            return (outs, share * total) if zs is None else (outs, share * total, kept)
         return outs, share * total, []
 
     def infer(self, kind, inputs, y=(), sample_weight=(), share=1.0):
@@ -354,35 +406,48 @@ class Stage:
         args = (self._inputs(inputs), [tf.convert_to_tensor(a) for a in y],
                 [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
                 tf.constant(share, tf.float32))
+        split = self.splitting
         if self.recompute:
-            outs, contribution = self._function("train", bool(args[2]))(*args)
-            self._saved[i] = (args, seed, hooked, self.presence)
+            fn = self._function("train", bool(args[2]), (), split)
+            result = fn(*args, self._zeros(args[0])) if split else fn(*args)
+            outs, contribution = result[0], result[1]
+            self._saved[i] = (args, seed, hooked, self.presence, split)
         else:
-            tape, outs, contribution = self._taped(args, hooked)
-            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, hooked)
+            tape, outs, contribution, zs, kept = self._taped(args, hooked, split)
+            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, hooked,
+                              zs, kept)
         self._lag(start)
         return outs, contribution
 
-    def _taped(self, args, hooked=()):
-        forward = self._function("train", bool(args[2]), hooked)
+    def _taped(self, args, hooked=(), split=False):
+        """The forward under a tape: (tape, outputs, contribution, zero inputs of the
+        deferred calls and their inputs, or None and None)."""
+        forward = self._function("train", bool(args[2]), hooked, split)
         tape = tf.GradientTape()
+        zs = kept = None
         with tape:
             for k in self._diff:
                 tape.watch(args[0][k])
-            outs, contribution = forward(*args)
-        return tape, outs, contribution
+            if split:
+                zs = self._zeros(args[0])
+                for z in zs:
+                    tape.watch(z)
+                outs, contribution, kept = forward(*args, zs)
+            else:
+                outs, contribution = forward(*args)
+        return tape, outs, contribution, zs, kept
 
     def _replay(self, i):
         """Recompute microbatch `i`'s forward under a tape, leaving the layers' state
         (BatchNorm statistics, seed generators) as the first forward left it."""
-        args, seed, hooked, self.presence = self._saved.pop(i)
+        args, seed, hooked, self.presence, split = self._saved.pop(i)
         before = [v.numpy() for v in self._state]
         if seed is not None:
             self.reseed(*seed)
-        tape, outs, contribution = self._taped(args, hooked)
+        tape, outs, contribution, zs, kept = self._taped(args, hooked, split)
         for v, value in zip(self._state, before):
             v.assign(value)
-        return tape, [args[0][k] for k in self._diff], outs, contribution, hooked
+        return tape, [args[0][k] for k in self._diff], outs, contribution, hooked, zs, kept
 
     def backward(self, i, out_grads):
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
@@ -390,9 +455,9 @@ class Stage:
         to the gradient buffers and returns the gradients of the received inputs by tensor id."""
         start = time.perf_counter()
         if self.recompute:
-            tape, diff_inputs, outs, contribution, _ = self._replay(i)
+            tape, diff_inputs, outs, contribution, _, zs, kept = self._replay(i)
         else:
-            tape, diff_inputs, outs, contribution, _ = self._saved.pop(i)
+            tape, diff_inputs, outs, contribution, _, zs, kept = self._saved.pop(i)
         self._ready()
         targets, seeds = [contribution], [tf.ones_like(contribution)]
         for t, o in zip(self.output_ids, outs):
@@ -400,12 +465,70 @@ class Stage:
             if g is not None and self.graph.tensors[t].floating:
                 targets.append(o)
                 seeds.append(tf.convert_to_tensor(g, dtype=o.dtype))
-        sources = list(self.trainable) + diff_inputs
+        variables = self._variables(zs is not None)
+        sources = variables + diff_inputs + list(zs or ())
         result = tape.gradient(targets, sources, output_gradients=seeds,
                                unconnected_gradients=tf.UnconnectedGradients.NONE)
+        result = self._keep(i, result, zs, kept)
         grads = self._accumulate(result, diff_inputs, i)
         self._lag(start)
         return grads
+
+    def _variables(self, split):
+        """The variables a backward differentiates: all, or with a split backward all
+        but the deferred kernels (W's)."""
+        if not split:
+            return list(self.trainable)
+        deferred = {k for _, k, _ in self.deferred}
+        return [v for k, v in enumerate(self.trainable) if k not in deferred]
+
+    def _keep(self, i, result, zs, kept):
+        """A split backward's `result` (over `_variables(True)`, the inputs, the zero
+        inputs): keeps microbatch i's deferred inputs and output gradients for W and
+        returns the result laid out as an unsplit backward's, deferred kernels None."""
+        if zs is None:
+            return result
+        result = list(result)
+        dys = result[len(result) - len(zs):]
+        result = result[:len(result) - len(zs)]
+        self._kept[i] = (list(kept), [tf.zeros_like(z) if g is None else g
+                                     for z, g in zip(zs, dys)])
+        deferred = {k for _, k, _ in self.deferred}
+        it = iter(result)
+        full = [None if k in deferred else next(it) for k in range(len(self.trainable))]
+        return full + list(it)
+
+    @property
+    def waiting(self):
+        """Microbatches whose deferred weight gradients W has yet to compute."""
+        return self._kept.keys()
+
+    def weight_grads(self, microbatches):
+        """W: the deferred kernels' gradients of `microbatches`, in one call over their
+        concatenated rows (so each product runs at the size of all of them), added
+        to the gradient buffers."""
+        start = time.perf_counter()
+        kept = [self._kept.pop(i) for i in microbatches]
+        xs = [tf.concat([k[0][j] for k in kept], 0) if len(kept) > 1 else kept[0][0][j]
+              for j in range(len(self.deferred))]
+        dys = [tf.concat([k[1][j] for k in kept], 0) if len(kept) > 1 else kept[0][1][j]
+               for j in range(len(self.deferred))]
+        if "weights" not in self._functions:
+            ops = [self.graph.nodes[i].op for i, _, _ in self.deferred]
+
+            def weights(xs, dys):
+                return [kernels.weight_grad(op, x, dy) for op, x, dy in zip(ops, xs, dys)]
+
+            signature = [[tf.TensorSpec((None,) + tuple(x.shape[1:]), tf.float32) for x in xs],
+                         [tf.TensorSpec((None,) + shape, tf.float32)
+                          for _, _, shape in self.deferred]]
+            self._functions["weights"] = weights if self._eager else tf.function(
+                weights, input_signature=signature)
+        if self._views is None:
+            self._make_buffers()
+        for (_, k, _), g in zip(self.deferred, self._functions["weights"](xs, dys)):
+            self._add(k, np.asarray(g))
+        self._lag(start)
 
     def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None,
                          hooked=False):
@@ -418,20 +541,42 @@ class Stage:
         if seed is not None:
             self.reseed(*seed)
         inputs = self._inputs(inputs)
-        function = self._fused(bool(sample_weight), hooked)
+        split = self.splitting
+        key = ("fused", bool(sample_weight), hooked, self.presence, split)
+        if key not in self._functions:
+            diff, variables = self._diff, self._variables(split)
+
+            def fused(inputs, y, sample_weight, share, zs=None):
+                with tf.GradientTape() as tape:
+                    for k in diff:
+                        tape.watch(inputs[k])
+                    for z in zs or ():
+                        tape.watch(z)
+                    result = self._body(inputs, y, sample_weight, share, "train", hooked, zs)
+                contribution = result[1]
+                grads = tape.gradient(
+                    contribution, variables + [inputs[k] for k in diff] + list(zs or ()),
+                    unconnected_gradients=tf.UnconnectedGradients.NONE)
+                return contribution, grads, (result[2] if zs is not None else [])
+
+            signature = self._signature(True, bool(sample_weight), split)
+            self._functions[key] = fused if self._eager else tf.function(
+                fused, input_signature=signature, reduce_retracing=True)
         self._ready()
-        contribution, result = function(
-            inputs, [tf.convert_to_tensor(a) for a in y],
-            [tf.convert_to_tensor(a, tf.float32) for a in sample_weight], tf.constant(share, tf.float32),
-            [])
+        args = [inputs, [tf.convert_to_tensor(a) for a in y],
+                [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
+                tf.constant(share, tf.float32)]
+        zs = self._zeros(inputs) if split else None
+        contribution, result, kept = self._functions[key](*args, *([zs] if split else []))
+        result = self._keep(i, result, zs, kept)
         grads = self._accumulate(result, [inputs[k] for k in self._diff], i)
         self._lag(start)
         return grads, contribution
 
     def _fused(self, has_sample_weight, hooked=(), seeded=False):
-        """Forward and backward in one compiled call. Differentiates the loss
-        contribution, and with `seeded` the stage's floating outputs too, from the
-        gradients given for them (a stage timed alone, `time`)."""
+        """Forward and backward in one compiled call, for `time`: differentiates the
+        loss contribution and, with `seeded`, the stage's floating outputs from the
+        gradients given for them (a stage timed alone has no later stage)."""
         key = ("fused", has_sample_weight, hooked, self.presence, seeded)
         if key not in self._functions:
             diff, variables = self._diff, self.trainable
@@ -440,8 +585,8 @@ class Stage:
                 with tf.GradientTape() as tape:
                     for k in diff:
                         tape.watch(inputs[k])
-                    outs, contribution = self._body(inputs, y, sample_weight, share, "train",
-                                                    hooked)
+                    result = self._body(inputs, y, sample_weight, share, "train", hooked)
+                outs, contribution = result[0], result[1]
                 targets = [contribution] + [o for o in outs if o.dtype.is_floating][:len(seeds)]
                 grads = tape.gradient(targets, list(variables) + [inputs[k] for k in diff],
                                       output_gradients=[tf.ones_like(contribution)] + list(seeds),

@@ -11,8 +11,8 @@ import time
 __all__ = ["Timeline", "load", "bubble", "theoretical_bubble", "draw", "COLOURS"]
 
 COLOURS = {
-    "forward": "#4c72b0", "backward": "#dd8452", "send": "#55a868", "wait": "#d9d9d9",
-    "allreduce": "#c44e52", "optimizer": "#8172b3", "allgather": "#937860",
+    "forward": "#4c72b0", "backward": "#dd8452", "weight": "#64b5cd", "send": "#55a868",
+    "wait": "#d9d9d9", "allreduce": "#c44e52", "optimizer": "#8172b3", "allgather": "#937860",
 }
 
 
@@ -78,7 +78,7 @@ def bubble(trace, skip_first=True):
             inside = [e for e in mine if lo <= e["ts"] < hi]
             reduce_start = min((e["ts"] for e in inside if e["cat"] == "allreduce"), default=hi)
             span += reduce_start - lo
-            busy += sum(e["dur"] for e in inside if e["cat"] in ("forward", "backward"))
+            busy += sum(e["dur"] for e in inside if e["cat"] in ("forward", "backward", "weight"))
         if span > 0:
             fractions.append(1.0 - busy / span)
     return sum(fractions) / len(fractions) if fractions else 0.0
@@ -106,7 +106,7 @@ def draw(trace, path, steps=2):
     for e in shown:
         ax.broken_barh([((e["ts"] - lo) / 1e3, e["dur"] / 1e3)], (e["tid"] - 0.4, 0.8),
                        facecolors=COLOURS[e["cat"]], edgecolor="none")
-        if e["cat"] in ("forward", "backward") and "microbatch" in e.get("args", {}):
+        if e["cat"] in ("forward", "backward", "weight") and "microbatch" in e.get("args", {}):
             ax.text((e["ts"] - lo + e["dur"] / 2) / 1e3, e["tid"], str(e["args"]["microbatch"]),
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])

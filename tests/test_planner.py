@@ -331,3 +331,21 @@ def test_pipeline_boundaries_that_cross_hosts_pay_the_link_between_hosts():
     best = planner.search(graph, rows, 0.0, split, 4096, 4, microbatches=(4,),
                           schedules=("1f1b",), ranks_per_node=2, tensor=(1,))[0]
     assert best["stages"] <= 2, best     # no pipeline spans the two hosts
+
+
+def test_cost_model_knows_the_split_schedules():
+    """The planner plays zb-h1 / zb-batched with W's share of the backward taken from the
+    deferred Dense calls' profiles: less bubble than 1F1B, and the batched W pays each
+    call's fixed cost once. zb-batched's kept rows cost memory."""
+    graph = G.from_model(models.mlp())
+    # Every call: 2 ms fixed (what small products lose), 1 ms per sample.
+    rows = [(2e-3, 1e-3, 1000, 0, 100)] * len(graph.nodes)
+    free = planner.Network(0.0, 0.0)
+    p = {name: planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 8, name)
+         for name in ("1f1b", "zb-h1", "zb-batched")}
+    assert p["zb-h1"]["bubble"] < p["1f1b"]["bubble"]
+    assert p["zb-batched"]["step_s"] < p["zb-h1"]["step_s"] < p["1f1b"]["step_s"]
+    assert p["zb-batched"]["memory_bytes"][0] > p["1f1b"]["memory_bytes"][0]
+    # GPipe with one microbatch fuses the last stage's F and B, as the executor does.
+    assert planner._fused(1, 2, "gpipe", 1) and not planner._fused(1, 2, "gpipe", 2)
+    assert planner._fused(1, 2, "1f1b", 4) and not planner._fused(0, 2, "1f1b", 4)

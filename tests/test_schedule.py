@@ -131,7 +131,7 @@ def test_stages_on_one_core_take_turns():
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe', 'zb-batched', 'zb-h1'\]"):
         sched.build("zigzag", 2, 2)
 
 
@@ -149,3 +149,78 @@ def test_waits_in_a_computation_pass_at_full_speed_and_take_no_core():
     one_core = sched.simulate(lowered, 1.0, 2.0, slowdown=lambda busy: busy,
                               tail=[0.0, 2.0], waits=waits)
     assert one_core.makespan == pytest.approx(11.0) and one_core.finish == pytest.approx(11.0)
+
+
+# -- split backward: B and W ---------------------------------------------------
+@pytest.mark.parametrize("name", ["zb-h1", "zb-batched"])
+@pytest.mark.parametrize("stages,micro", [(1, 1), (2, 1), (2, 4), (3, 3), (4, 8), (4, 2), (3, 7)])
+def test_split_schedules_validate_and_beat_1f1b(name, stages, micro):
+    sources, dests = chain(stages)
+    lowered = sched.lower(sched.fuse(sched.build(name, stages, micro), dests), sources, dests)
+    sched.validate(lowered, micro)
+    # B in microbatch order on every stage (the inputs' gradients sum as with 1F1B).
+    for actions in lowered:
+        assert [a.microbatch for a in actions if a.kind in (sched.B, sched.FB)] == list(range(micro))
+    # F = B = W = 1 against 1F1B's F = 1, B = 2: never longer, and shorter once
+    # there is a bubble to fill.
+    split = sched.simulate(lowered, 1.0, 1.0, weight_time=1.0)
+    base = sched.simulate(sched.lower(sched.build("1f1b", stages, micro), sources, dests), 1.0, 2.0)
+    assert split.makespan <= base.makespan
+    if stages > 1 and micro >= 2:
+        assert split.makespan < base.makespan
+    # 1F1B's tapes alive at most (F to B).
+    assert split.peak_activations == [min(stages - s, micro) for s in range(stages)]
+    if name == "zb-h1":
+        assert all(a.count == 1 for actions in lowered for a in actions if a.kind == sched.W)
+        assert max(split.peak_kept) <= 1 or stages > 2
+
+
+def test_zb_h1_keeps_1f1b_memory_from_forward_to_weights():
+    for stages, micro in [(2, 8), (4, 8), (3, 5)]:
+        for s, actions in enumerate(sched.zb_h1(stages, micro)):
+            alive = peak = 0
+            for a in actions:
+                alive += {sched.F: 1, sched.W: -a.count}.get(a.kind, 0)
+                peak = max(peak, alive)
+            assert peak <= stages - s
+
+
+def test_zb_batched_runs_weights_of_many_microbatches_in_one_call():
+    lists = sched.zb_batched(2, 8)
+    assert sched.format_actions(lists[1]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 W0-7"
+    assert sched.format_actions(lists[0]).endswith("B6 W0-6 B7 W7")
+    assert sched.format_actions(sched.parse("W0-6 W7 FB3")) == "W0-6 W7 FB3"
+    # Batched weights cheaper per microbatch (what the kernels gain at more rows):
+    # the batched schedule then wins over ZB-H1's one-at-a-time W.
+    sources, dests = chain(2)
+    cost = lambda s, k: 0.6 * k + 0.4  # noqa: E731
+    batched = sched.simulate(sched.lower(sched.fuse(lists, dests), sources, dests), 1.0, 1.0,
+                             weight_time=cost)
+    h1 = sched.simulate(sched.lower(sched.fuse(sched.zb_h1(2, 8), dests), sources, dests),
+                        1.0, 1.0, weight_time=cost)
+    assert batched.makespan < h1.makespan
+    assert batched.peak_kept == [7, 8]
+
+
+def test_fuse_marks_the_forward_and_backward_done_in_one_call():
+    sources, dests = chain(2)
+    assert [sched.format_actions(a) for a in sched.fuse(sched.one_f_one_b(2, 2), dests)] == [
+        "F0 F1 B0 B1", "FB0 FB1"]
+    # GPipe with one microbatch fuses too (the planner once said it did not).
+    assert sched.format_actions(sched.fuse(sched.gpipe(2, 1), dests)[1]) == "FB0"
+    assert sched.format_actions(sched.fuse(sched.gpipe(2, 2), dests)[1]) == "F0 F1 B0 B1"
+    # With recompute nothing fuses (the executor and the planner agree).
+    assert sched.format_actions(sched.fuse(sched.one_f_one_b(2, 2), dests, recompute=True)[1]) \
+        == "F0 B0 F1 B1"
+    lowered = sched.lower(sched.fuse(sched.one_f_one_b(2, 2), dests), sources, dests)
+    assert sched.format_actions(lowered[1]) == "ra0@0 FB0 sg0@0 ra1@0 FB1 sg1@0 ALLREDUCE STEP"
+    sched.validate(lowered, 2)
+
+
+def test_validate_catches_split_mistakes():
+    with pytest.raises(ValueError, match="before its B"):
+        sched.validate([sched.parse("F0 W0 B0")], 1)
+    with pytest.raises(ValueError, match="computed twice"):
+        sched.validate([sched.parse("F0 B0 W0 W0")], 1)
+    with pytest.raises(ValueError, match="must compute them"):
+        sched.validate([sched.parse("F0 B0 F1 B1 W0")], 2)
