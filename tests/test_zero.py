@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 from hyparflow import checkpoint as C
 from hyparflow import zero
 from hyparflow.local import run_ranks
@@ -41,10 +41,7 @@ def data(n=64):
 
 
 def expected(build, x, y, epochs=2, batch=16):
-    model = build()
-    start = model.get_weights()
-    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
-    return start, model.get_weights()
+    return reference(build, x, y, epochs=epochs, batch_size=batch)[:2]
 
 
 def slot_elements(model):

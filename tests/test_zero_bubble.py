@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 
 L = keras.layers
 BATCH, EPOCHS = 16, 2
@@ -41,13 +41,11 @@ def data(n=64):
     return rng.normal(size=(n, 10)).astype("float32"), rng.integers(0, 3, n)
 
 
-def reference(optimizer, micro, bn=True):
+def fit_reference(optimizer, micro, bn=True):
     """Plain Keras: batches of one microbatch, one step per `micro` of them."""
-    x, y = data()
-    model = build(optimizer, micro if micro > 1 else None, bn)
-    start = model.get_weights()
-    model.fit(x, y, batch_size=BATCH // micro, epochs=EPOCHS, shuffle=False, verbose=0)
-    return start, model.get_weights()
+    start, end, _ = reference(lambda: build(optimizer, micro if micro > 1 else None, bn),
+                              *data(), epochs=EPOCHS, batch_size=BATCH // micro)
+    return start, end
 
 
 CASES = [  # (schedule, S, R, M, extra)
@@ -68,7 +66,7 @@ CASES = [  # (schedule, S, R, M, extra)
 def test_matches_model_fit(schedule, s, r, m, extra, optimizer, tol):
     x, y = data()
     bn = r == 1  # replicas each keep their own BatchNorm statistics
-    start, expected = reference(optimizer, r * m, bn)
+    start, expected = fit_reference(optimizer, r * m, bn)
     results = train_ranks(lambda: build(optimizer, bn=bn), x, y, num_stages=s, num_replicas=r,
                           num_microbatches=m, weights=start, batch_size=BATCH, epochs=EPOCHS,
                           shuffle=False, schedule=schedule, **extra)
@@ -81,7 +79,7 @@ def test_tensor_split_layer_beside_deferred_ones(schedule):
     """T=2: the split layer's kernel gradient comes in B (each rank its part), the
     other Dense kernels in W."""
     x, y = data()
-    start, expected = reference("adam", 2)
+    start, expected = fit_reference("adam", 2)
     results = train_ranks(lambda: build("adam"), x, y, num_stages=2, num_replicas=1,
                           num_microbatches=2, weights=start, batch_size=BATCH, epochs=EPOCHS,
                           shuffle=False, schedule=schedule, num_tensor=2, tensor_layers=["d1"])
@@ -130,7 +128,7 @@ def test_auto_tries_each_schedule_then_keeps_the_fastest(monkeypatch):
 
     monkeypatch.setattr(ex.Executor, "_try", noting)
     x, y = data()
-    start, expected = reference("sgd", 4)
+    start, expected = fit_reference("sgd", 4)
     results = train_ranks(lambda: build("sgd"), x, y, num_stages=2, num_replicas=1,
                           num_microbatches=4, weights=start, batch_size=BATCH, epochs=EPOCHS,
                           shuffle=False, schedule="auto")
