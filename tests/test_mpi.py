@@ -128,7 +128,7 @@ def test_a_users_mistake_is_reported_once_as_model_fit_reports_it(kind):
     first_frame = err.split("Traceback (most recent call last):\n", 1)[1].splitlines()[0]
     assert first_frame.startswith(f'  File "{script}"'), first_frame
     context = "set-up failed on every rank (2) alike" if kind != "labels" else \
-        "hyparflow: rank 1 (stage 1, replica 0) failed at F0 with the error above"
+        "hyparflow: rank 1 (stage 1, replica 0) failed at FB0 with the error above"
     assert context in err and err.index(expected) < err.index(context), err[-3000:]
     # hyparflow's frames are hidden, as Keras hides its own (each leaves the one frame
     # that re-raises with the shorter traceback).
