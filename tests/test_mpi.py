@@ -159,6 +159,21 @@ def test_progress_on_rank_0_bar_on_a_terminal_one_line_otherwise(tmp_path):
 HOSTS_SCRIPT = os.path.join(HERE, "mpi", "hosts_script.py")
 
 
+def _end(proc, frozen):
+    """Kill the frozen ranks (mpiexec may have ended them already) and the launch."""
+    import signal
+
+    for pid in frozen:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
     """One machine, 2 stages: rank 1 frozen (SIGSTOP) mid-training. Rank 0's heartbeat
     finds it silent after HYPARFLOW_PEER_TIMEOUT (4 s here) and ends with exit code 75,
@@ -185,15 +200,7 @@ def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
         out, _ = proc.communicate(timeout=60)
         seconds = time.monotonic() - start
     finally:
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _end(proc, [pid] if pid is not None else [])
     print(f"frozen rank: the run ended {seconds:.1f} s after SIGSTOP\n{out[-2000:]}")
     assert proc.returncode != 0
     assert f"hyparflow: rank 0 on host {socket.gethostname()}: lost rank 1 on host " \
@@ -247,15 +254,7 @@ def test_heartbeat_neighbours_name_a_lost_host_on_every_rank(tmp_path):
         out, _ = proc.communicate(timeout=60)
         seconds = time.monotonic() - start
     finally:
-        for pid in frozen:   # mpiexec may have ended them already
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _end(proc, frozen)
     print(f"lost host named by every rank {seconds:.1f} s after SIGSTOP\n{out[-3000:]}")
     for r in range(8):
         peers = [int(p) for p in (tmp_path / f"peers-{r}").read_text().split()]
