@@ -85,6 +85,16 @@ class _Hooked(keras.StatelessScope):
             variable.assign(self.get_current_value(variable))
 
 
+def compiled_step(optimizer, variables, sparse, eager=False):
+    """`optimizer.apply(grads, variables)` compiled once, as Keras's train function
+    compiles its step; the gradients at positions `sparse` come as `tf.IndexedSlices`."""
+    step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
+    signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
+                  if k in sparse else tf.TensorSpec(v.shape, v.dtype)
+                  for k, v in enumerate(variables)]]
+    return step if eager else tf.function(step, input_signature=signature)
+
+
 class Stage:
     """Runs stage `plan.index` of `graph` for the user's `model`, on its own variables.
 
@@ -816,13 +826,8 @@ class Stage:
             sparse = tuple(k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
             key = ("direct", sparse)
             if key not in self._functions:
-                variables = self.trainable
-                step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
-                signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
-                              if k in sparse else tf.TensorSpec(v.shape, v.dtype)
-                              for k, v in enumerate(variables)]]
-                self._functions[key] = step if self._eager else tf.function(
-                    step, input_signature=signature)
+                self._functions[key] = compiled_step(optimizer, self.trainable, sparse,
+                                                     self._eager)
             self._functions[key]([g if isinstance(g, tf.IndexedSlices) else tf.cast(g, v.dtype)
                                   for g, v in zip(grads, self.trainable)])
             return

@@ -278,13 +278,9 @@ class Zero:
         sparse = tuple(j for j, g in enumerate(gs) if isinstance(g, tf.IndexedSlices))
         key = (present, sparse)
         if key not in self._functions:
-            optimizer = self.optimizer
-            step = lambda values: optimizer.apply(values, variables)  # noqa: E731
-            signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
-                          if j in sparse else tf.TensorSpec(v.shape, v.dtype)
-                          for j, v in enumerate(variables)]]
-            self._functions[key] = step if self.eager else tf.function(
-                step, input_signature=signature)
+            from .stage import compiled_step
+
+            self._functions[key] = compiled_step(self.optimizer, variables, sparse, self.eager)
         self._functions[key]([g if isinstance(g, tf.IndexedSlices) else
                               tf.cast(_tensor(g), v.dtype) for g, v in zip(gs, variables)])
         return True
