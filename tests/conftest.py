@@ -52,3 +52,35 @@ def train_ranks(build, x, y, *, num_stages, num_replicas, num_microbatches, weig
 @pytest.fixture
 def run_ranks_fixture():
     return run_ranks
+
+
+def sbatch_wait(job_file, env, cwd, timeout):
+    """`sbatch job_file` and wait for the job to end; returns (job's exit code, sbatch's
+    output). Not `sbatch --wait`: it polls after 2, 10 and 42 s, which kept a job
+    that ended after 11 s waiting until 42."""
+    import subprocess
+    import time
+
+    submitted = subprocess.run(["sbatch", "--parsable", str(job_file)], capture_output=True,
+                               text=True, timeout=30, env=env, cwd=cwd)
+    said = submitted.stdout + submitted.stderr
+    if submitted.returncode:
+        return submitted.returncode, said
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                                   text=True, timeout=30, env=env).stdout
+            fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
+            state = fields.get("JobState", "")
+            if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING",
+                                       "REQUEUED", "RESIZING", "SUSPENDED"):
+                code, sig = (int(v) for v in fields.get("ExitCode", "1:0").split(":"))
+                return (code or (128 + sig if sig else 0) or int(state != "COMPLETED")), said
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["sbatch", str(job_file)], timeout)
+            time.sleep(0.5)
+    except BaseException:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        raise

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from conftest import sbatch_wait
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "mpi", "hosts_script.py")
 CLUSTER = os.path.join(ROOT, "scripts", "emulated-cluster.sh")
@@ -230,7 +232,7 @@ SLURM = ENV is not None and os.path.isfile(ENV.get("SLURM_CONF", "")) \
 
 
 def _sbatch(tmp_path, *options, script_args=()):
-    """Render with `hyparflow slurm`, sbatch --wait on the emulated cluster; the log."""
+    """Render with `hyparflow slurm`, sbatch on the emulated cluster and wait; the log."""
     from hyparflow import cli
 
     job_file = tmp_path / "job.sbatch"
@@ -238,16 +240,11 @@ def _sbatch(tmp_path, *options, script_args=()):
     assert cli.main(["slurm", *options, "--time", "00:05:00", "--job-name", name,
                      "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
                      SCRIPT, *script_args]) == 0
-    try:
-        out = subprocess.run(["sbatch", "--wait", str(job_file)], capture_output=True,
-                             text=True, timeout=200, env=ENV, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", "--name", name], env=ENV, timeout=30)
-        raise
+    code, said = sbatch_wait(job_file, ENV, tmp_path, 200)
     logs = sorted(tmp_path.glob("job-*.out"))
-    log = "".join(p.read_text() for p in logs) or f"(no log; sbatch: {out.stdout}{out.stderr})"
+    log = "".join(p.read_text() for p in logs) or f"(no log; sbatch: {said})"
     print(log)
-    return out.returncode, log
+    return code, log
 
 
 def _reports(directory):

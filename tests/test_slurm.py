@@ -1,4 +1,4 @@
-"""Real Slurm jobs: render a template, `sbatch --wait` it, check the trained model.
+"""Real Slurm jobs: render a template, submit it and wait for it, check the trained model.
 
 Needs a reachable cluster: the one of scripts/slurm-cluster.sh (found through $SLURM_CONF
 or $HYPARFLOW_SLURM_DIR/slurm.conf, default /tmp/hyparflow-slurm/slurm.conf); otherwise
@@ -13,6 +13,8 @@ import subprocess
 import uuid
 
 import pytest
+
+from conftest import sbatch_wait
 
 from hyparflow import cli
 
@@ -77,7 +79,7 @@ pytestmark = [pytest.mark.mpiexec, pytest.mark.skipif(SLURM_ENV is None, reason=
 
 
 def run_job(tmp_path, *options, script_args=()):
-    """Render with `hyparflow slurm`, sbatch --wait it; return (exit code, log text, model path)."""
+    """Render with `hyparflow slurm`, sbatch it and wait; return (exit code, log text, model path)."""
     name = f"hf-test-{uuid.uuid4().hex[:8]}"
     job_file = tmp_path / "job.sbatch"
     model = tmp_path / "model.keras"
@@ -85,16 +87,11 @@ def run_job(tmp_path, *options, script_args=()):
                      "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
                      EXAMPLE, "--epochs", "2", "--save", str(model), *script_args])
     assert code == 0
-    try:
-        out = subprocess.run(["sbatch", "--wait", str(job_file)], capture_output=True,
-                             text=True, timeout=JOB_TIMEOUT, env=SLURM_ENV, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", "--name", name], env=SLURM_ENV, timeout=30)
-        raise
+    code, said = sbatch_wait(job_file, SLURM_ENV, tmp_path, JOB_TIMEOUT)
     logs = sorted(tmp_path.glob("job-*.out"))
-    log = logs[0].read_text() if logs else f"(no job log; sbatch said {out.stdout}{out.stderr})"
+    log = logs[0].read_text() if logs else f"(no job log; sbatch said {said})"
     print(log)
-    return out.returncode, log, model
+    return code, log, model
 
 
 def check_trained(code, log, model, ranks, stages):
