@@ -113,7 +113,8 @@ class Executor:
         contribution = 0.0
         if self._trials:
             self.schedule = self._trials[0]
-        self.stage.begin_step()
+        self.stage.begin_step(len(micro_indices[0]) if micro_indices else None,
+                              len(micro_indices))
         self.buckets.arm()
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches

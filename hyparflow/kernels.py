@@ -9,10 +9,18 @@ within a step, so a stage keeps each such layer's `W^T` materialised, copied
 once per step before its first microbatch, and its backward multiplies by it:
 the same product, at forward speed, for the price of one copy of the kernel.
 
+The copy is not free (about as long as a product of a few hundred rows), and how
+much the folded product loses depends on the CPU and the row count: on a CPU with
+AVX-512 the folded product at 128 rows was only 1.4x slower, and one copy cost more
+than it saved. So the first training step measures, per kernel shape, one copy
+against the step's products (`pays`), and keeps `W^T` only where it saves time.
+
 Only plain `keras.layers.Dense` calls take this path, in float32, without LoRA,
 quantization or an activity regulariser, and only where the input gradient is
 wanted (not on a stage's data inputs). `HYPARFLOW_TRANSPOSED=0` turns it off.
 """
+
+import time
 
 
 import keras
@@ -21,7 +29,7 @@ import tensorflow as tf
 from . import _compat
 from . import settings
 
-__all__ = ["Transposed", "eligible", "enabled", "deferrable", "deferred_nodes", "deferred_call",
+__all__ = ["Transposed", "eligible", "enabled", "pays", "deferrable", "deferred_nodes", "deferred_call",
            "weight_grad"]
 
 
@@ -35,6 +43,41 @@ def eligible(op, input_dtype):
             and op.quantization_mode is None and op.activity_regularizer is None
             and op.compute_dtype == "float32" and op.kernel.dtype == "float32"
             and input_dtype == "float32" and len(op.kernel.shape) == 2)
+
+
+_PAYS = {}  # (kernel shape, rows, products per step) -> whether W^T pays
+_COLD_BYTES = 64 << 20  # more than a CPU's caches hold: each timed call reads from memory
+
+
+def _fastest(fn, sources):
+    """The shortest of `fn(source)` over `sources` (after one call that allocates)."""
+    fn(sources[0])
+    best = float("inf")
+    for source in sources[1:]:
+        start = time.perf_counter()
+        fn(source)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pays(kernel, rows, uses):
+    """Whether keeping `kernel`'s `W^T` saves time in a step that computes `uses`
+    input gradients of `rows` rows each: the products' gain against one copy, each
+    timed on a kernel that is not in the caches (as in a step, where the optimizer
+    wrote every kernel since the last read), once per shape in a process."""
+    key = (tuple(kernel.shape), int(rows), int(uses))
+    if key not in _PAYS:
+        w = tf.convert_to_tensor(kernel.value)
+        count = max(3, min(17, _COLD_BYTES // max(1, w.shape[0] * w.shape[1] * 4)))
+        kernels = [w + float(j) for j in range(count)]
+        transposed = [tf.transpose(k) for k in kernels]
+        dy = tf.ones((max(1, int(rows)), w.shape[1]), w.dtype)
+        kept = tf.Variable(transposed[0], trainable=False)
+        folded = _fastest(lambda k: tf.matmul(dy, k, transpose_b=True), kernels)
+        plain = _fastest(lambda k: tf.matmul(dy, k), transposed)
+        copy = _fastest(lambda k: kept.assign(tf.transpose(k)), kernels)
+        _PAYS[key] = uses * (folded - plain) > copy
+    return _PAYS[key]
 
 
 class Transposed:

@@ -124,6 +124,7 @@ class Stage:
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(plan.nodes, trainable=True)
         self.transposed = self._transposed(graph, plan)
+        self._transposed_chosen = False
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
         # Dense calls whose kernel gradients B leaves to W, as (node, position in
@@ -208,8 +209,17 @@ class Stage:
         """Whether this step's backwards leave kernel gradients to W calls."""
         return self.split and bool(self.deferred)
 
-    def begin_step(self):
-        """Before a training step's first microbatch: the kept `W^T`s follow the weights."""
+    def begin_step(self, rows=None, microbatches=1):
+        """Before a training step's first microbatch (of `rows` rows, `microbatches`
+        of them): the kept `W^T`s follow the weights. At the first step, before any
+        training function is traced, keep only those that pay (`kernels.pays`)."""
+        if rows and not self._transposed_chosen:
+            self._transposed_chosen = True
+            kept = {i: t for i, t in self.transposed.items()
+                    if kernels.pays(t.op.kernel, rows, microbatches)}
+            if len(kept) != len(self.transposed):
+                self.transposed = kept
+                self._functions.clear()  # traced with the dropped ones (say, by `time`)
         for t in {id(t): t for t in self.transposed.values()}.values():
             t.refresh()
 

@@ -121,3 +121,37 @@ def test_dense_backward_uses_the_kept_transpose():
     masked = tf.identity(x)
     _compat.set_mask(masked, mask)
     np.testing.assert_array_equal(_compat.get_mask(fast([masked], {})), mask)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_first_step_keeps_each_transpose_only_where_it_pays(keep, monkeypatch):
+    """`kernels.pays` decides per kernel at the first step, before the training
+    functions are traced: kept or not, training gives model.fit's weights (Adam)."""
+    from hyparflow import kernels
+
+    asked = []
+
+    def pays(kernel, rows, uses):
+        asked.append((tuple(kernel.shape), rows, uses))
+        return keep
+
+    monkeypatch.setattr(kernels, "pays", pays)
+    build = lambda: models.mlp("adam")  # noqa: E731
+    x, y = models.mlp_data(64)
+    start, expected, _ = reference(build, x, y, epochs=2)
+    results = train_ranks(build, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
+                          weights=start, batch_size=16, epochs=2, shuffle=False)
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+    # Asked once per kept-able kernel (hidden_1 .. logits), for 4-row microbatches, 4 a step.
+    assert sorted(asked) == sorted([((32, 32), 4, 4), ((32, 24), 4, 4), ((24, 16), 4, 4),
+                                    ((16, 4), 4, 4)])
+
+
+def test_a_transpose_never_pays_without_products():
+    import keras
+
+    from hyparflow import kernels
+
+    layer = keras.layers.Dense(64)
+    layer.build((None, 64))
+    assert not kernels.pays(layer.kernel, 32, 0)
