@@ -90,11 +90,12 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         sample_weight, class_weight: as in `model.fit`.
         schedule: None or "1f1b" (the default: one forward, one backward, at most S
             microbatches alive per stage), "gpipe" (all forwards, then all
-            backwards), "zb-h1" or "zb-batched" (the backward split into B, the
-            inputs' gradients, and W, the Dense kernels' gradients, which fill
-            the pipeline's waits; "zb-batched" computes W for many microbatches
-            in one call), or "auto" (tries 1f1b, zb-h1 and zb-batched for two
-            steps each, then keeps the fastest). All give the same weights; see
+            backwards), "1f1b-w", "zb-h1" or "zb-batched" (the backward split
+            into B, the inputs' gradients, and W, the Dense kernels' gradients:
+            "1f1b-w" computes every W in one call at the end, over the whole
+            batch's rows; "zb-h1" and "zb-batched" fill the pipeline's waits
+            with them), or "auto" (tries 1f1b, 1f1b-w, zb-h1 and zb-batched for
+            two steps each, then keeps the fastest). All give the same weights; see
             docs/performance.md for speed and memory.
         run_eagerly: run stages eagerly instead of as tf.functions (debugging);
             None follows `model.run_eagerly`.

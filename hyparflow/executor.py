@@ -21,7 +21,7 @@ __all__ = ["Executor", "split_batch", "AUTO"]
 
 # What schedule="auto" tries, each for two steps (the first traces), before keeping
 # the fastest by the slowest rank's time of its second step.
-AUTO = ("1f1b", "zb-h1", "zb-batched")
+AUTO = ("1f1b", "1f1b-w", "zb-h1", "zb-batched")
 FILL_AT = 2  # microbatches a W filling a wait takes at least (`Executor._fill`)
 
 

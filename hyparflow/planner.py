@@ -437,7 +437,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
-           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b", "zb-h1", "zb-batched"),
+           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"),
            ranks_per_node=None,
            cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
@@ -516,6 +516,8 @@ def _memory():
 
 
 def main(argv=None):
+    from . import schedule as sched
+
     parser = argparse.ArgumentParser(prog="hyparflow plan", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .keras file, or a Python file with a function that "
                                       "returns a compiled model")
@@ -534,8 +536,8 @@ def main(argv=None):
     parser.add_argument("--cores", type=int, default=os.cpu_count(),
                         help="cores per node (ranks beyond them share cores)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zb-h1", "zb-batched"],
-                        choices=["gpipe", "1f1b", "zb-h1", "zb-batched"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"],
+                        choices=sorted(sched.SCHEDULES))
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "

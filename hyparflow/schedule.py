@@ -199,14 +199,26 @@ def zb_batched(num_stages, num_microbatches):
     return _greedy(num_stages, num_microbatches, batch_w=True)
 
 
+def one_f_one_b_w(num_stages, num_microbatches):
+    """1F1B's order with the backward split: each B computes only what the stage's
+    inputs need (so the gradient goes upstream sooner, and the drain is shorter),
+    and one W at the end computes every deferred weight gradient over the whole
+    replica batch's rows, where the products run fastest and no per-microbatch
+    gradient is summed. Costs, besides 1F1B's memory, the kept inputs and output
+    gradients of the deferred layers for the M microbatches (the replica's batch)."""
+    lists = one_f_one_b(num_stages, num_microbatches)
+    return [actions + [Action(W, 0, count=num_microbatches)] for actions in lists]
+
+
 def forward_only(num_stages, num_microbatches):
     """Inference: every stage forwards each microbatch in order, no backward."""
     _check_sizes(num_stages, num_microbatches)
     return [[Action(F, i) for i in range(num_microbatches)] for _ in range(num_stages)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-batched": zb_batched}
-SPLIT = ("zb-h1", "zb-batched")  # schedules whose backward is split into B and W
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-w": one_f_one_b_w, "zb-h1": zb_h1,
+             "zb-batched": zb_batched}
+SPLIT = ("1f1b-w", "zb-h1", "zb-batched")  # schedules whose backward is split into B and W
 # Schedules whose executor also runs W wherever a stage would wait for a message
 # (`Executor._fill`), on top of the W's placed here.
 FILLS = ("zb-batched",)

@@ -58,7 +58,7 @@ VARIABLES = (
              "`0`: Dense input gradients by TensorFlow's own `transpose_b` product "
              "instead of a kept `W^T` (for measuring)"),
     Variable("HYPARFLOW_DEFER_CONV", "0",
-             "`1`: the split schedules (`zb-h1`, `zb-batched`) leave Conv2D kernels' "
+             "`1`: the split schedules (`1f1b-w`, `zb-h1`, `zb-batched`) leave Conv2D kernels' "
              "gradients to W too, as Dense ones (measured slower here)"),
     Variable("HYPARFLOW_ZERO", "auto (shared whenever the optimizer allows)",
              "`0`: every replica steps the whole optimizer, instead of each stepping its "

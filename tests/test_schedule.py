@@ -131,7 +131,7 @@ def test_stages_on_one_core_take_turns():
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"choose one of \['1f1b', 'gpipe', 'zb-batched', 'zb-h1'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['1f1b', '1f1b-w', 'gpipe', 'zb-batched', 'zb-h1'\]"):
         sched.build("zigzag", 2, 2)
 
 
@@ -152,7 +152,7 @@ def test_waits_in_a_computation_pass_at_full_speed_and_take_no_core():
 
 
 # -- split backward: B and W ---------------------------------------------------
-@pytest.mark.parametrize("name", ["zb-h1", "zb-batched"])
+@pytest.mark.parametrize("name", ["1f1b-w", "zb-h1", "zb-batched"])
 @pytest.mark.parametrize("stages,micro", [(1, 1), (2, 1), (2, 4), (3, 3), (4, 8), (4, 2), (3, 7)])
 def test_split_schedules_validate_and_beat_1f1b(name, stages, micro):
     sources, dests = chain(stages)
@@ -173,6 +173,12 @@ def test_split_schedules_validate_and_beat_1f1b(name, stages, micro):
     if name == "zb-h1":
         assert all(a.count == 1 for actions in lowered for a in actions if a.kind == sched.W)
         assert max(split.peak_kept) <= 1 or stages > 2
+
+
+def test_1f1b_w_is_1f1b_then_one_weight_call_over_every_microbatch():
+    lists = sched.one_f_one_b_w(3, 4)
+    for plain, split in zip(sched.one_f_one_b(3, 4), lists):
+        assert split[:-1] == plain and sched.format_actions(split[-1:]) == "W0-3"
 
 
 def test_zb_h1_keeps_1f1b_memory_from_forward_to_weights():

@@ -49,6 +49,8 @@ def fit_reference(optimizer, micro, bn=True):
 
 
 CASES = [  # (schedule, S, R, M, extra)
+    ("1f1b-w", 2, 1, 4, {}),
+    ("1f1b-w", 3, 2, 2, {}),                         # replicas: allreduce after the W
     ("zb-h1", 2, 1, 4, {}),
     ("zb-batched", 2, 1, 4, {}),
     ("zb-h1", 3, 1, 4, {}),
