@@ -115,6 +115,8 @@ class Executor:
             self.schedule = self._trials[0]
         self.stage.begin_step(len(micro_indices[0]) if micro_indices else None,
                               len(micro_indices))
+        if self.stage.transposed:
+            self._record("W^T copies", "transpose", start, layers=len(self.stage.transposed))
         self.buckets.arm()
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches

@@ -46,16 +46,16 @@ def eligible(op, input_dtype):
 
 
 _PAYS = {}  # (kernel shape, rows, products per step) -> whether W^T pays
-_COLD_BYTES = 64 << 20  # more than a CPU's caches hold: each timed call reads from memory
+_COLD_BYTES = 32 << 20  # more than a CPU's caches keep of what the step touched last
 
 
-def _fastest(fn, sources):
-    """The shortest of `fn(source)` over `sources` (after one call that allocates)."""
-    fn(sources[0])
+def _fastest(fn, items):
+    """The shortest of `fn(item)` over `items` (after one call that allocates)."""
+    fn(items[0])
     best = float("inf")
-    for source in sources[1:]:
+    for item in items[1:]:
         start = time.perf_counter()
-        fn(source)
+        fn(item)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -63,19 +63,18 @@ def _fastest(fn, sources):
 def pays(kernel, rows, uses):
     """Whether keeping `kernel`'s `W^T` saves time in a step that computes `uses`
     input gradients of `rows` rows each: the products' gain against one copy, each
-    timed on a kernel that is not in the caches (as in a step, where the optimizer
-    wrote every kernel since the last read), once per shape in a process."""
+    timed on kernels and copies the caches do not hold (as in a step, where the
+    optimizer wrote every kernel since the last read), once per shape in a process."""
     key = (tuple(kernel.shape), int(rows), int(uses))
     if key not in _PAYS:
         w = tf.convert_to_tensor(kernel.value)
-        count = max(3, min(17, _COLD_BYTES // max(1, w.shape[0] * w.shape[1] * 4)))
-        kernels = [w + float(j) for j in range(count)]
-        transposed = [tf.transpose(k) for k in kernels]
+        count = max(2, min(9, _COLD_BYTES // max(1, w.shape[0] * w.shape[1] * 4)))
+        sets = [(w + float(j), tf.Variable(tf.transpose(w), trainable=False))
+                for j in range(count)]
         dy = tf.ones((max(1, int(rows)), w.shape[1]), w.dtype)
-        kept = tf.Variable(transposed[0], trainable=False)
-        folded = _fastest(lambda k: tf.matmul(dy, k, transpose_b=True), kernels)
-        plain = _fastest(lambda k: tf.matmul(dy, k), transposed)
-        copy = _fastest(lambda k: kept.assign(tf.transpose(k)), kernels)
+        folded = _fastest(lambda p: tf.matmul(dy, p[0], transpose_b=True), sets)
+        plain = _fastest(lambda p: tf.matmul(dy, p[1]), sets)
+        copy = _fastest(lambda p: p[1].assign(tf.transpose(p[0])), sets)
         _PAYS[key] = uses * (folded - plain) > copy
     return _PAYS[key]
 

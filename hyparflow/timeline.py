@@ -13,6 +13,7 @@ __all__ = ["Timeline", "load", "bubble", "theoretical_bubble", "draw", "COLOURS"
 COLOURS = {
     "forward": "#4c72b0", "backward": "#dd8452", "weight": "#64b5cd", "send": "#55a868",
     "wait": "#d9d9d9", "allreduce": "#c44e52", "optimizer": "#8172b3", "allgather": "#937860",
+    "transpose": "#da8bc3",
 }
 
 
