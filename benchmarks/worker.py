@@ -50,9 +50,11 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
     from hyparflow import timeline
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
+    # "interleaved:2": the schedule and its model chunks per rank.
+    name, _, chunks = schedule.partition(":")
     hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
-           num_microbatches=m, schedule=schedule, verbose=0, shuffle=False, trace=trace,
-           num_tensor=t)
+           num_microbatches=m, schedule=name, verbose=0, shuffle=False, trace=trace,
+           num_tensor=t, num_chunks=int(chunks) if chunks else None)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

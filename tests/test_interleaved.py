@@ -115,3 +115,25 @@ def test_short_last_batch_falls_back_and_matches_model_fit():
                           shuffle=False, schedule="interleaved", num_chunks=2)
     for w, _ in results:
         assert max_diff(w, expected) <= 1e-5
+
+
+def test_planner_models_the_smaller_bubble():
+    """Four equal layer calls and a free one, a free network: 1F1B's bubble at S=2, M=4 is
+    (S-1)/(M+S-1) = 1/5; interleaved with v=2 cuts 4 virtual stages, 1/(vM+S-1) = 1/9."""
+    import models
+    from hyparflow import graph as G, planner
+
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-3, 1000, 0, 100)] * 4 + [(0.0, 0.0, 0, 0, 0)]
+    free = planner.Network(0.0, 0.0)
+    plain = planner.predict(graph, rows, 0.0, free, [2, 3], 64, 1, 4, "1f1b")
+    chunked = planner.predict(graph, rows, 0.0, free, [1, 1, 1, 2], 64, 1, 4, "interleaved",
+                              chunks=2)
+    assert plain["bubble"] == pytest.approx(1 / 5)
+    assert chunked["bubble"] == pytest.approx(1 / 9)
+    assert chunked["step_s"] < plain["step_s"]
+    assert len(chunked["memory_bytes"]) == 2  # per rank, all its chunks
+    plans = planner.search(graph, rows, 0.0, free, 64, 2, schedules=("1f1b", "interleaved"))
+    best = [p for p in plans if p["schedule"] == "interleaved"][0]
+    layout = planner.as_layout(best)
+    assert (layout.num_chunks, len(layout.balance)) == (2, 4)
