@@ -116,8 +116,9 @@ def _as_tuple(value: Any) -> Any:
 def resolve(world_size: int, *, num_stages: Optional[int] = None,
             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
             num_tensor: Optional[int] = None, schedule: Optional[str] = None,
-            num_chunks: Optional[int] = None, balance: Any = None, tensor_layers: Optional[Sequence[str]] = None,
-            tensor_shares: Any = None, plan: Any = None,
+            num_chunks: Optional[int] = None, balance: Any = None,
+            tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Any = None,
+            plan: Any = None,
             environ: Optional[Mapping[str, str]] = None) -> Layout:
     """The layout for `world_size` ranks, from the arguments, then the plan file (a
     path or an already read plan), then the environment, then the world size."""
@@ -125,7 +126,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
 
     given = {"num_stages": num_stages, "num_replicas": num_replicas,
              "num_microbatches": num_microbatches, "num_tensor": num_tensor,
-             "schedule": schedule, "tensor_layers": tensor_layers, "num_chunks": num_chunks}
+             "schedule": schedule, "tensor_layers": tensor_layers,
+             "num_chunks": num_chunks}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for name, value in given.items():

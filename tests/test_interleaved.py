@@ -67,13 +67,17 @@ def test_short_batch_fallback_and_inference_are_valid():
     sched.validate(sched.lower(sched.forward_only(2, 3, 2), sources, dests), 3, backward=False)
 
 
+IL = dict(schedule="interleaved")
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_stages=2, num_microbatches=4, schedule="interleaved", num_chunks=1), "num_chunks >= 2"),
-    (dict(num_stages=1, num_microbatches=4, schedule="interleaved", num_chunks=2), "num_stages >= 2"),
-    (dict(num_stages=2, num_microbatches=3, schedule="interleaved", num_chunks=2),
+    (dict(num_stages=2, num_microbatches=4, num_chunks=1, **IL), "num_chunks >= 2"),
+    (dict(num_stages=1, num_microbatches=4, num_chunks=2, **IL), "num_stages >= 2"),
+    (dict(num_stages=2, num_microbatches=3, num_chunks=2, **IL),
      "multiple of num_stages.*num_microbatches=4"),
-    (dict(num_stages=2, num_microbatches=4, schedule="1f1b", num_chunks=2), "schedule='interleaved'"),
-    (dict(num_stages=2, num_microbatches=4, schedule="interleaved", num_chunks=0), "num_chunks"),
+    (dict(num_stages=2, num_microbatches=4, schedule="1f1b", num_chunks=2),
+     "schedule='interleaved'"),
+    (dict(num_stages=2, num_microbatches=4, num_chunks=0, **IL), "num_chunks"),
 ])
 def test_bad_layouts_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -82,7 +86,7 @@ def test_bad_layouts_are_refused(kwargs, match):
 
 def test_tensor_splits_are_refused():
     with pytest.raises(NotImplementedError, match="num_tensor=2"):
-        Layout(num_stages=2, num_microbatches=2, num_tensor=2, schedule="interleaved", num_chunks=2)
+        Layout(num_stages=2, num_microbatches=2, num_tensor=2, num_chunks=2, **IL)
 
 
 # -- training: the numerical contract (thread ranks, as tests/test_zero_bubble.py) ----
