@@ -77,7 +77,8 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
         print("RESULT " + json.dumps({
             "stages": s, "replicas": r, "microbatches": m, "schedule": schedule, "tensor": t,
             "step_s": step, "samples_s": batch / step, "bubble": timeline.bubble(data),
-            "theory_bubble": timeline.theoretical_bubble(s, m), "peak_mb": peaks,
+            "theory_bubble": timeline.theoretical_bubble(
+                s, m, int(schedule.partition(":")[2] or 1)), "peak_mb": peaks,
             "grad_mb": statistics.median(sums[1:] or sums or [0]) / 2**20,
             "state_mb": states}), flush=True)
 
