@@ -75,7 +75,8 @@ def main():
     parser.add_argument("--trace-dir", default=None, help="keep the traces (and pictures) here")
     parser.add_argument("--configs", nargs="*", default=None,
                         help="instead of each workload's own list: S,R,M,SCHEDULE[,T[,VAR=VALUE...]]"
-                             " (e.g. 2,1,8,zb-h1 or 2,1,4,1f1b,1,HYPARFLOW_TRANSPOSED=0)")
+                             " (e.g. 2,1,8,zb-h1 or 2,1,4,1f1b,1,HYPARFLOW_TRANSPOSED=0;"
+                             " SCHEDULE interleaved:V for V model chunks per rank)")
     args = parser.parse_args()
     env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     rows, results = [], {}

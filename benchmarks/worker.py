@@ -50,9 +50,11 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
     from hyparflow import timeline
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
+    # "interleaved:2": the schedule and its model chunks per rank.
+    name, _, chunks = schedule.partition(":")
     hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
-           num_microbatches=m, schedule=schedule, verbose=0, shuffle=False, trace=trace,
-           num_tensor=t)
+           num_microbatches=m, schedule=name, verbose=0, shuffle=False, trace=trace,
+           num_tensor=t, num_chunks=int(chunks) if chunks else None)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -75,7 +77,8 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
         print("RESULT " + json.dumps({
             "stages": s, "replicas": r, "microbatches": m, "schedule": schedule, "tensor": t,
             "step_s": step, "samples_s": batch / step, "bubble": timeline.bubble(data),
-            "theory_bubble": timeline.theoretical_bubble(s, m), "peak_mb": peaks,
+            "theory_bubble": timeline.theoretical_bubble(
+                s, m, int(schedule.partition(":")[2] or 1)), "peak_mb": peaks,
             "grad_mb": statistics.median(sums[1:] or sums or [0]) / 2**20,
             "state_mb": states}), flush=True)
 

@@ -33,7 +33,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         keep: int = 3, resume: bool = False, check_finite: bool = True,
         speeds: Union[None, str, Sequence[float]] = None, memory_limit: Optional[float] = None,
         plan: Optional[str] = None, num_tensor: Optional[int] = None,
-        tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None) -> Any:
+        tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
+        num_chunks: Optional[int] = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -94,9 +95,14 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             into B, the inputs' gradients, and W, the Dense kernels' gradients:
             "1f1b-w" computes every W in one call at the end, over the whole
             batch's rows; "zb-h1" and "zb-batched" fill the pipeline's waits
-            with them), or "auto" (tries 1f1b, 1f1b-w, zb-h1 and zb-batched for
-            two steps each, then keeps the fastest). All give the same weights; see
-            docs/performance.md for speed and memory.
+            with them), "interleaved" (Megatron-LM's interleaved 1F1B: each rank
+            runs `num_chunks` model chunks, the model being cut into S x
+            num_chunks virtual stages; bubble (S-1)/(num_chunks M) instead of
+            (S-1)/M; needs M a multiple of S), or "auto" (tries 1f1b, 1f1b-w,
+            zb-h1 and zb-batched for two steps each, then keeps the fastest). All
+            give the same weights; see docs/performance.md for speed and memory.
+        num_chunks: model chunks per rank for schedule="interleaved" (>= 2);
+            None: 1, or the plan's.
         run_eagerly: run stages eagerly instead of as tf.functions (debugging);
             None follows `model.run_eagerly`.
         recompute: keep only each stage's inputs per microbatch and recompute
@@ -132,7 +138,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         layout = _layout.resolve(
             communicator.size, num_stages=num_stages, num_replicas=num_replicas,
             num_microbatches=num_microbatches, num_tensor=num_tensor, schedule=schedule,
-            balance=balance, tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
+            num_chunks=num_chunks, balance=balance, tensor_layers=tensor_layers,
+            tensor_shares=tensor_shares, plan=plan)
         return trainer.train(
             model, x, y, comm=communicator, layout=layout, batch_size=batch_size,
             epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, callbacks=callbacks,

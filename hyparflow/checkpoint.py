@@ -242,11 +242,11 @@ class Checkpointer:
                 arrays = {}
                 names = variable_names(model)
                 for v, n in zip(model.weights, names):
-                    if runtime.part.owner.get(id(v), 0) == s:
+                    if runtime.owner_stage(v) == s:
                         arrays[f"model/{n}"] = np.asarray(v.numpy())
                 opt = model.optimizer
                 owned = {n for v, n in zip(model.weights, names)
-                         if runtime.part.owner.get(id(v), 0) == s}
+                         if runtime.owner_stage(v) == s}
                 for var, n in zip(opt.variables, slot_names(opt, model)):
                     if (n.startswith("slot/") and n[5:].rsplit("/", 1)[0] in owned) or (
                             n.startswith("optimizer/") and s == 0):

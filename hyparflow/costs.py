@@ -15,6 +15,12 @@ def resolve(graph, model, comm, balance, layout, *, speeds=None, memory_limit=No
     calibration run on this machine's ranks and their results are shared, so every
     rank cuts the model the same way. `layout`: the run's (hyparflow.layout.Layout)."""
     num_stages = layout.num_stages
+    chunks = getattr(layout, "num_chunks", 1)
+    if chunks > 1 and memory_limit is not None:
+        raise NotImplementedError(
+            f"memory_limit={memory_limit} with schedule='interleaved' is not supported yet (the "
+            f"limit is per rank, which holds {chunks} chunks). Leave memory_limit out, or "
+            "use schedule='1f1b'.")
     if balance is not None and not isinstance(balance, str) and speeds is None and memory_limit is None:
         return balance  # explicit counts
     mode = balance or "estimate"
@@ -42,6 +48,8 @@ def resolve(graph, model, comm, balance, layout, *, speeds=None, memory_limit=No
     elif speeds is not None and len(speeds) != num_stages:
         raise ValueError(f"`speeds` needs one value per stage ({num_stages}). Received: {speeds}")
     memory = [_memory(p, microbatch, num_stages) for p in profiles] if memory_limit else None
+    if speeds is not None and chunks > 1:
+        speeds = [speeds[j % num_stages] for j in range(num_stages * chunks)]  # per chunk
     return {"costs": costs, "speeds": list(speeds) if speeds is not None else None,
             "memory": memory, "limit": memory_limit}
 

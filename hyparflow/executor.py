@@ -41,9 +41,14 @@ class Executor:
     """One rank: stage `stage` of replica `replica`, driven step by step by the trainer."""
 
     def __init__(self, comm, topology, partition, graph, stage, optimizer, *,
-                 schedule="1f1b", num_microbatches=1, groups=(), timeline=None):
+                 schedule="1f1b", num_microbatches=1, groups=(), timeline=None, chunks=None):
+        """`chunks`: with an interleaved schedule, this rank's model chunks (a `Stage`
+        each, for virtual stages s, s + S, ... of `partition`), whose gradients go
+        into `stage` (an accumulator: `Stage.sink_into`); None: `stage` is the one."""
         self.comm, self.topo, self.part, self.graph = comm, topology, partition, graph
         self.stage, self.optimizer = stage, optimizer
+        self.stages = list(chunks) if chunks else [stage]
+        self.chunks = len(self.stages)
         self.schedule, self.num_microbatches = schedule, num_microbatches
         # schedule="auto": the steps `_trials` plays in turn, and their times.
         self._trials = [name for name in AUTO for _ in range(2)] if schedule == "auto" else []
@@ -54,7 +59,9 @@ class Executor:
         self.s = topology.stage(comm.rank)
         self.r = topology.replica(comm.rank)
         self.t = topology.tensor(comm.rank)  # messages go to the same tensor rank
-        self.plan = partition.stages[self.s]
+        self.plans = [partition.stages[self.s + c * topology.num_stages]
+                      for c in range(self.chunks)]
+        self.plan = self.plans[0]
         self.set_groups(groups)
         self.num_edges = max(1, len(partition.edges))
         self.timeline = timeline
@@ -62,7 +69,9 @@ class Executor:
         self.position = None  # the action being run, for error messages
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
-        self.boundary = Boundary(comm, graph, self.plan, self._rank_of, len(partition.edges))
+        self.boxes = [Boundary(comm, graph, plan, self._rank_of, len(partition.edges))
+                      for plan in self.plans]
+        self.boundary = self.boxes[0]
 
     def set_groups(self, groups, early=False, zero=None):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
@@ -88,19 +97,25 @@ class Executor:
                 # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
                 # the same order as GPipe's, and lets each backward fuse with its forward.
                 name = "1f1b" if self.topo.num_stages == 1 else self.schedule
-                compute = sched.build(name, self.topo.num_stages, m)
+                if self.chunks > 1 and m % self.topo.num_stages:
+                    # A short last batch's microbatches are not whole groups of S:
+                    # all chunks' forwards, then their backwards (same sums, same order).
+                    compute = sched.gpipe(self.topo.num_stages, m, self.chunks)
+                else:
+                    compute = sched.build(name, self.topo.num_stages, m, self.chunks)
                 # The last stage's forward and backward of a microbatch in one call
                 # where the schedule has them back to back (the planner reads the same).
                 compute = sched.fuse(compute, self._dests, self.stage.recompute)
             else:
-                compute = sched.forward_only(self.topo.num_stages, m)
+                compute = sched.forward_only(self.topo.num_stages, m, self.chunks)
             lowered = sched.lower(compute, self._sources, self._dests)
             sched.validate(lowered, m, backward=training)
             self._lowered[key] = lowered[self.s]
         return self._lowered[key]
 
     def _rank_of(self, stage):
-        return self.topo.rank(stage, self.r, self.t)
+        """The rank of (virtual) stage `stage` in this replica and tensor slot."""
+        return self.topo.rank(stage % self.topo.num_stages, self.r, self.t)
 
     def _record(self, name, cat, start, **args):
         if self.timeline is not None:
@@ -113,10 +128,12 @@ class Executor:
         contribution = 0.0
         if self._trials:
             self.schedule = self._trials[0]
-        self.stage.begin_step(len(micro_indices[0]) if micro_indices else None,
-                              len(micro_indices))
-        if self.stage.transposed:
-            self._record("W^T copies", "transpose", start, layers=len(self.stage.transposed))
+        rows = len(micro_indices[0]) if micro_indices else None
+        for stage in self.stages:
+            stage.begin_step(rows, len(micro_indices))
+        copies = sum(len(stage.transposed) for stage in self.stages)
+        if copies:
+            self._record("W^T copies", "transpose", start, layers=copies)
         self.buckets.arm()
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
@@ -152,23 +169,27 @@ class Executor:
         return self._pipeline(micro_indices, batch_size, data, 0, None, kind)
 
     def _pipeline(self, micro_indices, batch_size, data, first_id, seed, kind="train"):
-        g, plan, stage = self.graph, self.plan, self.stage
+        g = self.graph
         training = kind == "train"
         timeout = timeout_seconds()
-        box = self.boundary
-        box.start([len(idx) for idx in micro_indices], training)
+        for box in self.boxes:
+            box.start([len(idx) for idx in micro_indices], training)
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
         actions = self.lowered(len(micro_indices), training)
         # Split backward (W actions): B leaves the deferred kernels' gradients to W.
-        stage.split = training and sched.splits(actions)
+        for stage in self.stages:
+            stage.split = training and sched.splits(actions)
         # The step's last backward reports gradients as it makes them, so that
         # allreduces start early (only when they are shared: hooks cost a little).
         # Kernels a W computes never report: their buckets start after the step's W's.
-        hooked = training and self.stage.on_arrival is not None and bool(self.stage.hooks)
+        # (Not with model chunks: their gradients go into one accumulator, after each call.)
+        hooked = (training and self.chunks == 1 and self.stage.on_arrival is not None
+                  and bool(self.stage.hooks))
         last = max((a.microbatch for a in actions if a.kind in (sched.B, sched.FB)), default=None)
         for a in actions:
-            i = a.microbatch
+            i, key = a.microbatch, (a.chunk, a.microbatch)
+            stage, plan, box = self.stages[a.chunk], self.plans[a.chunk], self.boxes[a.chunk]
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
@@ -191,7 +212,7 @@ class Executor:
                 if a.kind == sched.FB:
                     grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
                                                       hooked=hooked and i == last)
-                    grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
+                    grads_in[key] = {t: gr.numpy() for t, gr in grads.items()}
                     out = []
                     self._record(str(a), "backward", start, microbatch=i)
                 elif training:
@@ -201,13 +222,13 @@ class Executor:
                     out, c, pred = stage.infer(kind, inputs, y, sw, share=share)
                     if pred:
                         predictions.append([p.numpy() for p in pred])
-                outs[i] = {t: o.numpy() for t, o in zip(
+                outs[key] = {t: o.numpy() for t, o in zip(
                     stage.output_ids + [("mask", t) for t in stage.output_mask_ids], out)}
                 total += float(c)
                 if a.kind == sched.F:
                     self._record(str(a), "forward", start, microbatch=i)
             elif a.kind == sched.SEND_ACT:
-                sends += box.send_activations(i, a.peer, outs[i], training)
+                sends += box.send_activations(i, a.peer, outs[key], training)
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.RECV_GRAD:
                 reqs = box.gradient_requests(i, a.peer)
@@ -216,9 +237,9 @@ class Executor:
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
                 out_grads = box.gradients(i)
-                outs.pop(i, None)
+                outs.pop(key, None)
                 grads = stage.backward(i, out_grads)
-                grads_in[i] = {t: gr.numpy() for t, gr in grads.items()}
+                grads_in[key] = {t: gr.numpy() for t, gr in grads.items()}
                 self._record(str(a), "backward", start, microbatch=i)
             elif a.kind == sched.W:
                 left = [j for j in a.microbatches if j in stage.waiting]  # not done in a wait
@@ -227,7 +248,7 @@ class Executor:
                     self._record(str(a), "weight", start, microbatch=left[0], count=len(left),
                                  layers=len(stage.deferred))
             elif a.kind == sched.SEND_GRAD:
-                sends += box.send_gradients(i, a.peer, grads_in[i])
+                sends += box.send_gradients(i, a.peer, grads_in[key])
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind in (sched.ALLREDUCE, sched.STEP):
                 break  # the step closes with these for every replica alike, below

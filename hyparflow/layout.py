@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 from . import settings
-from .schedule import SCHEDULES
+from .schedule import CHUNKED, SCHEDULES, check_interleaved
 
 __all__ = ["Layout", "resolve", "DEFAULT_SCHEDULE"]
 
@@ -39,6 +39,7 @@ class Layout:
     num_microbatches: int = 1
     num_tensor: int = 1
     schedule: str = DEFAULT_SCHEDULE
+    num_chunks: int = 1  # model chunks per rank (virtual stages), interleaved schedules only
     balance: Any = None
     tensor_layers: Optional[Tuple[str, ...]] = None
     tensor_shares: Union[None, str, Tuple[float, ...]] = None
@@ -55,6 +56,25 @@ class Layout:
             raise ValueError(f"Unknown schedule {self.schedule!r}; choose one of "
                              f"{sorted(SCHEDULES) + ['auto']}. "
                              f"Received: schedule={self.schedule!r}")
+        self._check_chunks()
+
+    def _check_chunks(self) -> None:
+        chunks = self.num_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"`num_chunks` must be an integer >= 1. Received: "
+                             f"num_chunks={chunks!r}")
+        if self.schedule not in CHUNKED:
+            if chunks != 1:
+                raise ValueError(
+                    f"num_chunks={chunks} model chunks per rank need schedule='interleaved'; "
+                    f"{self.schedule!r} runs one stage per rank. Pass "
+                    f"schedule='interleaved', or leave num_chunks at 1.")
+            return
+        check_interleaved(self.num_stages, self.num_microbatches, chunks)
+        if self.num_tensor > 1:
+            raise NotImplementedError(
+                f"schedule='interleaved' with num_tensor={self.num_tensor} is not supported yet "
+                f"(split layers inside model chunks). Use num_tensor=1, or schedule='1f1b'.")
 
     @property
     def pipeline(self) -> int:
@@ -84,7 +104,8 @@ class Layout:
         parts.append(f"{self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}")
         parts.append(f"{self.num_microbatches} microbatch"
                      f"{'es' if self.num_microbatches != 1 else ''}")
-        return " x ".join(parts) + f" ({self.ranks} ranks, {self.schedule})"
+        schedule = self.schedule + (f", {self.num_chunks} chunks" if self.num_chunks > 1 else "")
+        return " x ".join(parts) + f" ({self.ranks} ranks, {schedule})"
 
 
 def _as_tuple(value: Any) -> Any:
@@ -95,8 +116,9 @@ def _as_tuple(value: Any) -> Any:
 def resolve(world_size: int, *, num_stages: Optional[int] = None,
             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
             num_tensor: Optional[int] = None, schedule: Optional[str] = None,
-            balance: Any = None, tensor_layers: Optional[Sequence[str]] = None,
-            tensor_shares: Any = None, plan: Any = None,
+            num_chunks: Optional[int] = None, balance: Any = None,
+            tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Any = None,
+            plan: Any = None,
             environ: Optional[Mapping[str, str]] = None) -> Layout:
     """The layout for `world_size` ranks, from the arguments, then the plan file (a
     path or an already read plan), then the environment, then the world size."""
@@ -104,7 +126,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
 
     given = {"num_stages": num_stages, "num_replicas": num_replicas,
              "num_microbatches": num_microbatches, "num_tensor": num_tensor,
-             "schedule": schedule, "tensor_layers": tensor_layers}
+             "schedule": schedule, "tensor_layers": tensor_layers,
+             "num_chunks": num_chunks}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for name, value in given.items():
@@ -118,7 +141,7 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
             raise ValueError(f"balance={balance!r} and plan= both say how to cut the layer "
                              f"calls; {source} already lists each stage's. Pass one of them.")
         for name in ("num_stages", "num_replicas", "num_microbatches", "num_tensor",
-                     "schedule", "tensor_layers", "tensor_shares"):
+                     "schedule", "num_chunks", "tensor_layers", "tensor_shares"):
             if name not in plan:
                 continue
             value = plan[name]
@@ -162,7 +185,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
         raise ValueError(_mismatch(world_size, stages, tensor, replicas, origin))
     return Layout(num_stages=stages, num_replicas=replicas,
                   num_microbatches=values.get("num_microbatches", 1), num_tensor=tensor,
-                  schedule=values.get("schedule", DEFAULT_SCHEDULE), balance=_as_tuple(balance),
+                  schedule=values.get("schedule", DEFAULT_SCHEDULE),
+                  num_chunks=values.get("num_chunks", 1), balance=_as_tuple(balance),
                   tensor_layers=_as_tuple(values.get("tensor_layers")),
                   tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
 

@@ -39,9 +39,11 @@ def write(path: str, graph: Any, layout: Any,
     """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
     of each stage) as a plan for `graph`'s model."""
     counts = list(layout.balance)
-    if len(counts) != layout.num_stages or sum(counts) != len(graph.nodes):
-        raise ValueError(f"A plan needs the layer-call count of each of the {layout.num_stages} "
-                         f"stages, {len(graph.nodes)} in all. Received: balance={counts}")
+    chunks = getattr(layout, "num_chunks", 1)  # interleaved: S x chunks virtual stages
+    if len(counts) != layout.num_stages * chunks or sum(counts) != len(graph.nodes):
+        raise ValueError(f"A plan needs the layer-call count of each of the "
+                         f"{layout.num_stages * chunks} stages, {len(graph.nodes)} in all. "
+                         f"Received: balance={counts}")
     stages, start = [], 0
     for c in counts:
         stages.append({"layers": [n.name for n in graph.nodes[start:start + c]]})
@@ -49,6 +51,8 @@ def write(path: str, graph: Any, layout: Any,
     plan = {"format": FORMAT, "version": VERSION, "num_stages": layout.num_stages,
             "num_replicas": layout.num_replicas, "num_microbatches": layout.num_microbatches,
             "schedule": layout.schedule, "rank_mapping": "replica-major", "stages": stages}
+    if chunks > 1:
+        plan["num_chunks"] = chunks
     if layout.num_tensor > 1:
         plan["num_tensor"] = layout.num_tensor
         if layout.tensor_layers:
@@ -74,9 +78,9 @@ def read(path: str) -> "Plan":
     for key in ("num_stages", "num_microbatches", "stages"):
         if key not in plan:
             raise ValueError(f"{path} has no {key!r}.")
-    if len(plan["stages"]) != plan["num_stages"]:
+    if len(plan["stages"]) != plan["num_stages"] * plan.get("num_chunks", 1):
         raise ValueError(f"{path}: {len(plan['stages'])} stages listed for num_stages="
-                         f"{plan['num_stages']}.")
+                         f"{plan['num_stages']} x num_chunks={plan.get('num_chunks', 1)}.")
     return Plan(plan)
 
 

@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from .layout import Layout, resolve
+from .schedule import CHUNKED
 
 __all__ = ["main", "Network", "Compute", "Row", "predict", "search", "measure_network", "parse_bytes",
            "interpolate", "as_layout"]
@@ -192,15 +193,18 @@ def _work_and_wait(every, one, slowdown, ranks, num_tensor):
     return work, max(every - work * many, 0.0)
 
 
-def _fused(s, stages, schedule, micro=2):
+def _fused(s, stages, schedule, micro=2, chunks=1):
     """Whether stage `s` runs forward and backward in one call: where the schedule
     says so (`schedule.fuse`, which the executor reads too: the last stage under
-    1F1B, or GPipe with one microbatch, or a stage alone)."""
+    1F1B, or GPipe with one microbatch, or a stage alone). With `chunks`, `stages`
+    and `s` count virtual stages (s on rank s % S, its chunk s // S)."""
     from . import schedule as sched
 
     name = "1f1b" if stages == 1 else schedule
+    ranks = stages // chunks
     dests = [[k + 1] if k < stages - 1 else [] for k in range(stages)]
-    return any(a.kind == sched.FB for a in sched.fuse(sched.build(name, stages, micro), dests)[s])
+    lists = sched.fuse(sched.build(name, ranks, micro, chunks), dests)
+    return any(a.kind == sched.FB and a.chunk == s // ranks for a in lists[s % ranks])
 
 
 def _weights_share(graph, rows, nodes, m):
@@ -306,8 +310,12 @@ def _crosses(src, dst, stages, replicas, num_tensor, ranks_per_node):
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
-            stage_timer=None):
+            stage_timer=None, chunks=1):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
+
+    `chunks` (interleaved schedules): `counts` cut S x chunks virtual stages, virtual
+    stage j on rank j % S; the play runs each rank's chunks one action at a time,
+    and memory and allreduce are per rank (all its chunks).
 
     `compute`: the model's step measured with this plan's ranks running (`Compute`):
     the rows are scaled to one rank's measured speed and the schedule is played with
@@ -322,10 +330,11 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     from . import schedule as sched
     from .partition import partition
 
-    stages = len(counts)
+    stages = len(counts)  # virtual stages with chunks
+    ranks = stages // chunks  # pipeline positions S
     part = partition(graph, stages, counts)
     m = batch / (replicas * micro)
-    on_node = ranks_per_node or stages * replicas * num_tensor
+    on_node = ranks_per_node or ranks * replicas * num_tensor
     share = max(1.0, on_node / cores) if cores else 1.0
     slowdown, opt_rate = None, share * opt_per_byte
     if compute is not None:
@@ -354,8 +363,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # pipeline longer than a host's ranks sends some boundaries over the slower
         # link between hosts, which its stage then pays at every microbatch.
         send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m,
-                                       across=_crosses(e.src, e.dst, stages, replicas,
-                                                       num_tensor, ranks_per_node))
+                                       across=_crosses(e.src % ranks, e.dst % ranks, ranks,
+                                                       replicas, num_tensor, ranks_per_node))
     params = [sum(rows[i].param_bytes / div(i) for i in range(a, a + c))
               for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
@@ -368,7 +377,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # exchanges do not. Of a time `every` with all the ranks busy and `one` with
         # T of them: work * slowdown(busy) + wait, fitted through both.
         for s in range(stages):
-            fused = _fused(s, stages, schedule, micro)
+            fused = _fused(s, stages, schedule, micro, chunks)
             f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
             if fused:
                 f, b, f1, b1 = _thirds((f, b), (f1, b1))
@@ -379,7 +388,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             exchange_f[s] = exchange_b[s] = 0.0
     elif stage_timer is not None and num_tensor == 1:
         for s in range(stages):
-            fused = _fused(s, stages, schedule, micro)
+            fused = _fused(s, stages, schedule, micro, chunks)
             f, b = stage_timer(counts, s, m, fused)
             if fused:
                 f, b = _thirds((f, b))
@@ -387,7 +396,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     elif stage_costs:
         at = lambda key: interpolate(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
-            if not _fused(s, stages, schedule, micro):
+            if not _fused(s, stages, schedule, micro, chunks):
                 whole = work[s] * at("taped")  # the summing of gradients included
                 forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
             else:
@@ -403,10 +412,12 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_stage_f = [c + s + x for c, s, x in zip(forward, send, exchange_f)]
     per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
     dests = [p.dests for p in part.stages]
-    lowered = sched.lower(sched.fuse(sched.build(schedule, stages, micro), dests),
+    lowered = sched.lower(sched.fuse(sched.build(schedule, ranks, micro, chunks), dests),
                           [p.sources for p in part.stages], dests)
-    across = ranks_per_node is not None and ranks_per_node < stages * replicas * num_tensor
-    reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in params]
+    across = ranks_per_node is not None and ranks_per_node < ranks * replicas * num_tensor
+    # A rank's chunks share one allreduce and one optimizer step.
+    rank_params = [sum(params[j] for j in range(r, stages, ranks)) for r in range(ranks)]
+    reduce = [network.allreduce(p, replicas, across) + p * opt_rate for p in rank_params]
     # Each stage's allreduce and optimizer step follow its own last backward, while
     # earlier stages still compute. On shared cores they take cores like any work:
     # both were measured with every rank of the node doing them at once, so their
@@ -417,7 +428,16 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                          weight_time=lambda s, k: weight[s] * batched[s](k))
     step = sim.finish
     memory = []
-    for s, (a, c) in enumerate(zip(starts, counts)):
+    if chunks > 1:
+        # Per rank: its chunks' weights and state, and at the play's peak that many
+        # chunk-microbatches of activations (of its chunks' mean size).
+        for r in range(ranks):
+            mine = [i for j in range(r, stages, ranks) for i in range(starts[j],
+                                                                     starts[j] + counts[j])]
+            state = sum(rows[i].param_bytes + rows[i].optimizer_bytes for i in mine)
+            acts = sum(rows[i].activation_bytes for i in mine) / chunks
+            memory.append(state + acts * m * sim.peak_activations[r])
+    for s, (a, c) in enumerate(zip(starts, counts) if chunks == 1 else ()):
         in_flight = micro if schedule == "gpipe" else min(stages - s, micro)
         memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / div(i)
                           for i in range(a, a + c)) +
@@ -431,7 +451,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             memory[-1] += kept * m * sim.peak_kept[s]
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
             "comm_s": max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b)) * micro
-            + max(network.allreduce(p, replicas, across) for p in params),
+            + max(network.allreduce(p, replicas, across) for p in rank_params),
             "tensor_layers": sorted(graph.nodes[i].op.name for i in split),
             "memory_bytes": memory, "samples_s": batch / step}
 
@@ -439,10 +459,12 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"),
            ranks_per_node=None,
-           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None):
+           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None,
+           chunks=(2,)):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
-    that split some layer)."""
+    that split some layer). `chunks`: model chunks per rank tried where `schedules`
+    has "interleaved" (S > 1, T = 1, M a multiple of S, enough layer calls)."""
     from . import balance as B
     from . import tensor as T
 
@@ -461,34 +483,50 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             m = batch / (shape.num_replicas * micro)
             counts = B.solve([Row(*r).seconds(m) for r in rows], stages)
             candidates += [replace(shape, schedule=schedule, balance=tuple(counts))
-                           for schedule in (schedules if stages > 1 else ("1f1b",))]
+                           for schedule in (schedules if stages > 1 else ("1f1b",))
+                           if schedule not in CHUNKED]
+            if stages > 1 and num_tensor == 1 and micro % stages == 0:
+                candidates += [
+                    replace(shape, schedule=schedule, num_chunks=v, balance=tuple(
+                        B.solve([Row(*r).seconds(m) for r in rows], stages * v)))
+                    for schedule in schedules if schedule in CHUNKED
+                    for v in chunks if v > 1 and stages * v <= len(graph.nodes)]
     if stage_timer is not None:
         # Every stage the plans time, timed together: those with split layers in one
         # run under mpiexec, the others in passes over all of them.
         splits = getattr(stage_timer, "splits", False)
         stage_timer.prepare([(list(c.balance), s,
-                              _fused(s, c.num_stages, c.schedule, c.num_microbatches),
+                              _fused(s, len(c.balance), c.schedule, c.num_microbatches,
+                                     c.num_chunks),
                               c.num_tensor)
                              for c in candidates if c.num_tensor == 1 or splits
-                             for s in range(c.num_stages)])
+                             for s in range(len(c.balance))])
     plans = []
     for c in candidates:
         p = predict(graph, rows, opt_per_byte, network, list(c.balance), batch, c.num_replicas,
                     c.num_microbatches, c.schedule, ranks_per_node, cores, c.num_tensor,
-                    compute, stage_costs, stage_timer)
+                    compute, stage_costs, stage_timer, c.num_chunks)
         p.update(stages=c.num_stages, tensor=c.num_tensor, replicas=c.num_replicas,
                  microbatches=c.num_microbatches, schedule=c.schedule, counts=list(c.balance),
+                 chunks=c.num_chunks,
                  fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
 
         plans.append(p)
     return sorted(plans, key=lambda p: (not p["fits"], p["step_s"]))
 
 
+def _schedule_name(plan):
+    """"1f1b", or "interleaved:2" with its model chunks per rank."""
+    chunks = plan.get("chunks", 1)
+    return plan["schedule"] + (f":{chunks}" if chunks > 1 else "")
+
+
 def as_layout(plan):
     """The `Layout` of one of `search`'s plans."""
     return Layout(num_stages=plan["stages"], num_replicas=plan["replicas"],
                   num_microbatches=plan["microbatches"], num_tensor=plan["tensor"],
-                  schedule=plan["schedule"], balance=tuple(plan["counts"]),
+                  schedule=plan["schedule"], num_chunks=plan.get("chunks", 1),
+                  balance=tuple(plan["counts"]),
                   tensor_layers=tuple(plan["tensor_layers"]) if plan.get("tensor_layers")
                   else None)
 
@@ -538,6 +576,8 @@ def main(argv=None):
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"],
                         choices=sorted(sched.SCHEDULES))
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2],
+                        help="model chunks per rank to try with --schedules interleaved")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
@@ -631,6 +671,7 @@ def main(argv=None):
                                    function=args.function, ranks=ranks)
     plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                    microbatches=args.microbatches, schedules=args.schedules,
+                   chunks=tuple(args.chunks),
                    ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
                    cores=args.cores if args.nodes == 1 or hosts else None, compute=compute,
                    stage_costs=extra, stage_timer=timer)
@@ -642,7 +683,7 @@ def main(argv=None):
     print(f"\n{'rank':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
-        print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {p['schedule']:>8} "
+        print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "
               f"{p['step_s']:>9.4f} {p['samples_s']:>10.1f} {one['step_s'] / p['step_s']:>8.2f} "
               f"{p['bubble']:>6.3f} {p['comm_s']:>8.4f} {max(p['memory_bytes']) / 2**20:>12.1f} "
               f"{'yes' if p['fits'] else 'no'}")

@@ -207,13 +207,17 @@ def _build_compiled(model, graph, data, rows=None):
 def _make_groups(comm, topo, part, stage, model_variables):
     """One communicator per set of stages sharing variables (normally one stage):
     every rank joins each split, in the same sorted order. Returns
-    {stage set: (communicator or None, positions in stage.trainable)}."""
+    {stage set: (communicator or None, positions in stage.trainable)}. With model
+    chunks (`part` cut into more stages than the pipeline has ranks), the sets are
+    of pipeline positions: virtual stage j is on position j % S."""
     s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
+    S = topo.num_stages
+    users = {vid: tuple(sorted({u % S for u in us})) for vid, us in part.users.items()}
     index_of = {id(v): k for k, v in enumerate(stage.originals)}
     # Pack variables in the model's order, which every stage of a group shares.
     order = {id(v): k for k, v in enumerate(model_variables)}
     groups = {}
-    for key in sorted(set(part.users.values())):
+    for key in sorted(set(users.values())):
         # Tensor rank t of each stage sums with tensor rank t of the others only:
         # its split layers' parts are its own, and its unsplit weights' gradients
         # are the same on every tensor rank.
@@ -221,8 +225,8 @@ def _make_groups(comm, topo, part, stage, model_variables):
         sub = comm.split(color, comm.rank) if topo.size > 1 else None
         if color is None:
             continue
-        positions = sorted((index_of[vid] for vid, users in part.users.items()
-                            if users == key and vid in index_of),
+        positions = sorted((index_of[vid] for vid, who in users.items()
+                            if who == key and vid in index_of),
                            key=lambda k: order[id(stage.originals[k])])
         groups[key] = (sub, positions)
     return groups
@@ -260,8 +264,9 @@ class Runtime:
             _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
         self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
+        # Interleaved schedules: S x v virtual stages, virtual stage j on position j % S.
         self.part = part = _partition.partition(
-            graph, layout.num_stages, layout.balance if cut is None else cut)
+            graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
         self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
         self.splits, split_names = self._choose_splits()
         self.training = training
@@ -273,22 +278,47 @@ class Runtime:
         _build_compiled(model, graph, sample, batch_rows)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
-        self.stage = stage = Stage(graph, part.stages[s], model, part,
-                                   is_last=(s == layout.num_stages - 1), run_eagerly=eager,
-                                   y_specs=_target_specs(graph, sample),
-                                   has_sample_weight=training and sample.sample_weight is not None,
-                                   recompute=recompute, shards=self._shards(layout.tensor_shares))
+        shards = self._shards(layout.tensor_shares)
+        chunks = None
+        if layout.num_chunks == 1:
+            stage = Stage(graph, part.stages[s], model, part,
+                          is_last=(s == layout.num_stages - 1), run_eagerly=eager,
+                          y_specs=_target_specs(graph, sample),
+                          has_sample_weight=training and sample.sample_weight is not None,
+                          recompute=recompute, shards=shards)
+        else:
+            # One Stage per model chunk (virtual stages s, s + S, ...), and one that
+            # computes nothing but holds the rank's gradient sums for all of them:
+            # one allreduce and one optimizer step per rank, as with one stage.
+            last = part.num_stages - 1
+            virtual = range(s, part.num_stages, layout.num_stages)
+            chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
+                            run_eagerly=eager, y_specs=_target_specs(graph, sample),
+                            has_sample_weight=training and sample.sample_weight is not None,
+                            recompute=recompute) for j in virtual]
+            union = _partition.StagePlan(s, [i for j in virtual for i in part.stages[j].nodes],
+                                         [], [], [])
+            stage = Stage(graph, union, model, part, is_last=False, run_eagerly=eager,
+                          recompute=recompute, accumulator=True)
+            for chunk in chunks:
+                chunk.sink_into(stage)
+        self.stage = stage
         self.timeline = Timeline(comm.rank) if trace else None
         self.trace = trace
         self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
                                  schedule=layout.schedule,
                                  num_microbatches=layout.num_microbatches,
-                                 timeline=self.timeline)
+                                 timeline=self.timeline, chunks=chunks)
         self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
-        self.owners = [topo.rank(part.owner.get(id(v), 0), 0, 0) for v in model.weights]
-        self.non_trainable = [v for v in graph.variables_of(part.stages[s].nodes, trainable=False)
-                              if part.owner.get(id(v)) == s]
+        self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]
+        self.non_trainable = [v for v in graph.variables_of(stage.plan.nodes, trainable=False)
+                              if self.owner_stage(v) == s]
+
+    def owner_stage(self, variable):
+        """The pipeline position (stage of ranks) whose replica 0 owns `variable`: the
+        first (virtual) stage using it, on position j % S."""
+        return self.part.owner.get(id(variable), 0) % self.topo.num_stages
 
     def _choose_splits(self):
         """{node index: split} of this rank's stage, and the names of every split layer."""
@@ -346,7 +376,9 @@ class Runtime:
             optimizer = self.model.optimizer
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
             shared = [g for g in groups.values() if g[1]]
-            self.zero = self._plan_zero(optimizer, shared)
+            # Not sharded with model chunks (a first version: ZeRO's shards and the
+            # chunks' accumulator are not combined yet; docs/performance.md).
+            self.zero = self._plan_zero(optimizer, shared) if self.layout.num_chunks == 1 else None
             if not optimizer.built:
                 # Only this stage's variables (or, sharded, this rank's parts of them):
                 # optimizer state is split like the weights.
@@ -354,8 +386,8 @@ class Runtime:
             elif self.stage.shards or not self.zero:
                 _zero.check_knows(optimizer, self.zero.variables if self.zero
                                   else self.stage.trainable)
-            self.executor.set_groups(shared, early=overlap.enabled(default=len(set(hosts)) > 1),
-                                     zero=self.zero)
+            early = overlap.enabled(default=len(set(hosts)) > 1) and self.layout.num_chunks == 1
+            self.executor.set_groups(shared, early=early, zero=self.zero)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
         weights.broadcast(self.comm, self.model.weights, 0)
         self.load_shards()

@@ -17,13 +17,13 @@ gradients; `W` computes those weight gradients later, for one microbatch
 where the products run at the size the kernels are fast at.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "Action", "F", "B", "W", "FB", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
     "ALLREDUCE", "STEP", "gpipe", "one_f_one_b", "zb_h1", "zb_batched", "forward_only", "build",
     "fuse", "lower", "validate", "simulate", "Simulation", "parse", "format_actions", "SCHEDULES",
-    "SPLIT", "FILLS", "splits",
+    "SPLIT", "FILLS", "splits", "interleaved", "check_interleaved", "chunks_of", "CHUNKED",
 ]
 
 F, B, W, FB = "F", "B", "W", "FB"
@@ -43,25 +43,39 @@ class Action:
     microbatch: int = -1
     peer: int = -1
     count: int = 1  # W: microbatches microbatch .. microbatch + count - 1 in one call
+    # Interleaved schedules: which of the rank's model chunks the action is for. Rank
+    # s of S ranks runs chunk c as virtual stage s + c * S; `peer` is then a virtual
+    # stage too. 0 (every other schedule): the rank's one stage, and stage = rank.
+    chunk: int = 0
 
     @property
     def microbatches(self):
         return range(self.microbatch, self.microbatch + self.count)
 
     def __str__(self):
+        tail = f".{self.chunk}" if self.chunk else ""
         if self.kind == W and self.count > 1:
-            return f"W{self.microbatch}-{self.microbatch + self.count - 1}"
+            return f"W{self.microbatch}-{self.microbatch + self.count - 1}{tail}"
         if self.kind in (F, B, W, FB):
-            return f"{self.kind}{self.microbatch}"
+            return f"{self.kind}{self.microbatch}{tail}"
         if self.kind in _SHORT:
-            return f"{_SHORT[self.kind]}{self.microbatch}@{self.peer}"
+            return f"{_SHORT[self.kind]}{self.microbatch}{tail}@{self.peer}"
         return self.kind
 
 
 def parse(text):
-    """`"F0 F1 B0 B1"` -> list of Actions (the inverse of `format_actions`)."""
+    """`"F0 F1 B0 B1"` -> list of Actions (the inverse of `format_actions`); a chunk
+    other than 0 is a suffix: `F3.1` (microbatch 3 of chunk 1), `sa3.1@2`."""
     actions = []
     for word in text.split():
+        head, _, rest = word.partition("@")
+        if "." in head:
+            head, _, c = head.rpartition(".")
+            if not c.isdigit():
+                raise ValueError(f"Cannot parse schedule word {word!r} in {text!r}")
+            plain = head + ("@" + rest if rest else "")
+            actions += [replace(a, chunk=int(c)) for a in parse(plain)]
+            continue
         if word in (ALLREDUCE, STEP):
             actions.append(Action(word))
         elif word[:2] == FB and word[2:].isdigit():
@@ -91,11 +105,15 @@ def _check_sizes(num_stages, num_microbatches):
         )
 
 
-def gpipe(num_stages, num_microbatches):
-    """All forwards, then all backwards (GPipe); M activations alive per stage."""
+def gpipe(num_stages, num_microbatches, chunks=1):
+    """All forwards, then all backwards (GPipe); M activations alive per stage. With
+    model chunks, forwards chunk by chunk and backwards from the last chunk down (any
+    M: what the interleaved schedule falls back to for a short last batch)."""
     _check_sizes(num_stages, num_microbatches)
     m = range(num_microbatches)
-    return [[Action(F, i) for i in m] + [Action(B, i) for i in m] for _ in range(num_stages)]
+    return [[Action(F, i, chunk=c) for c in range(chunks) for i in m]
+            + [Action(B, i, chunk=c) for c in reversed(range(chunks)) for i in m]
+            for _ in range(num_stages)]
 
 
 def one_f_one_b(num_stages, num_microbatches):
@@ -118,6 +136,68 @@ def one_f_one_b(num_stages, num_microbatches):
         actions += [Action(B, i) for i in range(backward, num_microbatches)]
         lists.append(actions)
     return lists
+
+
+def interleaved(num_stages, num_microbatches, chunks=2):
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline, Narayanan et al. SC'21): the
+    model is cut into S * v virtual stages and rank s runs chunks c = 0 .. v-1 as
+    virtual stages s, s + S, s + 2S, ...; one list per rank, each action naming its
+    chunk. Forwards go through the chunks in groups of S microbatches (chunk 0 of
+    microbatches 0..S-1, then chunk 1 of the same, ...), backwards likewise from the
+    last chunk down; rank s warms up with 2 (S - s - 1) + (v - 1) S forwards, then
+    alternates, then drains. With compute split evenly, the bubble is (S-1) chunk
+    times at each end: (S - 1) / (v M) of the ideal time instead of (S - 1) / M.
+
+    Each chunk backwards its microbatches in increasing order, as `gpipe` does, so
+    gradients sum in the same order. Needs M a multiple of S (as Megatron does)."""
+    _check_sizes(num_stages, num_microbatches)
+    check_interleaved(num_stages, num_microbatches, chunks)
+    S, M, v = num_stages, num_microbatches, chunks
+    total = M * v
+
+    def nth(k, forward):
+        """The k-th forward (or backward) of a rank: (chunk, microbatch)."""
+        chunk = (k % (S * v)) // S
+        return (chunk if forward else v - 1 - chunk), (k // (S * v)) * S + k % S
+
+    lists = []
+    for s in range(S):
+        warm = total if M == S else min((S - s - 1) * 2 + (v - 1) * S, total)
+        actions = []
+        for k in range(warm):
+            c, i = nth(k, True)
+            actions.append(Action(F, i, chunk=c))
+        for k in range(total - warm):
+            c, i = nth(k + warm, True)
+            actions.append(Action(F, i, chunk=c))
+            c, i = nth(k, False)
+            actions.append(Action(B, i, chunk=c))
+        for k in range(total - warm, total):
+            c, i = nth(k, False)
+            actions.append(Action(B, i, chunk=c))
+        lists.append(actions)
+    return lists
+
+
+def check_interleaved(num_stages: int, num_microbatches: int, chunks: int) -> None:
+    """Clear errors for what interleaving needs: v >= 2 chunks, S >= 2, M % S == 0."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+        raise ValueError(f"schedule='interleaved' needs num_chunks >= 2 model chunks per "
+                         f"rank (1 is plain '1f1b'). Received: num_chunks={chunks!r}")
+    if num_stages < 2:
+        raise ValueError(f"schedule='interleaved' needs num_stages >= 2 (one stage has no "
+                         f"pipeline bubble to shrink). Received: num_stages={num_stages}")
+    if num_microbatches % num_stages:
+        raise ValueError(
+            f"schedule='interleaved' needs num_microbatches to be a multiple of num_stages "
+            f"(microbatches go through the chunks in groups of num_stages, as in Megatron-LM). "
+            f"Received: num_microbatches={num_microbatches}, num_stages={num_stages}; use "
+            f"num_microbatches={-(-num_microbatches // num_stages) * num_stages}.")
+
+
+def chunks_of(lists):
+    """How many model chunks each rank of these lists runs (1 unless interleaved)."""
+    return 1 + max((a.chunk for actions in lists for a in actions), default=0)
 
 
 def _greedy(num_stages, num_microbatches, batch_w):
@@ -210,14 +290,17 @@ def one_f_one_b_w(num_stages, num_microbatches):
     return [actions + [Action(W, 0, count=num_microbatches)] for actions in lists]
 
 
-def forward_only(num_stages, num_microbatches):
-    """Inference: every stage forwards each microbatch in order, no backward."""
+def forward_only(num_stages, num_microbatches, chunks=1):
+    """Inference: every stage forwards each microbatch in order, no backward (with
+    model chunks, chunk by chunk: a rank's chunk c needs only earlier chunks)."""
     _check_sizes(num_stages, num_microbatches)
-    return [[Action(F, i) for i in range(num_microbatches)] for _ in range(num_stages)]
+    return [[Action(F, i, chunk=c) for c in range(chunks) for i in range(num_microbatches)]
+            for _ in range(num_stages)]
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-w": one_f_one_b_w, "zb-h1": zb_h1,
-             "zb-batched": zb_batched}
+             "zb-batched": zb_batched, "interleaved": interleaved}
+CHUNKED = ("interleaved",)  # schedules whose ranks run several model chunks
 SPLIT = ("1f1b-w", "zb-h1", "zb-batched")  # schedules whose backward is split into B and W
 # Schedules whose executor also runs W wherever a stage would wait for a message
 # (`Executor._fill`), on top of the W's placed here.
@@ -238,17 +321,18 @@ def fuse(compute, dests, recompute=False):
     the recomputed backward is what the user asked to measure)."""
     if recompute:
         return [list(a) for a in compute]
-    out = []
+    out, n = [], len(compute)
     for s, actions in enumerate(compute):
-        if dests[s]:
+        if all(dests[s + c * n] for c in range(chunks_of([actions]))):
             out.append(list(actions))
             continue
         fused, k = [], 0
         while k < len(actions):
             a = actions[k]
             nxt = actions[k + 1] if k + 1 < len(actions) else None
-            if a.kind == F and nxt is not None and nxt.kind == B and nxt.microbatch == a.microbatch:
-                fused.append(Action(FB, a.microbatch))
+            if (a.kind == F and nxt is not None and nxt.kind == B and nxt.chunk == a.chunk
+                    and nxt.microbatch == a.microbatch and not dests[s + a.chunk * n]):
+                fused.append(Action(FB, a.microbatch, chunk=a.chunk))
                 k += 2
             else:
                 fused.append(a)
@@ -257,8 +341,9 @@ def fuse(compute, dests, recompute=False):
     return out
 
 
-def build(name, num_stages, num_microbatches):
-    """Compute-only lists of schedule `name` (F, B and, for split schedules, W)."""
+def build(name, num_stages, num_microbatches, chunks=1):
+    """Compute-only lists of schedule `name` (F, B and, for split schedules, W), one per
+    rank; `chunks`: model chunks per rank, for the schedules in `CHUNKED` only."""
     try:
         builder = SCHEDULES[name]
     except KeyError:
@@ -266,6 +351,12 @@ def build(name, num_stages, num_microbatches):
             f"Unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}. "
             f"Received: schedule={name!r}"
         ) from None
+    if name in CHUNKED:
+        return builder(num_stages, num_microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"num_chunks={chunks} model chunks per rank need "
+                         f"schedule='interleaved'; {name!r} runs one stage per rank. "
+                         f"Received: schedule={name!r}, num_chunks={chunks}")
     return builder(num_stages, num_microbatches)
 
 
@@ -273,28 +364,31 @@ def lower(compute, sources, dests):
     """Insert communication into compute-only lists.
 
     `sources[s]`: stages that send activations to stage s (its gradients go
-    back to them); `dests[s]`: stages stage s sends activations to. Every
+    back to them); `dests[s]`: stages stage s sends activations to. With model
+    chunks (interleaved), these are virtual stages: chunk c of rank s is virtual
+    stage s + c * len(compute), and every message's peer is a virtual stage. Every
     forward is preceded by its receives and followed by its sends; every
     backward is preceded by the gradient receives and followed by the gradient
     sends. The step ends with `ALLREDUCE` and `STEP` on every stage.
     """
-    lowered = []
+    lowered, n = [], len(compute)
     for s, actions in enumerate(compute):
         out = []
         for a in actions:
+            v, i, c = s + a.chunk * n, a.microbatch, a.chunk
             if a.kind == F:
-                out += [Action(RECV_ACT, a.microbatch, p) for p in sources[s]]
+                out += [Action(RECV_ACT, i, p, chunk=c) for p in sources[v]]
                 out.append(a)
-                out += [Action(SEND_ACT, a.microbatch, p) for p in dests[s]]
+                out += [Action(SEND_ACT, i, p, chunk=c) for p in dests[v]]
             elif a.kind == B:
-                out += [Action(RECV_GRAD, a.microbatch, p) for p in dests[s]]
+                out += [Action(RECV_GRAD, i, p, chunk=c) for p in dests[v]]
                 out.append(a)
-                out += [Action(SEND_GRAD, a.microbatch, p) for p in sources[s]]
+                out += [Action(SEND_GRAD, i, p, chunk=c) for p in sources[v]]
             elif a.kind == FB:
-                out += [Action(RECV_ACT, a.microbatch, p) for p in sources[s]]
-                out += [Action(RECV_GRAD, a.microbatch, p) for p in dests[s]]
+                out += [Action(RECV_ACT, i, p, chunk=c) for p in sources[v]]
+                out += [Action(RECV_GRAD, i, p, chunk=c) for p in dests[v]]
                 out.append(a)
-                out += [Action(SEND_GRAD, a.microbatch, p) for p in sources[s]]
+                out += [Action(SEND_GRAD, i, p, chunk=c) for p in sources[v]]
             else:
                 out.append(a)
         lowered.append(out + [Action(ALLREDUCE), Action(STEP)])
@@ -305,45 +399,49 @@ def validate(lowered, num_microbatches, backward=True):
     """Raise ValueError unless every stage forwards and (with `backward`) backwards
     each microbatch once, backward after forward, and every receive has a
     matching send. A stage that splits its backward (W actions) computes the
-    weights of every microbatch once, each after its B."""
+    weights of every microbatch once, each after its B. With model chunks
+    (interleaved), each rank does all this for every one of its chunks, and
+    messages are matched between virtual stages."""
     sends, recvs = {}, {}
+    n, chunks = len(lowered), chunks_of(lowered)
     for s, actions in enumerate(lowered):
         done_f, done_b, done_w = set(), set(), set()
         for a in actions:
+            where = f"stage {s}" if chunks == 1 else f"stage {s} chunk {a.chunk}"
+            key = (a.chunk, a.microbatch)
             if a.kind in (F, FB):
-                if a.microbatch in done_f:
-                    raise ValueError(f"stage {s}: microbatch {a.microbatch} forwarded twice")
-                done_f.add(a.microbatch)
+                if key in done_f:
+                    raise ValueError(f"{where}: microbatch {a.microbatch} forwarded twice")
+                done_f.add(key)
             if a.kind in (B, FB):
-                if a.microbatch not in done_f:
-                    raise ValueError(f"stage {s}: backward of {a.microbatch} before its forward")
-                if a.microbatch in done_b:
-                    raise ValueError(f"stage {s}: microbatch {a.microbatch} backwarded twice")
-                done_b.add(a.microbatch)
+                if key not in done_f:
+                    raise ValueError(f"{where}: backward of {a.microbatch} before its forward")
+                if key in done_b:
+                    raise ValueError(f"{where}: microbatch {a.microbatch} backwarded twice")
+                done_b.add(key)
             elif a.kind == W:
                 for i in a.microbatches:
-                    if i not in done_b:
-                        raise ValueError(f"stage {s}: weights of {i} ({a}) before its B")
-                    if i in done_w:
-                        raise ValueError(f"stage {s}: weights of {i} computed twice ({a})")
-                    done_w.add(i)
-            elif a.kind in (SEND_ACT, SEND_GRAD):
-                kind = "act" if a.kind == SEND_ACT else "grad"
-                sends.setdefault((kind, s, a.peer, a.microbatch), 0)
-                sends[(kind, s, a.peer, a.microbatch)] += 1
-            elif a.kind in (RECV_ACT, RECV_GRAD):
-                kind = "act" if a.kind == RECV_ACT else "grad"
-                recvs.setdefault((kind, a.peer, s, a.microbatch), 0)
-                recvs[(kind, a.peer, s, a.microbatch)] += 1
-        expected = set(range(num_microbatches))
+                    if (a.chunk, i) not in done_b:
+                        raise ValueError(f"{where}: weights of {i} ({a}) before its B")
+                    if (a.chunk, i) in done_w:
+                        raise ValueError(f"{where}: weights of {i} computed twice ({a})")
+                    done_w.add((a.chunk, i))
+            elif a.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD):
+                table = sends if a.kind in (SEND_ACT, SEND_GRAD) else recvs
+                key = _message(a, s, n)
+                table[key] = table.get(key, 0) + 1
+        expected = {(c, i) for c in range(chunks) for i in range(num_microbatches)}
         if done_f != expected or done_b != (expected if backward else set()):
+            def show(done):
+                return sorted(done) if chunks > 1 else sorted(i for _, i in done)
             raise ValueError(
-                f"stage {s}: forwards {sorted(done_f)} and backwards {sorted(done_b)} "
-                f"must each be {sorted(expected)}"
+                f"stage {s}: forwards {show(done_f)} and backwards {show(done_b)} "
+                f"must each be {show(expected)}"
             )
         if done_w and done_w != expected:
-            raise ValueError(f"stage {s}: weights of {sorted(done_w)} computed; a stage that "
-                             f"splits its backward must compute them for {sorted(expected)}")
+            raise ValueError(f"stage {s}: weights of {sorted(i for _, i in done_w)} computed; "
+                             f"a stage that splits its backward must compute them for "
+                             f"{sorted(range(num_microbatches))}")
     if sends != recvs:
         unmatched = sorted(set(sends.items()) ^ set(recvs.items()))
         raise ValueError(f"sends and receives do not match: {unmatched[:5]}")
@@ -375,7 +473,9 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time` / `weight_time`: one number for every
-    stage, or a list with one per stage. A `B` takes `backward_time`, an `FB`
+    stage, or a list with one per stage (or, for lists with model chunks, one per
+    virtual stage: chunk c of rank s is s + c * ranks; a rank runs one action at a
+    time whichever chunk it is for). A `B` takes `backward_time`, an `FB`
     forward and backward time; a `W` of k microbatches takes `weight_time(s, k)`
     when it is a function, else k times the number (so for a split schedule,
     `backward_time` is B's share of the backward only). Raises RuntimeError on deadlock (no stage can move).
@@ -418,8 +518,8 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
         sim = _shared(lowered, f_times, b_times, slowdown, copies, latency, tails, waits, w_cost)
         sim.peak_kept = kept
         return sim
-    f_times = [f + w[0] for f, w in zip(f_times, waits)]
-    b_times = [b + w[1] for b, w in zip(b_times, waits)]
+    f_times = [f + waits[k % n][0] for k, f in enumerate(f_times)]
+    b_times = [b + waits[k % n][1] for k, b in enumerate(b_times)]
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -432,14 +532,14 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
             while pos[s] < len(lowered[s]):
                 a = lowered[s][pos[s]]
                 if a.kind in (RECV_ACT, RECV_GRAD):
-                    key = _message(a, s)
+                    key = _message(a, s, n)
                     if key not in sent:
                         break
                     clock[s] = max(clock[s], sent[key])
                 elif a.kind in (SEND_ACT, SEND_GRAD):
-                    sent[_message(a, s)] = clock[s] + latency
+                    sent[_message(a, s, n)] = clock[s] + latency
                 elif a.kind in (F, B, FB, W):
-                    cost = _cost(a, s, f_times, b_times, w_cost)
+                    cost = _cost(a, s, f_times, b_times, w_cost, n)
                     clock[s] += cost
                     busy[s] += cost
                     alive[s] += {F: 1, B: -1}.get(a.kind, 0)
@@ -455,14 +555,16 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     return Simulation(makespan, busy, bubble, peak, finish, kept)
 
 
-def _cost(a, s, f_times, b_times, w_cost):
-    """Seconds of work action `a` takes on stage `s`."""
+def _cost(a, s, f_times, b_times, w_cost, n=None):
+    """Seconds of work action `a` takes on stage `s` (of `n` ranks); times given per
+    virtual stage (more than one per rank: chunks) are read at the action's."""
+    v = s + a.chunk * n if n is not None and len(f_times) > n else s
     if a.kind == F:
-        return f_times[s]
+        return f_times[v]
     if a.kind == B:
-        return b_times[s]
+        return b_times[v]
     if a.kind == FB:
-        return f_times[s] + b_times[s]
+        return f_times[v] + b_times[v]
     return w_cost(s, a.count)
 
 
@@ -481,12 +583,14 @@ def _kept(lowered):
     return out
 
 
-def _message(action, stage):
-    """The (kind, source, destination, microbatch) a send or a receive is about."""
+def _message(action, stage, ranks):
+    """The (kind, source, destination, microbatch) a send or a receive on `stage` (of
+    `ranks` lists) is about; with chunks, source and destination are virtual stages."""
     kind = "act" if action.kind in (SEND_ACT, RECV_ACT) else "grad"
+    here = stage + action.chunk * ranks
     if action.kind in (SEND_ACT, SEND_GRAD):
-        return kind, stage, action.peer, action.microbatch
-    return kind, action.peer, stage, action.microbatch
+        return kind, here, action.peer, action.microbatch
+    return kind, action.peer, here, action.microbatch
 
 
 def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None, waits=None,
@@ -511,14 +615,14 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
             for s in range(n):
                 while left[s] is None and pos[s] < len(lowered[s]):
                     a = lowered[s][pos[s]]
-                    arrives = sent.get(_message(a, s), float("inf")) if a.kind in (
+                    arrives = sent.get(_message(a, s, n), float("inf")) if a.kind in (
                         RECV_ACT, RECV_GRAD) else now
                     if arrives > now:  # not sent yet, or still on its way
                         break
                     if a.kind in (SEND_ACT, SEND_GRAD):
-                        sent[_message(a, s)] = now + latency
+                        sent[_message(a, s, n)] = now + latency
                     if a.kind in (F, B, FB, W):
-                        left[s] = _cost(a, s, f_times, b_times, w_cost)
+                        left[s] = _cost(a, s, f_times, b_times, w_cost, n)
                         hold[s] = {F: waits[s][0], B: waits[s][1], W: 0.0}.get(
                             a.kind, waits[s][0] + waits[s][1])
                         alive[s] += {F: 1, B: -1}.get(a.kind, 0)

@@ -108,8 +108,13 @@ class Stage:
     """
 
     def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
-                 y_specs=(), has_sample_weight=False, recompute=False, shards=None):
+                 y_specs=(), has_sample_weight=False, recompute=False, shards=None,
+                 accumulator=False):
+        """`accumulator`: a stage that never computes, only holds a rank's gradient
+        buffers and steps its variables (interleaved schedules: the rank's model
+        chunks are each a `Stage` whose gradients go into it, see `sink_into`)."""
         self.graph, self.plan, self.model = graph, plan, model
+        self.sink = None  # (stage, positions there) taking this stage's gradients
         self.is_last = is_last
         self.recompute = recompute
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
@@ -123,14 +128,14 @@ class Stage:
         self.shards = dict(shards or {})
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(plan.nodes, trainable=True)
-        self.transposed = self._transposed(graph, plan)
+        self.transposed = {} if accumulator else self._transposed(graph, plan)
         self._transposed_chosen = False
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
         # Dense calls whose kernel gradients B leaves to W, as (node, position in
         # `trainable`, shape of the product's output without the batch).
         self.split = False
-        self.deferred = self._deferrable(graph, plan)
+        self.deferred = [] if accumulator else self._deferrable(graph, plan)
         self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W
         self._zero_cache = {}
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
@@ -203,6 +208,14 @@ class Stage:
         return [(i, positions[id(graph.nodes[i].op.kernel)], shape)
                 for i, shape in kernels.deferred_nodes(graph, plan.nodes, self.shards)
                 if id(graph.nodes[i].op.kernel) in positions]
+
+    def sink_into(self, stage):
+        """Add this stage's variable gradients into `stage`'s buffers (which hold the
+        same variables among others) instead of its own: one rank's model chunks
+        share one set of buffers, one allreduce and one optimizer step. No hooks
+        (gradients reported during a backward) and no split backward then."""
+        where = {id(v): k for k, v in enumerate(stage.trainable)}
+        self.sink = (stage, [where[id(v)] for v in self.trainable])
 
     @property
     def splitting(self):
@@ -676,7 +689,7 @@ class Stage:
 
     def _ready(self):
         """Before a backward: the buffers exist, and no gradient has arrived yet."""
-        if self._views is None:
+        if self._views is None and self.sink is None:  # a sink's buffers hold its sums
             self._make_buffers()
         self.arrived[:] = False
 
@@ -697,6 +710,9 @@ class Stage:
         has not already added), or keep it as microbatch `microbatch`'s (row, value)
         pairs when it is sparse (see `hyparflow.sparse`); return the inputs' part."""
         n = len(self.trainable)
+        into, where = self.sink if self.sink is not None else (self, range(n))
+        if into is not self and into._views is None:
+            into._make_buffers()
         for k, g in enumerate(result[:n]):
             if g is None or self.arrived[k]:
                 continue
@@ -704,10 +720,10 @@ class Stage:
                 g = tf.convert_to_tensor(g)
             if isinstance(g, tf.IndexedSlices):
                 values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
-                self._slices.setdefault(k, []).append(
+                into._slices.setdefault(where[k], []).append(
                     (microbatch, np.asarray(g.indices, np.int64), np.asarray(values)))
                 continue
-            self._add(k, np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32)))
+            into._add(where[k], np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32)))
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
             t = self.input_ids[k]

@@ -55,8 +55,10 @@ def load(path):
         return json.load(f)
 
 
-def theoretical_bubble(num_stages, num_microbatches):
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def theoretical_bubble(num_stages, num_microbatches, chunks=1):
+    """Idle share of a pipeline of equal stages: (S-1) / (M+S-1), with `chunks` per rank
+    (interleaved) (S-1) / (vM+S-1)."""
+    return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
 def bubble(trace, skip_first=True):

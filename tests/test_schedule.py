@@ -131,7 +131,7 @@ def test_stages_on_one_core_take_turns():
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match=r"choose one of \['1f1b', '1f1b-w', 'gpipe', 'zb-batched', 'zb-h1'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['1f1b', '1f1b-w', 'gpipe', 'interleaved', 'zb-batched', 'zb-h1'\]"):
         sched.build("zigzag", 2, 2)
 
 
