@@ -394,16 +394,23 @@ class Runtime:
 
     def _plan_zero(self, optimizer, groups):
         """This rank's `zero.Zero` when the optimizer step is sharded over replicas
-        (every rank must agree that it can be), else None."""
-        allowed = _zero.enabled() and _zero.why_not(optimizer, self.stage.trainable) is None
-        zero = None
+        (every rank must be able to, and some stage must gain), else None. A group
+        spans stages when they tie weights, so all ranks decide alike."""
+        from . import _env
+
+        setting = _zero.enabled()
+        allowed = setting is not False and _zero.why_not(optimizer, self.stage.trainable) is None
         if allowed and optimizer.built and not optimizer.__dict__.get("_hyparflow_zero"):
             allowed = False  # built for whole variables (say by model.fit): keep them whole
-        if allowed:
-            zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage._eager)
-            # An optimizer an earlier fit built for whole variables keeps stepping them.
-            allowed = not optimizer.built or _zero.knows(optimizer, zero.variables)
-        if not all(self.comm.allgather_obj(allowed)):
+        wants = allowed and (setting is True or _zero.pays(self.stage, optimizer,
+                                                           _env.local_ranks()))
+        everyone = self.comm.allgather_obj((allowed, wants))
+        if not all(a for a, _ in everyone) or not any(w for _, w in everyone):
+            return None
+        zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage._eager)
+        # An optimizer an earlier fit built for whole variables keeps stepping them.
+        known = not optimizer.built or _zero.knows(optimizer, zero.variables)
+        if not all(self.comm.allgather_obj(known)):
             return None
         return zero if zero else None
 

@@ -60,9 +60,11 @@ VARIABLES = (
     Variable("HYPARFLOW_DEFER_CONV", "0",
              "`1`: the split schedules (`1f1b-w`, `zb-h1`, `zb-batched`) leave Conv2D kernels' "
              "gradients to W too, as Dense ones (measured slower here)"),
-    Variable("HYPARFLOW_ZERO", "auto (shared whenever the optimizer allows)",
-             "`0`: every replica steps the whole optimizer, instead of each stepping its "
-             "share of the rows and keeping only that share's state (ZeRO stage 1)"),
+    Variable("HYPARFLOW_ZERO", "auto (shared where it pays: Embedding tables, or optimizer "
+             "state above 1/8 of a rank's memory)",
+             "`1`: each replica steps its share of the rows and keeps only that share's "
+             "optimizer state (ZeRO stage 1) whenever the optimizer allows; `0`: every "
+             "replica steps the whole optimizer"),
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
@@ -184,9 +186,9 @@ def defer_conv() -> bool:
     return _flag("HYPARFLOW_DEFER_CONV") is True
 
 
-def zero() -> bool:
-    """Whether the optimizer step may be shared out over the replicas (default yes)."""
-    return _flag("HYPARFLOW_ZERO") is not False
+def zero() -> Optional[bool]:
+    """Whether the optimizer step is shared out over the replicas (None: where it pays)."""
+    return _flag("HYPARFLOW_ZERO")
 
 
 def slowdown() -> float:

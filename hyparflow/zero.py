@@ -37,12 +37,15 @@ import numpy as np
 
 from . import settings
 
-__all__ = ["enabled", "why_not", "ownership", "Zero", "ALLOWED"]
+__all__ = ["enabled", "pays", "why_not", "ownership", "Zero", "ALLOWED"]
 
 # Keras optimizers whose update is element-wise (their exact classes: a subclass
 # may override update_step).
 ALLOWED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Lion")
 
+
+
+SETTLE_TAG = 999  # below every variable's tags
 
 
 def _tag(index, phase):
@@ -54,9 +57,39 @@ def _tag(index, phase):
 
 
 def enabled():
-    """HYPARFLOW_ZERO: "1" shard the optimizer step across replicas, "0" do not,
-    "auto" (the default) shard (measured: never slower, see docs/performance.md)."""
+    """HYPARFLOW_ZERO: True ("1") shard the optimizer step across replicas, False
+    ("0") do not, None ("auto", the default) where it `pays`."""
     return settings.zero()
+
+
+def pays(stage, optimizer, ranks_on_node=1):
+    """Whether sharding is worth it for this stage by default. Its bytes moved are an
+    allreduce's, its gain the optimizer's work and state divided by R; the gather
+    costs a copy and an assignment of every variable. Measured (2 replicas on one
+    node, docs/performance.md): slower for an MLP (45 vs 40 ms a step) and ResNet-110
+    (200 vs 185 ms), faster where the optimizer steps far more than the gradients
+    move: an Embedding table, whose Adam step updates every row for the few rows a
+    batch looked up (75 vs 109 ms). Shared too when the whole optimizer state would
+    take more than 1/8 of a rank's share of the machine's memory."""
+    import keras
+
+    for i in stage.plan.nodes:
+        op = stage.graph.nodes[i].op
+        if isinstance(op, keras.layers.Embedding) and op.trainable:
+            return True
+    slots = max(1, len(getattr(optimizer, "variables", ())) // max(1, len(stage.trainable)))
+    state = sum(4 * int(np.prod(v.shape)) for v in stage.trainable) * (1 + max(slots, 2))
+    memory = _memory()
+    return bool(memory) and state > memory / max(1, ranks_on_node) / 8
+
+
+def _memory():
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def why_not(optimizer, variables):
@@ -98,24 +131,33 @@ def check_knows(optimizer, variables):
         "to any layout).")
 
 
-def ownership(shapes, n):
+# What one variable costs in an optimizer step beyond its elements, counted in
+# elements: Keras's compiled Adam step took ~40 us per variable and ~0.25 ns per
+# element on one thread here, so ResNet-110's ~330 variables cost more than their
+# 1.7 M elements. Ownership balances elements plus this per variable.
+VARIABLE_COST = 1 << 17
+
+
+def ownership(shapes, n, fixed=0):
     """For variables of `shapes` (in order) and `n` ranks: per variable, the list of
-    (rank, first row, end row) it is cut into; ranks own about equal numbers of
-    elements, contiguous in this order. A 0-d variable has one row."""
+    (rank, first row, end row) it is cut into; ranks own about equal shares of the
+    cost (elements, plus `fixed` per variable, counted before its rows), contiguous
+    in this order. A 0-d variable has one row."""
     sizes = [int(np.prod(s)) for s in shapes]
-    total = sum(sizes)
+    total = sum(sizes) + fixed * len(sizes)
     targets = [total * r / n for r in range(n + 1)]
     out, offset = [], 0
     for shape, size in zip(shapes, sizes):
         rows = int(shape[0]) if len(shape) else 1
         width = size // rows if rows else 0
+        start = offset + fixed
         cuts = [0]
         for r in range(1, n):
-            c = rows if width == 0 else int(np.clip(np.ceil((targets[r] - offset) / width), 0, rows))
+            c = rows if width == 0 else int(np.clip(np.ceil((targets[r] - start) / width), 0, rows))
             cuts.append(max(c, cuts[-1]))
         cuts.append(rows)
         out.append([(r, cuts[r], cuts[r + 1]) for r in range(n) if cuts[r + 1] > cuts[r]])
-        offset += size
+        offset = start + size
     return out
 
 
@@ -201,7 +243,7 @@ class Zero:
             ks = [k for k in positions if id(stage.trainable[k]) not in split]
             self.groups.append((comm, ks))
             for j, (k, parts) in enumerate(zip(ks, ownership(
-                    [tuple(stage.trainable[k].shape) for k in ks], comm.size))):
+                    [tuple(stage.trainable[k].shape) for k in ks], comm.size, VARIABLE_COST))):
                 self.parts[k], self.index[k] = parts, j
                 var = stage.trainable[k]
                 for r, a, b in parts:
@@ -286,45 +328,94 @@ class Zero:
         return True
 
     def _target(self, k):
-        """Where variable k's new value is put together this step: one of two kept
-        buffers, used in turn. The variable takes the buffer as its own memory (an
-        assignment from it copies nothing), so the buffer it holds is written again
-        only two steps later, when it holds the other one and no tensor read from
-        the first is alive (reads live within a step). Assigning fresh memory each
-        step instead cost more in page faults than the copy (100+ ms a step on a
-        200,000 x 128 table); writing rows into the variable in place (a scatter)
-        turns TensorFlow's copy-on-read on, which copies the whole table at every read."""
+        """Where variable k's new value is put together this step: its place in one
+        of two kept flat buffers, used in turn. The variable takes the buffer as its
+        own memory (an assignment from it copies nothing), so the buffer it holds is
+        written again only two steps later, when it holds the other one and no
+        tensor read from the first is alive (reads live within a step). Assigning
+        fresh memory each step instead cost more in page faults than the copy (100+
+        ms a step on a 200,000 x 128 table); writing rows into the variable in place
+        (a scatter) turns TensorFlow's copy-on-read on, which copies the whole table
+        at every read. One buffer for all, so that one function call assigns every
+        variable (a call with a tensor per variable took 5 ms for ResNet-110's 330)."""
         from .stage import _aligned_empty
 
+        if not hasattr(self, "_offsets"):
+            self._offsets, end = {}, 0
+            for _, positions in self.groups:
+                for j in positions:
+                    self._offsets[j] = end
+                    end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
+            self._flat = [_aligned_empty(end), _aligned_empty(end)]
         var = self.stage.trainable[k]
-        key = ("weights", k, self._parity)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = _aligned_empty(
-                max(1, int(np.prod(var.shape)))).reshape(tuple(var.shape))
-        return buf
+        at = self._offsets[k]
+        return self._flat[self._parity][at:at + int(np.prod(var.shape))].reshape(tuple(var.shape))
 
     def gather(self, wait):
         """Every part's new values to every rank of its group, then into the variables
         (`wait(requests)`: waits under the watchdog)."""
-        owned = {(k, a, b): part for k, a, b, part in self.mine}
+        owned = {(k, a, b): value for (k, a, b, _), value in zip(self.mine, self._read())}
         self._parity = 1 - getattr(self, "_parity", 1)
-        reqs, targets = [], []
+        reqs = []
         for comm, positions in self.groups:
             for k in positions:
                 target = self._target(k)
-                targets.append((k, target))
                 for r, a, b in self.parts[k]:
                     rows = _rows(target, a, b)
                     if r == comm.rank:
-                        rows[...] = owned[(k, a, b)].numpy()
+                        rows[...] = owned[(k, a, b)]
                         reqs += [comm.isend(rows, p, _tag(self.index[k], 1))
                                  for p in range(comm.size) if p != r]
                     else:
                         reqs.append(comm.irecv(rows, r, _tag(self.index[k], 1)))
         wait(reqs)
-        for k, target in targets:
-            self.stage.trainable[k].assign(_tensor(target))
+        wait(self._settle())
+        self._assign_all(_tensor(self._flat[self._parity]))
+
+    def _compiled(self, name, body, signature=None):
+        """`body` as one TensorFlow function (one call instead of hundreds of eager
+        variable reads or assignments: ~40 us each)."""
+        import tensorflow as tf
+
+        if name not in self._functions:
+            self._functions[name] = body if self.eager else tf.function(
+                body, input_signature=signature)
+        return self._functions[name]
+
+    def _read(self):
+        """This rank's parts' new values, as numpy arrays."""
+        parts = [p for *_, p in self.mine]
+        return [v.numpy() for v in self._compiled("read", lambda: [p.value for p in parts])()]
+
+    def _assign_all(self, flat):
+        """Every shared variable takes its place in `flat` (`_target`)."""
+        import tensorflow as tf
+
+        places = [(self.stage.trainable[k], self._offsets[k]) for k in self._offsets]
+
+        def assign(flat):
+            for v, at in places:
+                value = tf.reshape(flat[at:at + int(np.prod(v.shape))], tuple(v.shape))
+                v.assign(tf.cast(value, v.dtype) if v.dtype != "float32" else value)
+
+        self._compiled("assign", assign, [tf.TensorSpec(flat.shape, tf.float32)])(flat)
+
+    def _settle(self):
+        """A token to and from every other rank of each group, posted after this
+        rank's messages completed. MPICH completes a send only when the receiver's
+        MPI has acknowledged it, and a receiver that has all it waited for may leave
+        those acknowledgements queued until its next MPI call, a whole forward and
+        backward later (measured: ResNet-110 with 2 replicas, 0.2 -> 0.42 s a step).
+        The token goes out behind them, so waiting for the others' tokens waits only
+        until everyone's messages are through."""
+        reqs = []
+        for comm, _ in self.groups:
+            token = self.buffer(("token", id(comm)), (comm.size,))
+            for p in range(comm.size):
+                if p != comm.rank:
+                    reqs += [comm.isend(token[comm.rank:comm.rank + 1], p, SETTLE_TAG),
+                             comm.irecv(token[p:p + 1], p, SETTLE_TAG)]
+        return reqs
 
     # -- checkpoints --------------------------------------------------------------
 
