@@ -358,13 +358,21 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     exchange_b = [sum(split[i][2] for i in range(a, a + c) if i in split)
                   for a, c in zip(starts, counts)]
     send = [0.0] * stages
+    transfer = {}  # (kind, source, destination) -> seconds on the link between hosts
     for e in part.edges:
+        nbytes = _elements(graph, e.tensor) * 4 * m
         # Hosts are filled in rank order (rank = (replica * S + stage) * T + tensor): a
         # pipeline longer than a host's ranks sends some boundaries over the slower
-        # link between hosts, which its stage then pays at every microbatch.
-        send[e.src] += network.message(_elements(graph, e.tensor) * 4 * m,
-                                       across=_crosses(e.src % ranks, e.dst % ranks, ranks,
-                                                       replicas, num_tensor, ranks_per_node))
+        # link between hosts. The network moves those while both stages compute
+        # (non-blocking sends): the sender pays the latency, the message arrives
+        # after the link carried it, each way ("act" forward, "grad" back).
+        if _crosses(e.src % ranks, e.dst % ranks, ranks, replicas, num_tensor, ranks_per_node):
+            moving = network.message(nbytes, across=True)
+            send[e.src] += network.alpha_inter
+            for key in (("act", e.src, e.dst), ("grad", e.dst, e.src)):
+                transfer[key] = transfer.get(key, 0.0) + moving
+        else:  # a copy through shared memory: the stage's own core does it
+            send[e.src] += network.message(nbytes)
     params = [sum(rows[i].param_bytes / div(i) for i in range(a, a + c))
               for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
@@ -425,7 +433,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     tail = reduce if slowdown is None else [r / slowdown(on_node) for r in reduce]
     sim = sched.simulate(lowered, per_stage_f, per_stage_b, slowdown, replicas * num_tensor,
                          network.wait, tail, waits,
-                         weight_time=lambda s, k: weight[s] * batched[s](k))
+                         weight_time=lambda s, k: weight[s] * batched[s](k), transfer=transfer)
     step = sim.finish
     memory = []
     if chunks > 1:
@@ -450,7 +458,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                        for i, _ in kernels.deferred_nodes(graph, range(a, a + c)))
             memory[-1] += kept * m * sim.peak_kept[s]
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
-            "comm_s": max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b)) * micro
+            "comm_s": (max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b))
+                       + max(transfer.values(), default=0.0)) * micro
             + max(network.allreduce(p, replicas, across) for p in rank_params),
             "tensor_layers": sorted(graph.nodes[i].op.name for i in split),
             "memory_bytes": memory, "samples_s": batch / step}

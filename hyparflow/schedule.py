@@ -469,7 +469,7 @@ class Simulation:
 
 
 def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
-             latency=0.0, tail=None, waits=None, weight_time=0.0):
+             latency=0.0, tail=None, waits=None, weight_time=0.0, transfer=None):
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time` / `weight_time`: one number for every
@@ -502,6 +502,11 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     `waits`: per stage, (forward, backward) seconds of each F and B spent waiting
     (for the other tensor ranks inside a split layer's exchange): they pass at full
     speed and take no core, however many ranks compute.
+
+    `transfer`: {(kind, source, destination): seconds} of a message on a network
+    link ("act" or "grad", virtual stages), which moves while both stages go on:
+    it arrives that long after it is sent, and the messages of one link go one
+    after another.
     """
     n = len(lowered)
     f_times = list(forward_time) if isinstance(forward_time, (list, tuple)) else [forward_time] * n
@@ -514,8 +519,9 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
         w_times = list(weight_time) if isinstance(weight_time, (list, tuple)) else [weight_time] * n
         w_cost = lambda s, k: k * w_times[s]  # noqa: E731
     kept = _kept(lowered)
+    arrive = _Links(transfer, latency)
     if slowdown is not None:
-        sim = _shared(lowered, f_times, b_times, slowdown, copies, latency, tails, waits, w_cost)
+        sim = _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails, waits, w_cost)
         sim.peak_kept = kept
         return sim
     f_times = [f + waits[k % n][0] for k, f in enumerate(f_times)]
@@ -537,7 +543,8 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
                         break
                     clock[s] = max(clock[s], sent[key])
                 elif a.kind in (SEND_ACT, SEND_GRAD):
-                    sent[_message(a, s, n)] = clock[s] + latency
+                    key = _message(a, s, n)
+                    sent[key] = arrive(key, clock[s])
                 elif a.kind in (F, B, FB, W):
                     cost = _cost(a, s, f_times, b_times, w_cost, n)
                     clock[s] += cost
@@ -593,7 +600,25 @@ def _message(action, stage, ranks):
     return kind, action.peer, here, action.microbatch
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None, waits=None,
+class _Links:
+    """When a message sent at a time arrives: after `latency`, or, on a network link
+    (`transfer`), once the link has carried the messages sent on it before and
+    then this one."""
+
+    def __init__(self, transfer, latency):
+        self.transfer, self.latency, self.free = transfer or {}, latency, {}
+
+    def __call__(self, key, now):
+        seconds = self.transfer.get(key[:3])
+        if not seconds:
+            return now + self.latency
+        link = key[1:3]
+        done = max(now, self.free.get(link, 0.0)) + seconds
+        self.free[link] = done
+        return max(done, now + self.latency)
+
+
+def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, waits=None,
             w_cost=None):
     """`simulate` on shared cores: between two events (a computation ends, a message
     arrives, a wait ends) every computing stage moves at 1 / slowdown(busy ranks) of
@@ -620,7 +645,8 @@ def _shared(lowered, f_times, b_times, slowdown, copies, latency=0.0, tails=None
                     if arrives > now:  # not sent yet, or still on its way
                         break
                     if a.kind in (SEND_ACT, SEND_GRAD):
-                        sent[_message(a, s, n)] = now + latency
+                        key = _message(a, s, n)
+                        sent[key] = arrive(key, now)
                     if a.kind in (F, B, FB, W):
                         left[s] = _cost(a, s, f_times, b_times, w_cost, n)
                         hold[s] = {F: waits[s][0], B: waits[s][1], W: 0.0}.get(

@@ -99,6 +99,23 @@ def test_latency_holds_up_only_a_receiver_that_waits():
                           latency=0.25).makespan == pytest.approx(base + 0.5)
 
 
+def test_a_network_link_carries_one_message_at_a_time():
+    # Activations 0 -> 1 take 1.5 s on the link, longer than a forward (1 s): they
+    # arrive at 2.5, then 4.0 and 5.5 (queued behind each other, not 3.5 and 4.5).
+    # Stage 1's forwards end at 6.5, its backwards at 9.5; their gradients (instant)
+    # reach stage 0, whose last backward ends at 10.5.
+    lowered = sched.lower(sched.gpipe(2, 3), [[], [0]], [[1], []])
+    for slowdown in (None, lambda busy: 1.0):
+        sim = sched.simulate(lowered, 1.0, 1.0, slowdown=slowdown,
+                             transfer={("act", 0, 1): 1.5})
+        assert sim.makespan == pytest.approx(10.5)
+    # Shorter than a forward, the link never queues: every message pays its 0.5 s once
+    # on the way in, and the gradients back too, on their own link.
+    base = sched.simulate(lowered, 1.0, 1.0).makespan
+    sim = sched.simulate(lowered, 1.0, 1.0, transfer={("act", 0, 1): 0.5, ("grad", 1, 0): 0.5})
+    assert sim.makespan == pytest.approx(base + 1.0)
+
+
 def test_a_stage_s_tail_follows_its_own_last_backward():
     # One microbatch over two stages: stage 1's backward ends at 4, stage 0's at 6.
     lowered = sched.lower(sched.gpipe(2, 1), [[], [0]], [[1], []])
