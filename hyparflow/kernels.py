@@ -1,4 +1,5 @@
-"""Dense layers whose input gradient runs at forward speed on microbatches.
+"""Dense layers whose input gradient runs at forward speed on microbatches, and the
+kernels whose gradient a split backward defers to W (Dense, EinsumDense, Conv2D).
 
 TensorFlow computes a Dense layer's input gradient as `dy @ W^T` with the
 transposition folded into the product (`transpose_b`). On this kind of CPU, at
@@ -137,18 +138,36 @@ def _plain_conv(op, input_dtype):
             and op.kernel.dtype == "float32" and input_dtype == "float32")
 
 
+def _plain_einsum(op, input_dtype):
+    """A float32 EinsumDense (attention's projections) whose first input axis is the
+    batch and stays the first output axis, so that W can stack microbatches' rows."""
+    if not (type(op) is keras.layers.EinsumDense and op.built
+            and not getattr(op, "lora_enabled", False)
+            and getattr(op, "quantization_mode", None) is None
+            and op.activity_regularizer is None and op.compute_dtype == "float32"
+            and op.kernel.dtype == "float32" and input_dtype == "float32"):
+        return False
+    lhs, _, out = op.equation.replace(" ", "").partition("->")
+    x, _, kernel = lhs.partition(",")
+    if x.startswith("...") and out.startswith("..."):
+        return True
+    return bool(x) and bool(out) and x[0] == out[0] and x[0] not in kernel
+
+
 def deferrable(op, input_dtype):
     """Whether layer call `op`'s kernel gradient can wait for a later, batched call
-    (a split backward's W): a plain float32 Dense (or, with `defer_conv`, Conv2D)
-    whose kernel nothing but the product reads (no kernel regulariser, whose
-    gradient would come in B)."""
-    plain = eligible(op, input_dtype) or (defer_conv() and _plain_conv(op, input_dtype))
+    (a split backward's W): a plain float32 Dense or EinsumDense (or, with
+    `defer_conv`, Conv2D) whose kernel nothing but the product reads (no kernel
+    regulariser, whose gradient would come in B)."""
+    plain = (eligible(op, input_dtype) or _plain_einsum(op, input_dtype)
+             or (defer_conv() and _plain_conv(op, input_dtype)))
     return plain and op.kernel_regularizer is None and op.kernel.trainable
 
 
 def deferred_nodes(graph, nodes, exclude=()):
-    """[(node, shape of its output without the batch)]: the Dense calls among `nodes`
-    (not in `exclude`: split over tensor ranks) whose kernel gradient a W can
+    """[(node, shape of its output without the batch)]: the Dense and EinsumDense
+    calls among `nodes` (not in `exclude`: split over tensor ranks) whose kernel
+    gradient a W can
     compute. The kernel must be read by this one call of the whole model (a shared
     layer's or a tied kernel's gradient sums over calls, which B computes), and
     every dimension but the batch known (W's zero inputs are made to measure)."""
@@ -185,6 +204,14 @@ def deferred_call(op, args, kwargs, z, wt=None):
     x = args[0] if args else kwargs["inputs"]
     mask = _compat.get_mask(x)
     kernel = tf.stop_gradient(op.kernel.value)
+    if isinstance(op, keras.layers.EinsumDense):
+        # As EinsumDense.call, with the kernel stopped and z added to the product.
+        y = keras.ops.einsum(op.equation, x, kernel) + z
+        if op.bias is not None:
+            y = keras.ops.add(y, op.bias.value)
+        if op.activation is not None:
+            y = op.activation(y)
+        return y, x
     if isinstance(op, keras.layers.Conv2D):
         # As BaseConv.call, with the kernel stopped and z added to the product.
         y = op.convolution_op(x, kernel) + z
@@ -223,12 +250,13 @@ def deferred_call(op, args, kwargs, z, wt=None):
 
 def weight_grad(op, x, dy):
     """A deferred kernel's gradient over all rows: `x^T dy` for a Dense (any leading
-    shape); a Conv2D's by TensorFlow's filter gradient of its convolution."""
-    if isinstance(op, keras.layers.Conv2D):
+    shape); an EinsumDense's or a Conv2D's by TensorFlow's gradient of its product."""
+    if isinstance(op, (keras.layers.Conv2D, keras.layers.EinsumDense)):
         kernel = op.kernel.value
         with tf.GradientTape() as tape:
             tape.watch(kernel)
-            y = op.convolution_op(x, kernel)
+            y = (keras.ops.einsum(op.equation, x, kernel)
+                 if isinstance(op, keras.layers.EinsumDense) else op.convolution_op(x, kernel))
         return tape.gradient(y, kernel, output_gradients=dy)
     flat_x = tf.reshape(x, (-1, x.shape[-1]))
     flat_dy = tf.reshape(dy, (-1, dy.shape[-1]))

@@ -132,8 +132,8 @@ class Stage:
         self._transposed_chosen = False
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
-        # Dense calls whose kernel gradients B leaves to W, as (node, position in
-        # `trainable`, shape of the product's output without the batch).
+        # Dense (and EinsumDense) calls whose kernel gradients B leaves to W, as (node,
+        # position in `trainable`, shape of the product's output without the batch).
         self.split = False
         self.deferred = [] if accumulator else self._deferrable(graph, plan)
         self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W

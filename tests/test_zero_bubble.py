@@ -115,6 +115,42 @@ def test_deferred_kernels_are_the_plain_dense_calls_read_once():
     assert names == ["d0", "d1", "d2", "logits"]
 
 
+def einsum_model():
+    """EinsumDense projections over a sequence (as attention's), one with an
+    ellipsis over the batch and positions."""
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((6, 8), name="tokens")
+    h = L.EinsumDense("abc,cd->abd", (6, 12), bias_axes="d", activation="relu", name="e0")(inp)
+    h = L.EinsumDense("abd,de->abe", (6, 8), name="e1")(h)
+    h = L.Permute((2, 1))(h)
+    h = L.EinsumDense("...b,bc->...c", 4, bias_axes="c", name="e2")(h)
+    h = L.Flatten()(h)
+    out = L.Dense(3, name="logits")(h)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("schedule,stages", [("zb-batched", 2), ("1f1b-w", 3)])
+def test_deferred_einsum_dense(schedule, stages):
+    from hyparflow import kernels
+    from hyparflow.graph import from_model
+
+    graph = from_model(einsum_model())
+    deferred = [graph.nodes[i].op.name
+                for i, _ in kernels.deferred_nodes(graph, range(len(graph.nodes)))]
+    assert deferred == ["e0", "e1", "e2", "logits"]
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(64, 6, 8)).astype("float32"), rng.integers(0, 3, 64)
+    start, want, _ = reference(einsum_model, x, y, epochs=EPOCHS, batch_size=BATCH)
+    results = train_ranks(einsum_model, x, y, num_stages=stages, num_replicas=1,
+                          num_microbatches=2, weights=start, batch_size=BATCH, epochs=EPOCHS,
+                          shuffle=False, schedule=schedule)
+    for w, _ in results:
+        assert max_diff(w, want) <= 1e-5
+
+
 def test_auto_tries_each_schedule_then_keeps_the_fastest(monkeypatch):
     from hyparflow import executor as ex
 
