@@ -156,6 +156,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                     f"{name}={value!r}. Leave the argument out to use the plan, or write a "
                     f"new plan with `hyparflow plan`.")
             values[name], origin[name] = value, source
+    if source is not None and settings.reshaped(environ):
+        plan = _after_restart(world_size, values, origin, source, plan)
     from_env = settings.layout_counts(environ)
     for name, value in from_env.items():
         if name not in values:
@@ -189,6 +191,41 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   num_chunks=values.get("num_chunks", 1), balance=_as_tuple(balance),
                   tensor_layers=_as_tuple(values.get("tensor_layers")),
                   tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
+
+
+def _after_restart(world_size: int, values: dict, origin: dict, source: str,
+                   plan: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+    """A plan file's counts fitted to the fewer ranks a restart left (`values` and
+    `origin` updated in place); returns the plan, or None when its cut no longer
+    applies. Fewer replicas first, keeping the plan's stages and cut; then fewer
+    stages (one replica), cut by estimate. The plan's microbatches and schedule stay."""
+    import warnings
+
+    stages = values.get("num_stages", 1)
+    tensor = values.get("num_tensor", 1)
+    replicas = values.get("num_replicas")
+    if replicas is None or stages * tensor * replicas == world_size:
+        return plan
+    if origin.get("num_replicas") == source and world_size % (stages * tensor) == 0:
+        values["num_replicas"] = world_size // (stages * tensor)
+        origin["num_replicas"] = f"{source}, fewer replicas after a restart"
+        warnings.warn(f"{source} was made for {stages * tensor * replicas} ranks; restarted on "
+                      f"{world_size}, it runs with num_replicas={values['num_replicas']} "
+                      "and its stages as planned.", RuntimeWarning, stacklevel=3)
+        return plan
+    if (origin.get("num_stages") == source and origin.get("num_replicas") == source
+            and world_size % tensor == 0):
+        values["num_stages"], values["num_replicas"] = world_size // tensor, 1
+        origin["num_stages"] = f"{source}, fewer stages after a restart"
+        origin["num_replicas"] = origin["num_stages"]
+        if values.pop("num_chunks", 1) != 1 or values.get("schedule") == "interleaved":
+            values["schedule"] = DEFAULT_SCHEDULE  # its chunks were cut for the old stages
+        warnings.warn(f"{source} was made for {stages * tensor * replicas} ranks; restarted on "
+                      f"{world_size}, it runs with num_stages={values['num_stages']}, one "
+                      "replica, its layers cut by estimate (write a new plan with `hyparflow "
+                      "plan` for a measured cut).", RuntimeWarning, stacklevel=3)
+        return None
+    return plan
 
 
 def _mismatch(world_size: int, stages: int, tensor: int, replicas: int,

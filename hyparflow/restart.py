@@ -160,6 +160,7 @@ def run(make_plan, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
     [(name, slots)] or None; `given`: the names of the counts the user gave (only those
     are exported again, re-shaped)."""
     shape = Shape(stages, replicas, tensor, tuple(hosts or ()), True)
+    first_ranks = shape.ranks
     plan = make_plan(hosts, stages if "stages" in given else None,
                      replicas if "replicas" in given else None,
                      tensor if "tensor" in given else None)
@@ -211,4 +212,7 @@ def run(make_plan, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
                          shape.stages if "stages" in given else None,
                          shape.replicas if "replicas" in given else None,
                          shape.tensor if "tensor" in given else None)
+        if shape.ranks != first_ranks:
+            # A script's plan file (fit(plan=...)) was made for the first ranks.
+            plan.env["HYPARFLOW_RESHAPED"] = f"{first_ranks}->{shape.ranks}"
     return code  # pragma: no cover - the loop returns

@@ -14,7 +14,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
-           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates"]
+           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped"]
 
 
 class Variable(NamedTuple):
@@ -52,6 +52,11 @@ VARIABLES = (
              "seconds between a rank's heartbeats"),
     Variable("HYPARFLOW_PROBE_SECONDS", "10",
              "how long a host gets to answer `hyparflow run --restarts`'s probe"),
+    Variable("HYPARFLOW_RESHAPED", "unset",
+             "set by `hyparflow run --restarts` when it starts the run again on fewer "
+             "ranks: a plan file (`plan=`) made for more ranks then keeps its stages with "
+             "fewer replicas, or, when its stages no longer divide the ranks, gives way to "
+             "fewer stages cut by estimate"),
     Variable("HYPARFLOW_OVERLAP", "auto (on when ranks span hosts)",
              "`1` / `0`: gradient buckets start inside the backward, or after it"),
     Variable("HYPARFLOW_TRANSPOSED", "1",
@@ -167,6 +172,11 @@ def peer_timeout() -> Optional[float]:
 def probe_seconds(environ: Optional[Mapping[str, str]] = None) -> float:
     value = _number("HYPARFLOW_PROBE_SECONDS", float, environ)
     return max(1.0, 10.0 if value is None else float(value))
+
+
+def reshaped(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this run was started again on fewer ranks (`hyparflow run --restarts`)."""
+    return bool(_raw("HYPARFLOW_RESHAPED", environ))
 
 
 def transposed() -> bool:

@@ -63,6 +63,54 @@ def test_restartable():
     assert restartable(1, ["b"])            # ... unless a host went
 
 
+def test_a_plan_file_follows_a_restart_on_fewer_ranks(tmp_path):
+    """`fit(plan=...)` after `hyparflow run --restarts` lost ranks: the plan's stages
+    and cut stay with fewer replicas; when its stages no longer divide the ranks,
+    fewer stages cut by estimate. Without the restart's mark, a mismatch is an error."""
+    import warnings
+
+    from hyparflow.layout import resolve
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"format": "hyparflow-plan", "version": 1, "num_stages": 2, '
+                    '"num_replicas": 2, "num_microbatches": 4, "schedule": "zb-h1", '
+                    '"stages": [{"layers": ["a"]}, {"layers": ["b"]}]}')
+    with pytest.raises(ValueError, match="num_replicas=2"):
+        resolve(2, plan=str(path), environ={})
+    mark = {"HYPARFLOW_RESHAPED": "4->2"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fewer = resolve(2, plan=str(path), environ=mark)
+        assert (fewer.num_stages, fewer.num_replicas, fewer.num_microbatches,
+                fewer.schedule) == (2, 1, 4, "zb-h1")
+        assert fewer.plan is not None                       # its cut still applies
+        one = resolve(1, plan=str(path), environ={"HYPARFLOW_RESHAPED": "4->1"})
+        assert (one.num_stages, one.num_replicas, one.num_microbatches) == (1, 1, 4)
+        assert one.plan is None                             # cut again, by estimate
+    assert any("num_replicas=1 and its stages as planned" in str(w.message) for w in caught)
+    assert any("num_stages=1, one replica" in str(w.message) for w in caught)
+    assert resolve(4, plan=str(path), environ=mark).num_replicas == 2  # nothing lost
+
+
+def test_the_restart_after_a_lost_host_marks_the_run_reshaped(monkeypatch):
+    from hyparflow import restart
+
+    monkeypatch.setattr(restart, "probe", lambda hosts, *a, **k: {h: h != "b" for h in hosts})
+    plans, codes = [], iter([75, 0])
+
+    def make_plan(on, stages, replicas, tensor):
+        return launch.Plan("mpiexec", ["mpiexec"], {}, layout=f"{on}")
+
+    def start(plan, lost):
+        plans.append(plan)
+        return next(codes)
+
+    assert restart.run(make_plan, start, 1, [("a", 2), ("b", 2)], 1, 4, 1, "mpiexec",
+                       set()) == 0
+    assert "HYPARFLOW_RESHAPED" not in plans[0].env
+    assert plans[1].env["HYPARFLOW_RESHAPED"] == "4->2"
+
+
 # ------------------------------------------------------------------ the loop, real launches
 
 FLAKY = """
