@@ -141,23 +141,23 @@ VARIABLE_COST = 1 << 17
 def ownership(shapes, n, fixed=0):
     """For variables of `shapes` (in order) and `n` ranks: per variable, the list of
     (rank, first row, end row) it is cut into; ranks own about equal shares of the
-    cost (elements, plus `fixed` per variable, counted before its rows), contiguous
-    in this order. A 0-d variable has one row."""
+    cost (elements, plus `fixed` per variable, spread over its rows so that a single
+    large variable is still cut evenly), contiguous in this order. A 0-d variable
+    has one row."""
     sizes = [int(np.prod(s)) for s in shapes]
     total = sum(sizes) + fixed * len(sizes)
     targets = [total * r / n for r in range(n + 1)]
     out, offset = [], 0
     for shape, size in zip(shapes, sizes):
         rows = int(shape[0]) if len(shape) else 1
-        width = size // rows if rows else 0
-        start = offset + fixed
+        width = (size + fixed) / rows if rows else 0
         cuts = [0]
         for r in range(1, n):
-            c = rows if width == 0 else int(np.clip(np.ceil((targets[r] - start) / width), 0, rows))
+            c = rows if width == 0 else int(np.clip(np.ceil((targets[r] - offset) / width), 0, rows))
             cuts.append(max(c, cuts[-1]))
         cuts.append(rows)
         out.append([(r, cuts[r], cuts[r + 1]) for r in range(n) if cuts[r + 1] > cuts[r]])
-        offset = start + size
+        offset += size + fixed
     return out
 
 

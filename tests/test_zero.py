@@ -102,6 +102,8 @@ def test_ownership_counts_a_cost_per_variable():
         for r, a, b in cut:
             owned[r] += (b - a) * width
     assert max(owned) <= sum(owned) / 2 * 1.02, owned
+    # One table alone (a stage holding only an Embedding) is still cut in halves.
+    assert zero.ownership([(4000, 32)], 2, zero.VARIABLE_COST) == [[(0, 0, 2000), (1, 2000, 4000)]]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
