@@ -20,7 +20,10 @@
 # $DIR/enter-host` (that script stands in for ssh) and `-iface hfbr0`; `env` prints the
 # HYDRA_* variables that do the same without flags, and HYPARFLOW_EMULATED_HOSTS (the host
 # list, which the tests look for). $HYPARFLOW_EMU_RATE (e.g. 1gbit) limits each host's link
-# both ways with `tc ... tbf` (this kernel has no netem).
+# both ways with `tc ... tbf` (this kernel has no netem), with a bucket of
+# $HYPARFLOW_EMU_BURST (default 32kb): a larger bucket lets every message up to its size
+# through at the bridge's speed once the link has been idle (256kb made 256 KB messages
+# cross a "1 Gbit/s" link 40% faster than 1 Gbit/s allows).
 #
 # --slurm (or HYPARFLOW_EMU_SLURM=1) adds a Slurm cluster: slurmctld on this machine (on the
 # bridge address, port $HYPARFLOW_EMU_SLURM_PORT, default 6837) and one slurmd per host,
@@ -72,7 +75,7 @@ EOF
 limit_rate() {   # tbf on device $1 (run with the prefix in $2, e.g. "ip netns exec h")
     local dev="$1"; shift
     [ -n "$RATE" ] || return 0
-    "$@" tc qdisc replace dev "$dev" root tbf rate "$RATE" burst 256kb latency 50ms
+    "$@" tc qdisc replace dev "$dev" root tbf rate "$RATE" burst "${HYPARFLOW_EMU_BURST:-32kb}" latency 50ms
 }
 
 make_host() {
