@@ -14,6 +14,7 @@ from hyparflow import checkpoint as C
 from hyparflow import zero
 from hyparflow.local import run_ranks
 import hyparflow
+import hyparflow.graph
 
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
@@ -158,6 +159,25 @@ def test_auto_shards_where_it_pays(monkeypatch):
         whole = slot_elements(model)
         assert [s < whole for _, s in got] == [sharded] * 2, ([s for _, s in got], whole)
         assert max(max_diff(w, want) for w, _ in got) <= 1e-5
+
+
+def test_auto_shards_large_optimizer_state(monkeypatch):
+    """The other reason to shard by default: the stage's weights and optimizer state
+    would take more than 1/8 of a rank's share of the machine's memory."""
+    model = mlp(OPTIMIZERS["adam"])
+    graph = hyparflow.graph.from_model(model)
+
+    class Stage:  # what `pays` reads of a stage
+        trainable = model.trainable_variables
+        plan = type("Plan", (), {"nodes": range(len(graph.nodes))})()
+
+    Stage.graph = graph
+    state = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 3  # + 2 slots
+    monkeypatch.setattr(zero, "_memory", lambda: state * 8 * 2 - 1)
+    assert zero.pays(Stage, model.optimizer, ranks_on_node=2)
+    assert not zero.pays(Stage, model.optimizer, ranks_on_node=1)
+    monkeypatch.setattr(zero, "_memory", lambda: None)
+    assert not zero.pays(Stage, model.optimizer)
 
 
 def check(build, x, y, configs, tol=1e-5, batch=16, epochs=2, **kwargs):
