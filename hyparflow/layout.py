@@ -204,7 +204,11 @@ def _after_restart(world_size: int, values: dict, origin: dict, source: str,
     stages = values.get("num_stages", 1)
     tensor = values.get("num_tensor", 1)
     replicas = values.get("num_replicas")
-    if replicas is None or stages * tensor * replicas == world_size:
+    if replicas is None:  # the plan leaves the replicas to the world size
+        if world_size % (stages * tensor) == 0:
+            return plan
+        replicas = 1
+    elif stages * tensor * replicas == world_size:
         return plan
     if origin.get("num_replicas") == source and world_size % (stages * tensor) == 0:
         values["num_replicas"] = world_size // (stages * tensor)
@@ -213,7 +217,7 @@ def _after_restart(world_size: int, values: dict, origin: dict, source: str,
                       f"{world_size}, it runs with num_replicas={values['num_replicas']} "
                       "and its stages as planned.", RuntimeWarning, stacklevel=3)
         return plan
-    if (origin.get("num_stages") == source and origin.get("num_replicas") == source
+    if (origin.get("num_stages") == source and origin.get("num_replicas") in (source, None)
             and world_size % tensor == 0):
         values["num_stages"], values["num_replicas"] = world_size // tensor, 1
         origin["num_stages"] = f"{source}, fewer stages after a restart"

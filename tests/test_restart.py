@@ -90,6 +90,13 @@ def test_a_plan_file_follows_a_restart_on_fewer_ranks(tmp_path):
     assert any("num_replicas=1 and its stages as planned" in str(w.message) for w in caught)
     assert any("num_stages=1, one replica" in str(w.message) for w in caught)
     assert resolve(4, plan=str(path), environ=mark).num_replicas == 2  # nothing lost
+    # A plan that leaves the replicas to the world size: 3 ranks left of 4 at S=2.
+    path.write_text('{"format": "hyparflow-plan", "version": 1, "num_stages": 2, '
+                    '"num_microbatches": 2, "stages": [{"layers": ["a"]}, {"layers": ["b"]}]}')
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        three = resolve(3, plan=str(path), environ={"HYPARFLOW_RESHAPED": "4->3"})
+    assert (three.num_stages, three.num_replicas, three.plan) == (3, 1, None)
 
 
 def test_the_restart_after_a_lost_host_marks_the_run_reshaped(monkeypatch):
