@@ -193,7 +193,7 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
 
 
-def _after_restart(world_size: int, values: dict, origin: dict, source: str,
+def _after_restart(world_size: int, values: dict[str, Any], origin: dict[str, str], source: str,
                    plan: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
     """A plan file's counts fitted to the fewer ranks a restart left (`values` and
     `origin` updated in place); returns the plan, or None when its cut no longer
