@@ -54,6 +54,7 @@ class Executor:
         self._trials = [name for name in AUTO for _ in range(2)] if schedule == "auto" else []
         self._timed = {}
         self.chosen = None  # what "auto" chose, once it has
+        self.transposed = None  # {node: keeps W^T}, agreed at the first training step
         if schedule == "auto":
             self.schedule = AUTO[0]
         self.s = topology.stage(comm.rank)
@@ -128,9 +129,11 @@ class Executor:
         contribution = 0.0
         if self._trials:
             self.schedule = self._trials[0]
-        rows = len(micro_indices[0]) if micro_indices else None
+        if self.transposed is None:
+            rows = len(micro_indices[0]) if micro_indices else None
+            self._choose_transposed(rows, len(micro_indices))
         for stage in self.stages:
-            stage.begin_step(rows, len(micro_indices))
+            stage.begin_step()
         copies = sum(len(stage.transposed) for stage in self.stages)
         if copies:
             self._record("W^T copies", "transpose", start, layers=copies)
@@ -143,6 +146,38 @@ class Executor:
         if self._trials:
             self._try(time.perf_counter() - start)
         return contribution
+
+    def _choose_transposed(self, rows, microbatches):
+        """Before the first training step (a collective): which Dense layers keep `W^T`
+        (`kernels`). Each rank measures its own; the lowest rank holding a node decides
+        for every rank that holds it, so replicas and tensor ranks run one product."""
+        mine = {}
+        if rows:
+            for stage in self.stages:
+                mine.update(stage.transposed_choices(rows, microbatches))
+        agreed = {}
+        for report in (self.comm.allgather_obj(mine) if self.comm.size > 1 else [mine]):
+            for node, keep in report.items():
+                agreed.setdefault(node, keep)
+        self.adopt({"transposed": agreed})
+
+    def choices(self):
+        """What this run chose by timing and that changes round-off (the schedule
+        "auto" kept, the Dense layers keeping `W^T`), for a checkpoint: a resume that
+        `adopt`s them runs the same products and trains to the same bits."""
+        return {"schedule": self.chosen,
+                "transposed": None if self.transposed is None else
+                {str(node): keep for node, keep in sorted(self.transposed.items())}}
+
+    def adopt(self, choices):
+        """Take `choices` (of `choices()`, the same on every rank) instead of timing."""
+        if choices.get("schedule") and self._trials:
+            self.schedule = self.chosen = choices["schedule"]
+            self._trials = []
+        if choices.get("transposed") is not None:
+            self.transposed = {int(node): keep for node, keep in choices["transposed"].items()}
+            for stage in self.stages:
+                stage.keep_transposed(self.transposed)
 
     def _try(self, seconds):
         """schedule="auto": note this step's time under the schedule on trial; after

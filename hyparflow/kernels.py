@@ -15,14 +15,17 @@ much the folded product loses depends on the CPU and the row count: on a CPU wit
 AVX-512 the folded product at 128 rows was only 1.4x slower, and one copy cost more
 than it saved. So the first training step measures, per kernel shape, one copy
 against the step's products (`pays`), and keeps `W^T` only where it saves time.
+The two products round differently at some shapes, so the ranks that hold a layer
+agree on one choice and a checkpoint records it (`Executor.choices`): a resume
+runs the same products as the run it continues.
 
 Only plain `keras.layers.Dense` calls take this path, in float32, without LoRA,
 quantization or an activity regulariser, and only where the input gradient is
 wanted (not on a stage's data inputs). `HYPARFLOW_TRANSPOSED=0` turns it off.
 """
 
+import threading
 import time
-
 
 import keras
 import tensorflow as tf
@@ -47,6 +50,7 @@ def eligible(op, input_dtype):
 
 
 _PAYS = {}  # (kernel shape, rows, products per step) -> whether W^T pays
+_MEASURING = threading.Lock()  # ranks run as threads (hyparflow.local) measure once
 _COLD_BYTES = 32 << 20  # more than a CPU's caches keep of what the step touched last
 
 
@@ -67,17 +71,22 @@ def pays(kernel, rows, uses):
     timed on kernels and copies the caches do not hold (as in a step, where the
     optimizer wrote every kernel since the last read), once per shape in a process."""
     key = (tuple(kernel.shape), int(rows), int(uses))
-    if key not in _PAYS:
-        w = tf.convert_to_tensor(kernel.value)
-        count = max(2, min(9, _COLD_BYTES // max(1, w.shape[0] * w.shape[1] * 4)))
-        sets = [(w + float(j), tf.Variable(tf.transpose(w), trainable=False))
-                for j in range(count)]
-        dy = tf.ones((max(1, int(rows)), w.shape[1]), w.dtype)
-        folded = _fastest(lambda p: tf.matmul(dy, p[0], transpose_b=True), sets)
-        plain = _fastest(lambda p: tf.matmul(dy, p[1]), sets)
-        copy = _fastest(lambda p: p[1].assign(tf.transpose(p[0])), sets)
-        _PAYS[key] = uses * (folded - plain) > copy
+    with _MEASURING:
+        if key not in _PAYS:
+            _PAYS[key] = _measure(kernel, rows, uses)
     return _PAYS[key]
+
+
+def _measure(kernel, rows, uses):
+    w = tf.convert_to_tensor(kernel.value)
+    count = max(2, min(9, _COLD_BYTES // max(1, w.shape[0] * w.shape[1] * 4)))
+    sets = [(w + float(j), tf.Variable(tf.transpose(w), trainable=False))
+            for j in range(count)]
+    dy = tf.ones((max(1, int(rows)), w.shape[1]), w.dtype)
+    folded = _fastest(lambda p: tf.matmul(dy, p[0], transpose_b=True), sets)
+    plain = _fastest(lambda p: tf.matmul(dy, p[1]), sets)
+    copy = _fastest(lambda p: p[1].assign(tf.transpose(p[0])), sets)
+    return uses * (folded - plain) > copy
 
 
 class Transposed:

@@ -129,7 +129,6 @@ class Stage:
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(plan.nodes, trainable=True)
         self.transposed = {} if accumulator else self._transposed(graph, plan)
-        self._transposed_chosen = False
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
         # Dense (and EinsumDense) calls whose kernel gradients B leaves to W, as (node,
@@ -222,17 +221,22 @@ class Stage:
         """Whether this step's backwards leave kernel gradients to W calls."""
         return self.split and bool(self.deferred)
 
-    def begin_step(self, rows=None, microbatches=1):
-        """Before a training step's first microbatch (of `rows` rows, `microbatches`
-        of them): the kept `W^T`s follow the weights. At the first step, before any
-        training function is traced, keep only those that pay (`kernels.pays`)."""
-        if rows and not self._transposed_chosen:
-            self._transposed_chosen = True
-            kept = {i: t for i, t in self.transposed.items()
-                    if kernels.pays(t.op.kernel, rows, microbatches)}
-            if len(kept) != len(self.transposed):
-                self.transposed = kept
-                self._functions.clear()  # traced with the dropped ones (say, by `time`)
+    def transposed_choices(self, rows, microbatches):
+        """{node: whether keeping its `W^T` pays here} for a step of `microbatches`
+        microbatches of `rows` rows (`kernels.pays`)."""
+        return {i: kernels.pays(t.op.kernel, rows, microbatches)
+                for i, t in self.transposed.items()}
+
+    def keep_transposed(self, choices):
+        """Keep the `W^T` of the nodes `choices` marks, drop the others' (before any
+        training function is traced)."""
+        kept = {i: t for i, t in self.transposed.items() if choices.get(i)}
+        if len(kept) != len(self.transposed):
+            self.transposed = kept
+            self._functions.clear()  # traced with the dropped ones (say, by `time`)
+
+    def begin_step(self):
+        """Before a training step's first microbatch: the kept `W^T`s follow the weights."""
         for t in {id(t): t for t in self.transposed.values()}.values():
             t.refresh()
 

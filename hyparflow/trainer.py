@@ -41,6 +41,7 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
         if checkpoint_dir:
             state["checkpointer"] = _ckpt.Checkpointer(checkpoint_dir, checkpoint_every, keep)
         state["verbose"] = resolve_verbose(verbose)
+        state["batch_size"] = batch_size
         if validation_split and validation_data is None:
             if _data.is_dataset(x):
                 raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
@@ -125,6 +126,9 @@ def _resume(runtime, state):
         return
     manifest = _ckpt.restore_model(runtime.model, path, parts=runtime.slot_slicer())
     runtime.load_shards()
+    choices = manifest.get("choices") or {}
+    if choices.get("for") == _choices_key(runtime, state):
+        runtime.executor.adopt(choices)  # same layout: the same products, the same bits
     state["seed"] = manifest["seed"]
     state["start"] = (manifest["epoch"], manifest["step"], manifest["global_step"])
     if comm.rank == 0:
@@ -132,9 +136,19 @@ def _resume(runtime, state):
               f"{manifest['step']}).", flush=True)
 
 
+def _choices_key(runtime, state):
+    """The layout the executor's timed choices hold for (`Executor.choices`)."""
+    layout = runtime.layout
+    return [layout.num_stages, layout.num_replicas, layout.num_tensor,
+            layout.num_microbatches, layout.num_chunks, list(runtime.part.counts),
+            state["batch_size"]]
+
+
 def _checkpoint(runtime, state, epoch, step, global_step):
+    choices = dict(runtime.executor.choices(), **{"for": _choices_key(runtime, state)})
     state["checkpointer"].write(runtime, {
-        "epoch": epoch, "step": step, "global_step": global_step, "seed": state["seed"]})
+        "epoch": epoch, "step": step, "global_step": global_step, "seed": state["seed"],
+        "choices": choices})
 
 
 def _loop(model, runtime, source, state, epochs, callbacks):

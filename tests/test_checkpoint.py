@@ -51,6 +51,51 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, setting):
     assert max_diff(resumed[0][0], whole) == 0.0  # bit-exact: same ops, same order
 
 
+def test_resume_runs_the_products_the_run_chose(tmp_path, setting, monkeypatch):
+    """Which Dense layers keep W^T is timed, and the two products round differently:
+    a resume whose own timing would choose otherwise still trains to the same bits."""
+    from hyparflow import kernels
+    start, x, y = setting
+    monkeypatch.setattr(kernels, "_PAYS", {})
+    monkeypatch.setattr(kernels, "_measure", lambda kernel, rows, uses: True)
+    whole = fit_ranks(2, 2, start, x, y, epochs=2, num_microbatches=2,
+                      checkpoint_dir=str(tmp_path / "a"), checkpoint_every=3)[0][0]
+    fit_ranks(2, 2, start, x, y, epochs=1, num_microbatches=2,
+              checkpoint_dir=str(tmp_path / "b"), checkpoint_every=3)
+    monkeypatch.setattr(kernels, "_PAYS", {})
+    monkeypatch.setattr(kernels, "_measure", lambda kernel, rows, uses: False)
+    resumed = fit_ranks(2, 2, start, x, y, epochs=2, num_microbatches=2,
+                        checkpoint_dir=str(tmp_path / "b"), checkpoint_every=3, resume=True)
+    manifest = C.read(C.latest_valid(str(tmp_path / "b"))[0])
+    assert manifest["choices"]["transposed"] and all(manifest["choices"]["transposed"].values())
+    assert max_diff(resumed[0][0], whole) == 0.0
+    # A fresh run that times otherwise rounds otherwise: the check above can fail.
+    fresh = fit_ranks(2, 2, start, x, y, epochs=2, num_microbatches=2)[0][0]
+    assert max_diff(fresh, whole) > 0.0
+
+
+def test_resume_keeps_the_schedule_auto_chose(tmp_path, setting, monkeypatch):
+    from hyparflow import executor as ex
+    start, x, y = setting
+    d = str(tmp_path)
+    fit_ranks(2, 1, start, x, y, epochs=2, num_microbatches=2, schedule="auto", checkpoint_dir=d)
+    chosen = C.read(C.latest_valid(d)[0])["choices"]["schedule"]
+    assert chosen in ex.AUTO
+    tried = []
+    monkeypatch.setattr(ex.Executor, "_try", lambda self, seconds: tried.append(self.schedule))
+    schedules = []
+    original = ex.Executor.step
+
+    def step(self, *args, **kwargs):
+        schedules.append(self.schedule)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ex.Executor, "step", step)
+    fit_ranks(2, 1, start, x, y, epochs=3, num_microbatches=2, schedule="auto", checkpoint_dir=d,
+              resume=True)
+    assert not tried and set(schedules) == {chosen}
+
+
 def test_reshape_4x1_to_2x2_to_1x1(tmp_path, setting):
     start, x, y = setting
     reference = models.mlp("adam")
