@@ -21,7 +21,8 @@ runs the same products as the run it continues.
 
 Only plain `keras.layers.Dense` calls take this path, in float32, without LoRA,
 quantization or an activity regulariser, and only where the input gradient is
-wanted (not on a stage's data inputs). `HYPARFLOW_TRANSPOSED=0` turns it off.
+wanted (not on a stage's data inputs). `HYPARFLOW_TRANSPOSED=0` turns it off, `1`
+keeps every `W^T` without timing.
 """
 
 import threading
@@ -38,7 +39,7 @@ __all__ = ["Transposed", "eligible", "enabled", "pays", "deferrable", "deferred_
 
 
 def enabled():
-    return settings.transposed()
+    return settings.transposed() is not False
 
 
 def eligible(op, input_dtype):
@@ -70,6 +71,8 @@ def pays(kernel, rows, uses):
     input gradients of `rows` rows each: the products' gain against one copy, each
     timed on kernels and copies the caches do not hold (as in a step, where the
     optimizer wrote every kernel since the last read), once per shape in a process."""
+    if settings.transposed():
+        return True  # forced: no timing, so every run takes the same products
     key = (tuple(kernel.shape), int(rows), int(uses))
     with _MEASURING:
         if key not in _PAYS:

@@ -59,9 +59,10 @@ VARIABLES = (
              "fewer stages cut by estimate"),
     Variable("HYPARFLOW_OVERLAP", "auto (on when ranks span hosts)",
              "`1` / `0`: gradient buckets start inside the backward, or after it"),
-    Variable("HYPARFLOW_TRANSPOSED", "1",
-             "`0`: Dense input gradients by TensorFlow's own `transpose_b` product "
-             "instead of a kept `W^T` (for measuring)"),
+    Variable("HYPARFLOW_TRANSPOSED", "auto (a kept `W^T` where the first step times it faster)",
+             "`1`: every eligible Dense layer keeps `W^T`, untimed (fresh runs then take the "
+             "same products: the same bits); `0`: none does (TensorFlow's own `transpose_b` "
+             "product)"),
     Variable("HYPARFLOW_DEFER_CONV", "0",
              "`1`: the split schedules (`1f1b-w`, `zb-h1`, `zb-batched`) leave Conv2D kernels' "
              "gradients to W too, as Dense ones (measured slower here)"),
@@ -179,8 +180,9 @@ def reshaped(environ: Optional[Mapping[str, str]] = None) -> bool:
     return bool(_raw("HYPARFLOW_RESHAPED", environ))
 
 
-def transposed() -> bool:
-    return _flag("HYPARFLOW_TRANSPOSED") is not False
+def transposed() -> Optional[bool]:
+    """True / False when HYPARFLOW_TRANSPOSED forces kept `W^T`s; None: where they pay."""
+    return _flag("HYPARFLOW_TRANSPOSED")
 
 
 def sparse() -> bool:

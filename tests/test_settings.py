@@ -35,11 +35,13 @@ def test_defaults_and_values(monkeypatch):
     for v in settings.VARIABLES:
         monkeypatch.delenv(v.name, raising=False)
     assert settings.timeout() == 600 and settings.peer_timeout() == 20
-    assert settings.overlap() is None and settings.transposed() and settings.sparse()
+    assert settings.overlap() is None and settings.transposed() is None and settings.sparse()
     monkeypatch.setenv("HYPARFLOW_TIMEOUT", "0")
     monkeypatch.setenv("HYPARFLOW_OVERLAP", "0")
     monkeypatch.setenv("HYPARFLOW_NUM_MICROBATCHES", "4")
     assert settings.timeout() is None and settings.overlap() is False
+    monkeypatch.setenv("HYPARFLOW_TRANSPOSED", "1")
+    assert settings.transposed() is True
     assert settings.layout_counts() == {"num_microbatches": 4}
     assert settings.layout_counts({"HYPARFLOW_NUM_STAGES": "2"}) == {"num_stages": 2}
 

@@ -155,3 +155,19 @@ def test_a_transpose_never_pays_without_products():
     layer = keras.layers.Dense(64)
     layer.build((None, 64))
     assert not kernels.pays(layer.kernel, 32, 0)
+
+
+def test_transposed_forced_on_is_not_timed(monkeypatch):
+    import keras
+
+    from hyparflow import kernels
+
+    def timed(*args):
+        raise AssertionError("HYPARFLOW_TRANSPOSED=1 keeps W^T without timing")
+
+    monkeypatch.setattr(kernels, "_measure", timed)
+    monkeypatch.setattr(kernels, "_PAYS", {})
+    monkeypatch.setenv("HYPARFLOW_TRANSPOSED", "1")
+    layer = keras.layers.Dense(64)
+    layer.build((None, 64))
+    assert kernels.pays(layer.kernel, 32, 0)

@@ -7,9 +7,12 @@ import os
 import sys
 import time
 
-import hyparflow as hf
-import keras
-import numpy as np
+# Runs compared bit for bit take the same Dense products: untimed (docs/checkpoints.md).
+os.environ.setdefault("HYPARFLOW_TRANSPOSED", "1")
+
+import hyparflow as hf  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 ckpt, out, progress = sys.argv[1:4]
 resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
