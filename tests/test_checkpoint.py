@@ -69,9 +69,25 @@ def test_resume_runs_the_products_the_run_chose(tmp_path, setting, monkeypatch):
     manifest = C.read(C.latest_valid(str(tmp_path / "b"))[0])
     assert manifest["choices"]["transposed"] and all(manifest["choices"]["transposed"].values())
     assert max_diff(resumed[0][0], whole) == 0.0
-    # A fresh run that times otherwise rounds otherwise: the check above can fail.
-    fresh = fit_ranks(2, 2, start, x, y, epochs=2, num_microbatches=2)[0][0]
-    assert max_diff(fresh, whole) > 0.0
+    # A fresh run that times otherwise rounds otherwise where this CPU's two products
+    # round apart (they do with AVX-512, not on every CPU): the check above can fail.
+    if _products_round_apart(start, rows=4):
+        fresh = fit_ranks(2, 2, start, x, y, epochs=2, num_microbatches=2)[0][0]
+        assert max_diff(fresh, whole) > 0.0
+
+
+def _products_round_apart(weights, rows):
+    """Whether `dy @ W^T` folded into the product and through a kept transpose give
+    different bits here, for any of the model's kernels."""
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    for w in (w for w in weights if w.ndim == 2):
+        dy = tf.constant(rng.normal(size=(rows, w.shape[1])).astype("float32"))
+        folded = tf.matmul(dy, tf.constant(w), transpose_b=True)
+        kept = tf.matmul(dy, tf.constant(np.ascontiguousarray(w.T)))
+        if not np.array_equal(folded.numpy(), kept.numpy()):
+            return True
+    return False
 
 
 def test_resume_keeps_the_schedule_auto_chose(tmp_path, setting, monkeypatch):
