@@ -7,7 +7,7 @@ from keras.src import tree
 __all__ = [
     "functional_of", "graph_nodes", "producer_node", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
-    "compile_metrics", "loss_tracker", "is_compiled", "tree",
+    "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
 ]
 
 
@@ -227,3 +227,16 @@ def sublayers(layer):
     if not hasattr(layer, "_flatten_layers"):
         return []
     return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
+def fit_shuffle_order(num_samples):
+    """The order in which `model.fit(x, y, shuffle=True)` takes `num_samples` numpy
+    samples in its next epoch: its array data adapter's own tf.data permutation (the
+    TensorFlow backend's), so it follows `keras.utils.set_random_seed` as `model.fit`
+    does. The permutation does not depend on the batch size: one batch holds it all."""
+    import numpy as np
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    indices = np.arange(num_samples, dtype=np.int64)
+    dataset = ArrayDataAdapter(indices, shuffle=True, batch_size=num_samples).get_tf_dataset()
+    return np.concatenate([np.asarray(batch) for batch in dataset])

@@ -8,6 +8,7 @@ from . import inference, trainer
 from . import layout as _layout
 from .errors import user_errors
 from .comm import wrap
+from .runtime import agree_on_error
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
 
@@ -17,7 +18,37 @@ Balance = Union[None, str, Sequence[int]]
 Shares = Union[None, str, Sequence[float]]
 
 
-@user_errors
+def _agree_bad_call(call):
+    """For a call of `call` whose arguments do not fit: raise its error on every rank
+    together (collective over the call's communicator), printed once by the first."""
+    def agree(error, kwargs):
+        comm = kwargs.get("comm")
+        communicator, owned = wrap(comm if "comm" in kwargs else None, call)
+        try:
+            agree_on_error(communicator, error)
+        finally:
+            if owned:
+                communicator.free()
+        raise error   # pragma: no cover - agree_on_error raised it
+
+    return agree
+
+
+def _resolve(communicator, **arguments):
+    """The call's layout, or its error raised on every rank together (printed once, by
+    the first rank); rank 0 warns where a launcher's count lost to an argument."""
+    layout, error = None, None
+    try:
+        layout = _layout.resolve(communicator.size, **arguments)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    agree_on_error(communicator, error)
+    if communicator.rank == 0:
+        _layout.warn_overridden(layout)
+    return layout
+
+
+@user_errors("hf.fit", _agree_bad_call("hf.fit"))
 def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int = 1,
         num_stages: Optional[int] = None, num_replicas: Optional[int] = None,
         num_microbatches: Optional[int] = None, shuffle: bool = True,
@@ -133,10 +164,10 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         epoch, identical on every rank. When it returns, `model` holds all the
         trained weights on every rank.
     """
-    communicator, owned = wrap(comm)
+    communicator, owned = wrap(comm, "hf.fit")
     try:
-        layout = _layout.resolve(
-            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+        layout = _resolve(
+            communicator, num_stages=num_stages, num_replicas=num_replicas,
             num_microbatches=num_microbatches, num_tensor=num_tensor, schedule=schedule,
             num_chunks=num_chunks, balance=balance, tensor_layers=tensor_layers,
             tensor_shares=tensor_shares, plan=plan)
@@ -156,7 +187,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             communicator.free()
 
 
-@user_errors
+@user_errors("hf.evaluate", _agree_bad_call("hf.evaluate"))
 def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
              verbose: Union[int, str] = "auto", sample_weight: Any = None,
              steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
@@ -175,10 +206,10 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
     callbacks get `on_test_begin` / `on_test_batch_end` / `on_test_end` with the
     global logs (those that print or write files on rank 0 only, as in `fit`). The
     layout arguments (`plan` included) are `fit`'s."""
-    communicator, owned = wrap(comm)
+    communicator, owned = wrap(comm, "hf.evaluate")
     try:
-        layout = _layout.resolve(
-            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+        layout = _resolve(
+            communicator, num_stages=num_stages, num_replicas=num_replicas,
             num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
             tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
         return inference.evaluate(
@@ -190,7 +221,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
             communicator.free()
 
 
-@user_errors
+@user_errors("hf.predict", _agree_bad_call("hf.predict"))
 def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str] = "auto",
             steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
             gather: Literal["all", "main"] = "all", num_stages: Optional[int] = None,
@@ -205,10 +236,10 @@ def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str
     Takes `model.predict`'s arguments (`batch_size`, `verbose`, `steps`, `callbacks`),
     which behave as in `evaluate`; callbacks get `on_predict_*`, with each batch's
     predictions as `logs["outputs"]`."""
-    communicator, owned = wrap(comm)
+    communicator, owned = wrap(comm, "hf.predict")
     try:
-        layout = _layout.resolve(
-            communicator.size, num_stages=num_stages, num_replicas=num_replicas,
+        layout = _resolve(
+            communicator, num_stages=num_stages, num_replicas=num_replicas,
             num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
             tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
         return inference.predict(

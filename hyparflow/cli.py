@@ -145,6 +145,9 @@ def _add_slurm(sub):
     p.add_argument("--microbatches", type=int,
                    help="microbatches M (exported as HYPARFLOW_NUM_MICROBATCHES; default: the "
                         "script's num_microbatches, else 1)")
+    p.add_argument("--tensor", type=int,
+                   help="tensor ranks T per stage, which split its widest layers (exported as "
+                        "HYPARFLOW_NUM_TENSOR; default: the script's num_tensor, else 1)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs (and threads) per rank")
     p.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS (default 01:00:00)")
     p.add_argument("--partition")
@@ -174,6 +177,7 @@ def _slurm(args):
     spec = slurm.JobSpec(
         script=args.script, script_args=list(args.args), nodes=args.nodes,
         tasks_per_node=args.tasks_per_node, stages=args.stages, microbatches=args.microbatches,
+        tensor=args.tensor,
         time=args.time, partition=args.partition, account=args.account,
         cpus_per_task=args.cpus_per_task, job_name=args.job_name, template=args.template,
         launcher=args.launcher, array=args.array, log=args.log, overcommit=args.overcommit,
@@ -225,7 +229,8 @@ def _add_trace(sub):
                                    "blank. Prints the measured bubble fraction next to the "
                                    "theoretical (S-1)/(M+S-1).")
     p.add_argument("trace", help="the JSON file fit(trace=...) wrote")
-    p.add_argument("-o", "--output", help="the picture to write (PNG)")
+    p.add_argument("-o", "--output", help="the picture to write (PNG; default: the trace's "
+                                          "name with .png, beside it)")
     p.add_argument("--steps", type=int, default=2, help="how many of the last steps to draw")
     p.set_defaults(func=_trace)
 
@@ -245,9 +250,9 @@ def _trace(args):
         line += (f", theoretical (S-1)/(M+S-1) = {theory:.3f} (S={meta['num_stages']}, "
                  f"M={meta['num_microbatches']}, {meta.get('schedule')})")
     print(line)
-    if args.output:
-        timeline.draw(data, args.output, steps=args.steps)
-        print(f"wrote {args.output}")
+    output = args.output or os.path.splitext(args.trace)[0] + ".png"
+    timeline.draw(data, output, steps=args.steps)
+    print(f"wrote {output}")
     return 0
 
 

@@ -197,17 +197,28 @@ class _RingAllreduce:
 class MPICommunicator(Communicator):
     """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
 
-    def __init__(self, comm, dup=True):
+    def __init__(self, comm, dup=True, call=None):
+        """`call`: the public collective call this communicator is made for (e.g.
+        "hf.fit"), which every rank of `comm` must be entering (hyparflow.calls)."""
         from mpi4py import MPI
 
         self._MPI = MPI
+        calls = number = None
         if dup and comm.Get_size() > 1:
             # Non-blocking, so a rank alone in a call every rank must make (say
-            # `if hf.is_main(): hf.evaluate(...)`) is told so instead of hanging.
+            # `if hf.is_main(): hf.evaluate(...)`) is told so instead of hanging: at
+            # once when a peer has finished (hyparflow.calls), else by the watchdog.
+            if call is not None:
+                from .calls import calls_for
+
+                calls = calls_for(comm)
+                number = calls.enter(call)
             new, req = comm.Idup()
-            _poll(req.Test, timeout_seconds(),
-                  "the other ranks to enter the same hyparflow call (fit, evaluate and "
-                  "predict are collective: every rank must call them)")
+            timeout = timeout_seconds()
+            test = req.Test if calls is None else (
+                lambda: req.Test() or calls.check(number, call, timeout))
+            _poll(test, timeout, f"the other ranks to enter {call or 'the same hyparflow call'}"
+                  " (fit, evaluate and predict are collective: every rank must call them)")
             comm = new
         elif dup:
             comm = comm.Dup()
@@ -216,6 +227,13 @@ class MPICommunicator(Communicator):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        if calls is not None:
+            try:
+                _poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
+                calls.agree(self, number, call)
+            except BaseException:
+                self.free()
+                raise
 
     def isend(self, buf, dest, tag):
         buf = np.ascontiguousarray(buf)
@@ -303,12 +321,13 @@ class MPICommunicator(Communicator):
                 pass
 
 
-def wrap(comm):
-    """`None` -> COMM_WORLD; an mpi4py communicator -> MPICommunicator; ours as is."""
+def wrap(comm, call=None):
+    """`None` -> COMM_WORLD; an mpi4py communicator -> MPICommunicator (for the
+    collective `call`, e.g. "hf.fit"); ours as is."""
     if isinstance(comm, Communicator):
         return comm, False
     if comm is None:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-    return MPICommunicator(comm), True
+    return MPICommunicator(comm, call=call), True

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-__all__ = ["Data", "prepare_data", "ArraySource", "DatasetSource", "source", "validation_split",
+__all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "DatasetSource", "source", "validation_split",
            "check_finite", "is_dataset"]
 
 
@@ -124,17 +124,36 @@ def validation_split(x, y, sample_weight, fraction):
     return train, val
 
 
+def fit_order(comm, num_samples):
+    """The order `model.fit(shuffle=True)` would take `num_samples` samples in this
+    epoch (Keras's own shuffling, which `keras.utils.set_random_seed` makes repeatable),
+    drawn on rank 0 and broadcast (collective), so the ranks agree even unseeded."""
+    from . import _compat
+
+    order = _compat.fit_shuffle_order(num_samples) if comm.rank == 0 else \
+        np.empty(num_samples, np.int64)
+    return comm.bcast(order, 0)
+
+
 class ArraySource:
-    """Numpy data: each epoch a permutation (or the natural order), cut into global batches."""
+    """Numpy data: each epoch a permutation (or the natural order), cut into global batches.
+    The permutation is `order(epoch)` when set (model.fit's, `fit_order`), else drawn
+    from `seed` and the epoch."""
 
     def __init__(self, data, batch_size, shuffle=False, seed=0, steps_per_epoch=None):
         self.data, self.batch_size, self.shuffle, self.seed = data, batch_size, shuffle, seed
+        self.order = None
         full = math.ceil(len(data) / batch_size)
         self.steps = min(full, steps_per_epoch) if steps_per_epoch else full
 
     def epoch(self, epoch):
         n = len(self.data)
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if not self.shuffle:
+            order = np.arange(n)
+        elif self.order is not None:
+            order = self.order(epoch)
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
         for step in range(self.steps):
             yield self.data, order[step * self.batch_size:(step + 1) * self.batch_size]
 

@@ -6,7 +6,7 @@ import sys
 import traceback
 import types
 
-__all__ = ["user_errors", "filter_traceback", "format_error", "agreed",
+__all__ = ["user_errors", "filter_traceback", "format_error", "agreed", "install_hook",
            "REPORTED_ELSEWHERE"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -25,35 +25,76 @@ def _filtering():
 
 
 def filter_traceback(tb):
-    """`tb` without hyparflow's own frames (the innermost frame is always kept), as Keras
-    hides its frames: the user's frame comes first, then where the error was raised."""
+    """`tb` without hyparflow's own frames, as Keras hides its frames: the user's frame
+    comes first, then where the error was raised (the innermost frame is kept, unless
+    it is this module's: an entry point's own check of its arguments)."""
     frames = []
     while tb is not None:
         frames.append(tb)
         tb = tb.tb_next
     kept = [t for t in frames[:-1] if not t.tb_frame.f_code.co_filename.startswith(_PACKAGE)]
-    kept += frames[-1:]
+    if frames and frames[-1].tb_frame.f_code.co_filename != _THIS or not kept:
+        kept += frames[-1:]
     new = None
     for t in reversed(kept):
         new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
     return new
 
 
-def user_errors(fn):
-    """Decorate a public entry point: an error leaves it with hyparflow's frames hidden
-    (unless Keras's traceback filtering is off)."""
+_THIS = os.path.abspath(__file__)
+
+
+def _bad_call(fn, name, args, kwargs):
+    """The TypeError Python would raise for a call of `fn` that does not fit its
+    signature, None if it fits; a mistyped keyword gets Keras's "Did you mean ...?"."""
+    import difflib
+    import inspect
+
+    signature = inspect.signature(fn)
+    try:
+        signature.bind(*args, **kwargs)
+        return None
+    except TypeError as error:
+        message = f"{name}() {error}"
+    unknown = [k for k in kwargs if k not in signature.parameters]
+    if unknown:
+        message = f"{name}() got an unexpected keyword argument {unknown[0]!r}."
+        close = difflib.get_close_matches(unknown[0], list(signature.parameters), n=1,
+                                          cutoff=0.7)
+        if close:
+            message += f" Did you mean {close[0]!r}?"
+    return TypeError(message)
+
+
+def user_errors(name=None, agree=None):
+    """Decorate a public entry point (`name`: as the user calls it, e.g. "hf.fit"): an
+    error leaves it with hyparflow's frames hidden (unless Keras's traceback filtering
+    is off), and prints once, by the first rank, if nobody catches it. `agree(error,
+    kwargs)`: for a call that does not fit the signature, raises the error on every
+    rank together (`agreed`)."""
     import functools
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if not _filtering():
-            return fn(*args, **kwargs)
-        try:
-            return fn(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - re-raised, only its traceback shortened
-            raise error.with_traceback(filter_traceback(error.__traceback__)) from None
+    def decorate(fn):
+        called = name or fn.__name__
 
-    return wrapper
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                bad = _bad_call(fn, called, args, kwargs)
+                if bad is not None:
+                    if agree is None:
+                        raise bad
+                    agree(bad, kwargs)
+                return fn(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - re-raised, its traceback shortened
+                if not _filtering():
+                    raise
+                install_hook()
+                raise error.with_traceback(filter_traceback(error.__traceback__)) from None
+
+        return wrapper
+
+    return decorate
 
 
 def format_error(exc):
@@ -78,13 +119,18 @@ def _note(exc, text):
 def _hook(kind, value, tb):
     if getattr(value, REPORTED_ELSEWHERE, False):
         return   # another rank printed it; the exit code is still 1
+    if _filtering() and tb is not None:
+        # The entry point's own frame was added as the error left it: hide it too.
+        tb = filter_traceback(tb)
     _previous(kind, value, tb)
 
 
 _previous = None
 
 
-def _install():
+def install_hook():
+    """Python's excepthook, wrapped: an uncaught error that another rank prints stays
+    silent here, and hyparflow's frames are hidden from the one printed."""
     global _previous
     if _previous is None:
         _previous = sys.excepthook
@@ -104,7 +150,7 @@ def agreed(comm, error, errors):
     if comm.size > 1 and comm.rank != first:
         setattr(error, REPORTED_ELSEWHERE, True)
         if _is_process_rank(comm):
-            _install()
+            install_hook()
     elif comm.size > 1:
         same = all(errors[r] == errors[first] for r in failed)
         where = (f"on every rank ({comm.size}) alike; shown by rank {first} only"

@@ -21,8 +21,17 @@ ranks.
 
 The thread runs only while ranks are inside a collective hyparflow call (from
 `Runtime.connect` to `Runtime.close`): a rank that finished says goodbye, so its
-silence afterwards is not a loss. Python's GIL is released by TensorFlow and MPI
-calls, so a busy rank keeps beating; only a frozen process falls silent.
+silence afterwards is not a loss.
+
+Silence alone is no verdict: a busy rank can fall silent too, when a long C++ call holds
+Python's GIL (graph building, tracing) or its node is oversubscribed or swapping, and a
+heartbeat that ends healthy runs is worse than none. So a silent peer must also fail a
+probe of its host (`probe`): a peer on this machine (the same kernel, process and network
+namespaces) is looked up in /proc, where a stopped (SIGSTOP, a frozen job) or vanished
+process is lost and a running or sleeping one is only busy; a peer on another machine is
+looked up there by the ranks that share its machine, asked over this communicator. No
+answer within `probe_seconds` (the peer's machine froze, died or was cut off), or none to
+ask (the peer is alone on its machine), is a verdict.
 """
 
 import os
@@ -34,11 +43,12 @@ import numpy as np
 from . import settings
 
 __all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE", "start",
-           "neighbours"]
+           "neighbours", "machine", "probe"]
 
 EXIT_CODE = 75  # EX_TEMPFAIL: a peer was lost; a restart on the hosts left may succeed
 
-_BEAT, _VERDICT, _BYE = 1, 2, 3          # tags on the heartbeat's own communicator
+_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER = 1, 2, 3, 4, 5   # tags on the heartbeat's communicator
+_ALIVE, _LOST = 1, 0                     # a probe's answer
 
 
 def interval_seconds():
@@ -62,11 +72,61 @@ def neighbours(rank, size):
     return sorted(out)
 
 
-def _lost_message(rank, lost, hosts, found_by, silence):
+def machine():
+    """What identifies this rank's machine for /proc: the kernel (its boot id) and the
+    process and network namespaces (emulated hosts share a kernel but not a network,
+    so a link cut between them must be seen as a host's loss). Then this process's id
+    and start time (a pid reused by another process is not this rank)."""
+    import zlib
+
+    def inode(path):
+        try:
+            return os.stat(path).st_ino
+        except OSError:
+            return 0
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = zlib.crc32(f.read().strip().encode())
+    except OSError:
+        boot = 0
+    return [boot, inode("/proc/self/ns/pid"), inode("/proc/self/ns/net"), os.getpid(),
+            _started(os.getpid()) or 0]
+
+
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command name, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def _started(pid):
+    fields = _stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def probe(pid, started):
+    """_ALIVE when process `pid` (started at `started`, in clock ticks after boot) runs
+    or sleeps here, _LOST when it is stopped, a zombie or gone."""
+    fields = _stat(pid)
+    if fields is None or (started and int(fields[19]) != started):
+        return _LOST
+    return _LOST if fields[0] in "TtZXx" else _ALIVE
+
+
+def _lost_message(rank, lost, hosts, found_by, silence, why=None):
+    why = why or {}
     names = ", ".join(f"rank {r} on host {hosts[r]}" for r in sorted(lost))
     places = sorted({hosts[r] for r in lost})
+    seen = sorted({why[r] for r in lost if r in why})
     how = (f"silent for more than {silence:g} s" if found_by is None else
            f"silent for more than {silence:g} s, found by rank {found_by}")
+    if seen:
+        how += f"; {', '.join(seen)}"
     return (f"hyparflow: rank {rank} on host {hosts[rank]}: lost {names} ({how}: the "
             f"host{'s' if len(places) > 1 else ''} {', '.join(places)} died, froze or lost "
             f"its network; HYPARFLOW_PEER_TIMEOUT). Ending this rank with exit code "
@@ -92,18 +152,31 @@ class Heartbeat:
         self.hosts = list(hosts)
         self.interval = interval or interval_seconds()
         self.limit = limit or peer_timeout_seconds()
+        # How long the ranks on a silent peer's machine get to answer for it.
+        self.probe_seconds = min(10.0, max(2 * self.interval, self.limit / 2))
         self.describe = describe        # what this rank was doing, for the message
         self.peers = neighbours(self.rank, self.size)   # beaten to and watched
+        # Every rank's machine and process (`machine`), for probes.
+        mine = np.array(machine(), np.int64)
+        self.machines = np.zeros((self.size, len(mine)), np.int64)
+        req = new.Iallgather(mine, self.machines)
+        _poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
         now = time.monotonic()
         self.heard = {r: now for r in self.peers}
         self.gone = set()               # peers that said goodbye
+        self.asked = {}                 # silent peer -> when its machine's ranks must answer
+        self.why = {}                   # lost peer -> what the probe saw
         self._one = np.ones(1, np.uint8)
         self._sends = {}                # peer -> its last beat's request
         self._beat_in = np.zeros(1, np.uint8)
         self._verdict_in = np.zeros(self.size, np.uint8)
+        self._probe_in = np.zeros(1, np.int64)
+        self._answer_in = np.zeros(2, np.int64)
         self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
         self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, _VERDICT)
         self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
+        self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, _PROBE)
+        self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, _ANSWER)
         self._stop = threading.Event()
         self.beats = 0
         self.lost = set()               # ranks found lost, here or by a verdict
@@ -111,6 +184,7 @@ class Heartbeat:
         self._reason = None
         self._deadline = None           # when to report and end, once a loss is known
         self._sending, self._masks = [], []   # verdicts in flight, their buffers
+        self._small = []                # probes and answers in flight, with their buffers
         self._thread = threading.Thread(target=self._run, name="hyparflow-heartbeat",
                                         daemon=True)
         self._thread.start()
@@ -127,9 +201,11 @@ class Heartbeat:
                     self._beat()
                     next_beat = now + self.interval
                 silent = [r for r in self.peers if r not in self.gone and r not in self.lost
-                          and now - self.heard[r] > self.limit]
-                if silent:
-                    self._found(silent, None)
+                          and r not in self.asked and now - self.heard[r] > self.limit]
+                lost = [r for r in silent if self._probe(r, now)]
+                lost += [r for r, due in self.asked.items() if now > due]
+                if lost:
+                    self._found(lost, None)
             except MPI.Exception as error:
                 # MPI says a peer is unreachable (its connection was reset): the peer whose
                 # beat or verdict failed is not known here, so name every silent-looking one.
@@ -145,9 +221,42 @@ class Heartbeat:
                 self._end()
             self._stop.wait(min(0.25, self.interval / 4))
 
+    def _same_machine(self, r):
+        return bool((self.machines[r][:3] == self.machines[self.rank][:3]).all())
+
+    def _probe(self, r, now):
+        """Whether silent peer `r` is lost now: a peer on this machine by /proc; for one
+        elsewhere, the ranks on its machine are asked (the verdict comes with their
+        answer, or when none came in time), or it is lost at once when it is alone."""
+        if self._same_machine(r):
+            if probe(*self.machines[r][3:]) == _ALIVE:
+                self.heard[r] = now - self.limit + self.interval   # busy: look again soon
+                return False
+            self.why[r] = "its process is stopped or gone"
+            return True
+        mates = [m for m in range(self.size) if m != r and m != self.rank
+                 and (self.machines[m][:3] == self.machines[r][:3]).all()]
+        if not mates:
+            return True
+        self.asked[r] = now + self.probe_seconds
+        self.why[r] = f"no rank on its host answered for it within {self.probe_seconds:g} s"
+        for m in mates:
+            self._send(np.array([r], np.int64), m, _PROBE)
+        return False
+
+    def _send(self, data, to, tag):
+        """A small message that must not be waited for (its buffer kept until sent)."""
+        try:
+            self._small = [(q, b) for q, b in self._small if not q.Test()]
+            self._small.append((self.comm.Isend(data, to, tag), data))
+        except self._MPI.Exception:
+            pass
+
     def _found(self, lost, finder):
         """Ranks found lost (by this rank: `finder` None): tell the others, and report
         once the other finders' verdicts have had time to come."""
+        for r in lost:
+            self.asked.pop(r, None)
         new = set(lost) - self.lost
         self.lost |= set(lost)
         self.finders.add(finder)
@@ -176,7 +285,24 @@ class Heartbeat:
         status = MPI.Status()
         while self._recv.Test(status):
             self.heard[status.Get_source()] = now
+            self.asked.pop(status.Get_source(), None)
             self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
+        while self._recv_probe.Test(status):
+            # Another rank asks about a silent rank on this machine: look it up here.
+            r = int(self._probe_in[0])
+            self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, _PROBE)
+            self._send(np.array([r, probe(*self.machines[r][3:])], np.int64),
+                       status.Get_source(), _ANSWER)
+        while self._recv_answer.Test(status):
+            r, state = (int(v) for v in self._answer_in)
+            self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, _ANSWER)
+            if r in self.asked and state == _ALIVE:
+                del self.asked[r]
+                self.why.pop(r, None)
+                self.heard[r] = now - self.limit + self.interval   # busy: ask again soon
+            elif r in self.asked:
+                self.why[r] = f"its process is stopped or gone, seen by rank {status.Get_source()}"
+                self._found([r], None)
         while self._recv_bye.Test(status):
             self.gone.add(status.Get_source())
             self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
@@ -201,7 +327,8 @@ class Heartbeat:
         others = sorted(f for f in self.finders if f is not None)
         found_by = None if None in self.finders or not others else others[0]
         reason = self._reason
-        text = (_lost_message(self.rank, lost, self.hosts, found_by, self.limit) if lost else
+        text = (_lost_message(self.rank, lost, self.hosts, found_by, self.limit, self.why)
+                if lost else
                 f"hyparflow: rank {self.rank} on host {self.hosts[self.rank]}: a peer was "
                 f"lost ({reason}). Ending this rank with exit code {EXIT_CODE}.\n")
         if reason and lost:
@@ -216,7 +343,7 @@ class Heartbeat:
         # A moment for the verdicts to leave (never a wait on a dead link), and for the
         # other ranks, whose reports fall due within milliseconds of this one, to print
         # theirs: the launcher ends every rank once one has exited non-zero.
-        reqs = self._sending
+        reqs = self._sending + [q for q, _ in self._small]
         linger = time.monotonic() + max(0.5, min(1.0, self.interval))
         while time.monotonic() < linger:
             try:
@@ -246,7 +373,8 @@ class Heartbeat:
             while byes and time.monotonic() < deadline:
                 byes = [q for q in byes if not q.Test()]
                 time.sleep(0.001)
-            for req in (self._recv, self._recv_verdict, self._recv_bye):
+            for req in (self._recv, self._recv_verdict, self._recv_bye, self._recv_probe,
+                        self._recv_answer):
                 if not req.Test():
                     req.Cancel()
                     req.Wait()

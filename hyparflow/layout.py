@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 from . import settings
 from .schedule import CHUNKED, SCHEDULES, check_interleaved
 
-__all__ = ["Layout", "resolve", "DEFAULT_SCHEDULE"]
+__all__ = ["Layout", "resolve", "warn_overridden", "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = "1f1b"
 _COUNTS = ("num_stages", "num_tensor", "num_replicas", "num_microbatches")
@@ -46,6 +46,10 @@ class Layout:
     hosts: Optional[Tuple[str, ...]] = None
     plan: Optional[Mapping[str, Any]] = field(default=None, compare=False, repr=False)
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # (name, the value used, where it came from, the launcher's value) for each count
+    # $HYPARFLOW_NUM_* asked for but an argument (or the plan) overrode.
+    overridden: Tuple[Tuple[str, Any, str, Any], ...] = field(default=(), compare=False,
+                                                            repr=False)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -159,10 +163,13 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
     if source is not None and settings.reshaped(environ):
         plan = _after_restart(world_size, values, origin, source, plan)
     from_env = settings.layout_counts(environ)
+    overridden = []
     for name, value in from_env.items():
         if name not in values:
             values[name], origin[name] = value, (f"$HYPARFLOW_{name.upper()}, from "
                                                  "`hyparflow run` or a job script")
+        elif values[name] != value:
+            overridden.append((name, values[name], origin[name], value))
     stages = values.get("num_stages", 1)
     tensor = values.get("num_tensor", 1)
     origin.setdefault("num_stages", "the default")
@@ -190,7 +197,43 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   schedule=values.get("schedule", DEFAULT_SCHEDULE),
                   num_chunks=values.get("num_chunks", 1), balance=_as_tuple(balance),
                   tensor_layers=_as_tuple(values.get("tensor_layers")),
-                  tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin)
+                  tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin,
+                  overridden=tuple(overridden))
+
+
+_WARNED: set = set()
+
+
+def warn_overridden(layout: Layout) -> None:
+    """Warn (once per process and count) where the launcher's count lost to an argument
+    or a plan: `hyparflow run --stages 1` beside `num_stages=2` in the script trains 2
+    stages, as documented, but says so. Called on one rank."""
+    import warnings
+
+    for name, used, source, launched in layout.overridden:
+        key = (name, used, launched)
+        if key in _WARNED:
+            continue
+        _WARNED.add(key)
+        flag = "--" + name[len("num_"):]
+        warnings.warn(
+            f"{name}={used!r} ({source}) overrides {name}={launched!r} from the launcher "
+            f"($HYPARFLOW_{name.upper()}, set by `hyparflow run {flag}` or a job script). "
+            f"To take the launcher's, leave {name} out of the call (or pass None).",
+            UserWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The `stacklevel` of the first caller outside hyparflow (the user's call)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(
+            frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _after_restart(world_size: int, values: dict[str, Any], origin: dict[str, str], source: str,

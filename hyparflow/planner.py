@@ -562,13 +562,47 @@ def _memory():
         return None
 
 
+class _Phase:
+    """Say what is being measured, then how long it took (`hyparflow plan` runs for
+    minutes on a shared node; silence looked like a hang)."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __enter__(self):
+        import time
+
+        self.start = time.monotonic()
+        print(f"{self.what} ...", flush=True)
+
+    def __exit__(self, *exc):
+        import time
+
+        if exc[0] is None:
+            print(f"  done in {time.monotonic() - self.start:.1f} s", flush=True)
+
+
+_DESCRIPTION = ("Profile a model, search (stages, tensor ranks, replicas, microbatches, "
+                "schedule, balance) and rank the plans by a cost model with an alpha-beta "
+                "network. On this node it measures, under mpiexec, the network (a ping-pong "
+                "and rings of the plan's ranks), each layer call, the model's step with 1 to "
+                "N ranks computing at once, and every candidate pipeline's stages timed "
+                "whole: minutes for a small CNN on 2 cores. --quick keeps only the layer "
+                "profiles and a ping-pong (seconds, less accurate on a shared node).")
+
+
 def main(argv=None):
     from . import schedule as sched
 
-    parser = argparse.ArgumentParser(prog="hyparflow plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hyparflow plan", description=_DESCRIPTION)
     parser.add_argument("model", help="a .keras file, or a Python file with a function that "
                                       "returns a compiled model")
-    parser.add_argument("--function", default="build_model")
+    parser.add_argument("--function", default="build_model",
+                        help="the function of the Python file that returns the compiled "
+                             "model (default build_model)")
+    parser.add_argument("--quick", action="store_true",
+                        help="plan from the layer profiles and a ping-pong only: no "
+                             "contention sweep, no ring measurements, no stage timing")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--ranks", type=int, help="ranks to plan for (default nodes x ranks-per-node)")
     parser.add_argument("--memory-per-rank", help="e.g. 4GB; plans over it are marked")
@@ -587,7 +621,8 @@ def main(argv=None):
                         choices=sorted(sched.SCHEDULES))
     parser.add_argument("--chunks", type=int, nargs="+", default=[2],
                         help="model chunks per rank to try with --schedules interleaved")
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--top", type=int, default=12,
+                        help="how many of the ranked plans to print (default 12)")
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
                                                 "profile once, plan for many clusters")
@@ -615,7 +650,7 @@ def main(argv=None):
                               per_sample=4 * sum(_elements(graph, t) for n in graph.nodes
                                                  for t in n.outputs),
                               memory=_memory())
-    here = args.nodes == 1 and not (args.bandwidth or args.latency)
+    here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
     if hosts:
         # The per-link figures the placement needs: two ranks within the first host (its
         # shared memory), and one on each of the first two hosts (the network between).
@@ -631,7 +666,10 @@ def main(argv=None):
         network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
                           1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
     else:
-        network = measure_network(ranks if args.nodes == 1 else None)
+        with _Phase("measuring the network: a ping-pong of 2 ranks under mpiexec"
+                    + ("" if args.quick or args.nodes != 1 else
+                       f", and rings of 2 to {ranks} ranks with all {ranks} running")):
+            network = measure_network(ranks if args.nodes == 1 and not args.quick else None)
     print(f"network: alpha {network.alpha * 1e6:.2f} us, bandwidth {1 / network.beta / 1e9:.2f} GB/s",
           flush=True)
     for g, (alpha, beta) in sorted(network.groups.items()):
@@ -651,9 +689,11 @@ def main(argv=None):
         rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
         extra = cached.get("stage_costs")
     else:
-        print(f"profiling {len(graph.nodes)} layer calls of {model.name} ...", flush=True)
-        rows, opt_per_byte = profile.fit_model(graph, model, batches)
-        extra = measure.stage_costs(graph, model, rows, batches)
+        with _Phase(f"profiling {len(graph.nodes)} layer calls of {model.name} (forward and "
+                    f"backward at batches {', '.join(map(str, batches))}), and a stage's "
+                    "extra cost"):
+            rows, opt_per_byte = profile.fit_model(graph, model, batches)
+            extra = measure.stage_costs(graph, model, rows, batches)
         if args.profile_cache:
             with open(args.profile_cache, "w") as f:
                 json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte,
@@ -662,9 +702,9 @@ def main(argv=None):
     if here and ranks > 1:
         # This node, as the plan will run it: the model's step with 1 .. ranks ranks
         # computing at once (they share memory bandwidth, and cores beyond --cores).
-        print(f"measuring the model's step with 1 to {ranks} ranks computing at once ...",
-              flush=True)
-        compute = Compute(*measure.compute(ranks, args.model, args.function, batches))
+        with _Phase(f"measuring the model's step with 1 to {ranks} ranks computing at once "
+                    "(under mpiexec, twice)"):
+            compute = Compute(*measure.compute(ranks, args.model, args.function, batches))
         for n, row in sorted(compute.times.items()):
             print(f"  {n} at once: " + ", ".join(f"{t * 1e3:.1f} ms at batch {b}"
                                                  for b, t in sorted(row.items())), flush=True)
@@ -675,21 +715,22 @@ def main(argv=None):
         # calls' profiles say, and they share the step out only roughly); a single
         # stage too, whose gradient sums and eager calls the model's step lacks (12.2
         # against 9.3 ms at batch 16 for the MLP).
-        print("timing the pipelines' stages ...", flush=True)
         timer = measure.StageTimer(graph, model, batches, source=args.model,
                                    function=args.function, ranks=ranks)
-    plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
-                   microbatches=args.microbatches, schedules=args.schedules,
-                   chunks=tuple(args.chunks),
-                   ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                   cores=args.cores if args.nodes == 1 or hosts else None, compute=compute,
-                   stage_costs=extra, stage_timer=timer)
-    one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
-                             tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
+    with _Phase("searching the plans" + (", timing every candidate pipeline's stages whole"
+                                         if timer else "")):
+        plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
+                       microbatches=args.microbatches, schedules=args.schedules,
+                       chunks=tuple(args.chunks),
+                       ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
+                       cores=args.cores if args.nodes == 1 or hosts else None,
+                       compute=compute, stage_costs=extra, stage_timer=timer)
+        one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
+                                 tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plans": plans, "one_rank": one}, f, indent=1)
-    print(f"\n{'rank':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
+    print(f"\n{'#':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
         print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "

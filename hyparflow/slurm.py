@@ -32,6 +32,7 @@ class JobSpec:
     tasks_per_node: int = 1
     stages: int = None             # None: the script's hf.fit decides (nothing exported)
     microbatches: int = None
+    tensor: int = None             # tensor ranks per stage; None: the script's hf.fit decides
     time: str = "01:00:00"
     partition: str = None
     account: str = None
@@ -142,6 +143,11 @@ def _choose_template(spec):
 def _layout_text(ntasks, spec, replicas):
     if spec.stages is None:
         text = f"{ntasks} ranks; stages and replicas as the script's hf.fit says"
+        if spec.tensor is not None:
+            text += f", {spec.tensor} tensor ranks per stage"
+    elif spec.tensor is not None:
+        text = (f"{ntasks} ranks = {spec.stages} stages x {spec.tensor} tensor ranks x "
+                f"{replicas} replicas")
     else:
         text = f"{ntasks} ranks = {spec.stages} stages x {replicas} replicas"
     if spec.microbatches is not None:
@@ -153,7 +159,8 @@ def _layout_exports(spec):
     """Only what was asked for: a replica count derived here from --stages would be
     imposed on a script that chooses its own stages (fit derives it where S is known)."""
     exports = [f"HYPARFLOW_NUM_{name}={value}" for name, value in
-               (("STAGES", spec.stages), ("MICROBATCHES", spec.microbatches)) if value is not None]
+               (("STAGES", spec.stages), ("MICROBATCHES", spec.microbatches),
+                ("TENSOR", spec.tensor)) if value is not None]
     if not exports:
         return "# (none given: the script's hf.fit arguments, else its defaults)"
     return "export " + " ".join(exports)
@@ -162,9 +169,9 @@ def _layout_exports(spec):
 def render(spec):
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
     warnings = []
-    for name in ("nodes", "tasks_per_node", "stages", "microbatches"):
+    for name in ("nodes", "tasks_per_node", "stages", "microbatches", "tensor"):
         value = getattr(spec, name)
-        if value is None and name in ("stages", "microbatches"):
+        if value is None and name in ("stages", "microbatches", "tensor"):
             continue
         if not isinstance(value, int) or value < 1:
             raise LaunchError(f"--{name.replace('_', '-')} must be a positive integer. "
@@ -174,7 +181,7 @@ def render(spec):
     if spec.launcher not in LAUNCHERS:
         raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}. Received: {spec.launcher!r}")
     ntasks = spec.nodes * spec.tasks_per_node
-    shape = layout(ntasks, spec.stages, None, spec.microbatches, environ={})
+    shape = layout(ntasks, spec.stages, None, spec.microbatches, environ={}, tensor=spec.tensor)
     stages, replicas = shape.num_stages, shape.num_replicas
     template = _choose_template(spec)
     if template == "single" and spec.nodes != 1:
@@ -186,11 +193,16 @@ def render(spec):
         raise LaunchError(f"--array needs the array template, not {template}.")
     if spec.array and not re.fullmatch(r"[0-9,\-:%]+", spec.array):
         raise LaunchError(f"--array {spec.array!r} is not a Slurm array spec (e.g. 0-7, 1,3,5, 0-15%4).")
-    if spec.stages and spec.tasks_per_node % stages and stages % spec.tasks_per_node:
+    pipeline = stages * (spec.tensor or 1)
+    if (spec.stages or spec.tensor) and spec.tasks_per_node % pipeline \
+            and pipeline % spec.tasks_per_node:
+        flags = " x ".join(f"--{n} {v}" for n, v in (("stages", spec.stages),
+                                                      ("tensor", spec.tensor)) if v)
         warnings.append(
-            f"--tasks-per-node {spec.tasks_per_node} is not a multiple of --stages {stages}: some "
+            f"--tasks-per-node {spec.tasks_per_node} is not a multiple of {flags}: some "
             f"pipelines will span two nodes and send activations over the network every "
-            f"microbatch. Prefer --tasks-per-node {stages * max(1, spec.tasks_per_node // stages)}.")
+            f"microbatch. Prefer --tasks-per-node "
+            f"{pipeline * max(1, spec.tasks_per_node // pipeline)}.")
     if not os.path.isfile(os.path.join(spec.workdir or os.getcwd(), spec.script)):
         warnings.append(f"{spec.script} is not a file here; the job will look for it in "
                         f"{spec.workdir or os.getcwd()}.")

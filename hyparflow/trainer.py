@@ -4,7 +4,6 @@ import dataclasses
 import sys
 
 import keras
-import numpy as np
 
 from . import checkpoint as _ckpt
 from . import costs as _costs
@@ -90,15 +89,19 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
         error = exc
     agree_on_error(comm, error)
     runtime.connect()
-    # One seed everywhere (rank 0's if none given): the shuffling permutation of each
-    # epoch and the random layers' masks derive from it.
+    # One seed everywhere: the random layers' masks derive from it, and so does the
+    # shuffling when it is given. None: rank 0 draws it from Keras's global generator,
+    # and the data comes in model.fit's order, so keras.utils.set_random_seed repeats
+    # a run as it repeats model.fit.
     state["seed"] = seed if seed is not None else comm.bcast_obj(
-        int(np.random.SeedSequence().entropy % (2 ** 31)), 0)
+        int(keras.random.randint((), 0, 2 ** 31 - 1)) if comm.rank == 0 else None, 0)
     state["start"] = (initial_epoch, 0, initial_epoch * (source.steps or 0))
     if resume:
         _resume(runtime, state)
     if isinstance(source, _data.ArraySource):
         source.seed = state["seed"]
+        if seed is None:
+            source.order = lambda epoch: _data.fit_order(comm, len(source.data))
     stop_flag = _ckpt.StopFlag() if checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:
@@ -171,6 +174,11 @@ def _loop(model, runtime, source, state, epochs, callbacks):
             if epoch == first_epoch and step < skip:
                 continue  # done before the checkpoint this run resumed from
             cbs.on_train_batch_begin(step)
+            if global_step == state["start"][2] and verbose and comm.rank == 0:
+                # The first step traces and compiles every stage's functions: for a large
+                # model this is the longest wait of the run, and looked like a hang.
+                print("hyparflow: compiling the stages (the first step traces each stage's "
+                      "forward and backward; the steps after it reuse them) ...", flush=True)
             contribution = executor.step(runtime.microbatches(batch), len(batch), data,
                                          global_step, state["seed"])
             global_step += 1

@@ -235,6 +235,32 @@ def test_slurm_single(capsys):
                            f"python {EXAMPLE} --epochs 2 &"]
 
 
+def test_slurm_tensor(capsys):
+    """--tensor, as `hyparflow run --tensor`: exported, in the layout line, and a node's
+    tasks checked against stages x tensor ranks."""
+    text, _ = render(capsys, "--tasks-per-node", "4", "--stages", "2", "--tensor", "2", EXAMPLE)
+    assert_common(text, "export HYPARFLOW_NUM_STAGES=2 HYPARFLOW_NUM_TENSOR=2")
+    assert text.splitlines()[1] == ("# hyparflow on one node: 4 ranks = 2 stages x 2 tensor "
+                                    "ranks x 1 replicas.")
+    _, err = render(capsys, "--nodes", "2", "--tasks-per-node", "3", "--stages", "1",
+                    "--tensor", "2", EXAMPLE)
+    assert "--tasks-per-node 3 is not a multiple of --stages 1 x --tensor 2" in err
+    assert cli.main(["slurm", "--tasks-per-node", "3", "--tensor", "2", EXAMPLE]) == 2
+    assert "cannot be split" in capsys.readouterr().err
+
+
+def test_plan_help_says_what_it_measures(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "rank the plans by a cost model with an alpha-beta network." in out
+    assert "minutes for a small CNN on 2 cores. --quick keeps only" in out
+    for flag, words in (("--function FUNCTION", "returns the compiled model"),
+                        ("--top TOP", "how many of the ranked plans"),
+                        ("--quick", "no contention sweep")):
+        assert re.search(re.escape(flag) + r" +" + r".*" + re.escape(words), out), flag
+
+
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_slurm_hybrid(capsys, launcher):
     text, _ = render(capsys, "--nodes", "3", "--tasks-per-node", "4", "--stages", "2",

@@ -156,6 +156,39 @@ def test_fit_arguments_win_over_the_environment(monkeypatch):
     fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2, num_replicas=1)   # given: fine
 
 
+def test_an_argument_overriding_the_launcher_is_said_once(monkeypatch):
+    """`hyparflow run --stages 1` beside `num_stages=2` in the script: the argument wins
+    (as documented), with one warning naming both sources, not one per call or rank."""
+    import warnings
+
+    from hyparflow import layout
+
+    x, y = models.mlp_data(32)
+    monkeypatch.setenv("HYPARFLOW_NUM_STAGES", "1")
+    monkeypatch.setattr(layout, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2)
+        fit_on(2, models.mlp, x, y, batch_size=8, num_stages=2)
+        fit_on(2, models.mlp, x, y, batch_size=8, num_stages=1)   # agrees: nothing to say
+    said = [str(w.message) for w in caught if "launcher" in str(w.message)]
+    assert said == [
+        "num_stages=2 (this script's argument) overrides num_stages=1 from the launcher "
+        "($HYPARFLOW_NUM_STAGES, set by `hyparflow run --stages` or a job script). To take "
+        "the launcher's, leave num_stages out of the call (or pass None)."], said
+
+
+def test_a_mistyped_keyword_is_told_what_it_meant():
+    x, y = models.mlp_data(32)
+    with pytest.raises(TypeError, match=r"hf.fit\(\) got an unexpected keyword argument "
+                                        r"'num_stage'. Did you mean 'num_stages'\?"):
+        fit_on(2, models.mlp, x, y, num_stage=2)
+    with pytest.raises(TypeError, match=r"hf.evaluate\(\) got an unexpected keyword argument "
+                                        r"'epochs'.$"):
+        run_ranks(2, lambda comm: hf.evaluate(models.mlp(), x, y, epochs=2, comm=comm),
+                  timeout=120)
+
+
 def test_optimizers_that_would_train_differently_are_refused():
     x, y = models.mlp_data(32)
 

@@ -23,6 +23,7 @@ RULES = {
     "hyparflow.comm": ["tensorflow", "keras"],
     "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.heartbeat": ["tensorflow", "keras"],
+    "hyparflow.calls": ["tensorflow", "keras"],
     "hyparflow.restart": ["tensorflow", "mpi4py", "keras"],
 }
 
@@ -53,7 +54,7 @@ def test_stage_does_not_import_mpi():
 PLANNING = {"planner", "measure", "probes", "profile", "costs"}
 ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
           "comm", "local", "partition", "graph", "topology", "schedule", "weights",
-          "heartbeat", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
+          "heartbeat", "calls", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
           "layout", "settings", "clock", "_compat", "_env"}
 
 

@@ -138,6 +138,55 @@ def test_a_users_mistake_is_reported_once_as_model_fit_reports_it(kind):
     assert seconds < 60
 
 
+MISTAKES = {
+    "ranks": "The world has 2 ranks, which num_stages=3 does not divide.",
+    "schedule": "Unknown schedule '1fb1'",
+    "keyword": "TypeError: hf.fit() got an unexpected keyword argument 'num_stage'. "
+               "Did you mean 'num_stages'?",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MISTAKES))
+def test_a_newcomers_first_mistakes_are_printed_once_from_the_users_line(kind):
+    """A wrong rank count, an unknown schedule, a mistyped keyword: one traceback (rank
+    0's), the user's line first, none of hyparflow's wrapper frames; the keyword gets
+    "Did you mean"."""
+    script = os.path.join(HERE, "mpi", "user_error_script.py")
+    out, seconds = mpiexec(2, script, kind, "hf", timeout=120)
+    err = out.stderr
+    assert out.returncode != 0 and "finished without the error" not in out.stdout
+    assert err.count("Traceback (most recent call last):") == 1, err[-4000:]
+    assert err.count(MISTAKES[kind]) == 1, err[-4000:]
+    frames = re.findall(r'^  File "([^"]+)", line \d+, in (\S+)', err, re.M)
+    assert frames[0][0] == script, frames
+    assert not [f for f in frames if f[0].endswith("errors.py") or f[1] == "wrapper"], err
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("kind", ["main_only", "different"])
+def test_a_collective_call_on_some_ranks_only_is_named_at_once(kind):
+    """hf.evaluate inside `if hf.is_main():` after a fit: rank 1 has finished, and rank 0
+    says so within seconds (not after HYPARFLOW_TIMEOUT, 120 s here), naming the call
+    each rank was in and the fix; ranks in different calls are told so too, once."""
+    script = os.path.join(HERE, "mpi", "collective_script.py")
+    out, seconds = mpiexec(2, script, kind, timeout=100)
+    err = out.stderr
+    print(f"{kind}: ended after {seconds:.1f} s\n{err[-2000:]}")
+    assert out.returncode != 0
+    assert err.count("Traceback (most recent call last):") == 1, err[-4000:]
+    if kind == "main_only":
+        assert ("CollectiveMismatch: Rank 0 waits in hf.evaluate (its 2nd hyparflow call) for "
+                "every rank, but rank 1 has finished (its script ended after 1st hyparflow "
+                "call, hf.fit). hf.evaluate is collective, as hf.fit: call it on every rank"
+                in err), err[-4000:]
+        assert "rank 1 finished without the error" in out.stdout
+    else:
+        assert ("The ranks are in different hyparflow calls: rank 0 in hf.evaluate (its 2nd "
+                "call), rank 1 in hf.predict (its 2nd call)." in err), err[-4000:]
+        assert "finished without the error" not in out.stdout
+    assert seconds < 40, f"took {seconds:.1f} s"
+
+
 @pytest.mark.skipif(shutil.which("script") is None, reason="no `script` to make a terminal")
 def test_progress_on_rank_0_bar_on_a_terminal_one_line_otherwise(tmp_path):
     script = os.path.join(HERE, "mpi", "progress_script.py")
@@ -206,6 +255,49 @@ def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
     assert f"hyparflow: rank 0 on host {socket.gethostname()}: lost rank 1 on host " \
            f"{socket.gethostname()}" in out, out[-3000:]
     assert "exit code 75" in out
+    assert seconds < 15, f"took {seconds:.1f} s"
+
+
+def test_a_busy_rank_is_not_lost_a_frozen_one_is(tmp_path):
+    """4 ranks (2 stages x 2 replicas) on 2 cores beside 4 spinning processes (4x
+    oversubscribed); the first step's tracing holds the GIL for 8 s on the ranks that
+    trace the slow layer, longer than HYPARFLOW_PEER_TIMEOUT (3 s here): their heartbeat
+    falls silent, but /proc shows them sleeping in a call, so no verdict. Then rank 3 is
+    frozen (SIGSTOP): named, with its state, within the timeout and a few seconds."""
+    import signal
+    import socket
+
+    marker = str(tmp_path / "epoch")
+    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_PEER_TIMEOUT="3",
+               HYPARFLOW_HEARTBEAT_SECONDS="0.5", HYPARFLOW_NUM_STAGES="2",
+               HYPARFLOW_THREADS="1", PYTHONUNBUFFERED="1")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, HOSTS_SCRIPT, "busy", marker],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=HERE, start_new_session=True)
+    pid, seconds = None, None
+    try:
+        deadline = time.monotonic() + 150
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no epoch in 150 s"
+            time.sleep(0.2)
+        time.sleep(0.2)
+        pid = int(open(f"{marker}.3").read().split()[1])
+        start = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        _end(proc, [pid] if pid is not None else [])
+    print(f"busy, then frozen: ended {seconds:.1f} s after SIGSTOP\n{out[-2000:]}")
+    host = socket.gethostname()
+    assert f"lost rank 3 on host {host} (silent for more than 3 s" in out, out[-3000:]
+    assert not re.search(r"lost rank [012] ", out), out[-3000:]
+    assert "its process is stopped or gone" in out
     assert seconds < 15, f"took {seconds:.1f} s"
 
 

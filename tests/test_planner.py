@@ -1,6 +1,7 @@
 """The planner: units, the cost model's shape, and `hyparflow plan` end to end."""
 
 import json
+import re
 
 import pytest
 
@@ -207,11 +208,28 @@ def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
                          "--bandwidth", "5GB/s", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "samples/s" in text and "wrote" in text
+    # What it measures, and how long each part took; the ranking's column is the place.
+    assert re.search(r"^profiling \d+ layer calls of .* \.\.\.\n  done in [0-9.]+ s$", text,
+                     re.M), text
+    assert re.search(r"^ +# +S +T +R +M schedule", text, re.M), text
     plan = json.loads(out.read_text())
     assert plan["num_stages"] * plan["num_replicas"] == 2 and "predicted" in plan
     x, y = models.mlp_data(64)
     run_ranks(2, lambda comm: hf.fit(models.mlp(), x, y, batch_size=32, verbose=0,
                                      plan=str(out), comm=comm))
+
+
+@pytest.mark.mpiexec
+def test_plan_quick_mode_measures_only_a_ping_pong(tmp_path, capsys):
+    source = tmp_path / "model.py"
+    source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
+    assert planner.main([str(source), "--batch-size", "32", "--ranks", "2", "--quick",
+                         "--microbatches", "1", "2", "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "measuring the network: a ping-pong of 2 ranks under mpiexec ...\n  done in" in text
+    for slow in ("rings of", "ranks computing at once", "timing every candidate"):
+        assert slow not in text, text
+    assert len(re.findall(r"^ +[12] +\d+ +\d+ +\d+ +\d+ ", text, re.M)) == 2, text
 
 
 @pytest.mark.mpiexec

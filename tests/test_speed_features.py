@@ -77,9 +77,13 @@ def test_trace_command_prints_the_bubble_and_draws(tmp_path, capsys):
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))
-    assert cli.main(["trace", str(path), "-o", str(tmp_path / "run.png")]) == 0
+    assert cli.main(["trace", str(path), "-o", str(tmp_path / "picture.png")]) == 0
     out = capsys.readouterr().out
     assert "measured bubble" in out and "theoretical (S-1)/(M+S-1) = 0.200 (S=2, M=4" in out
+    assert (tmp_path / "picture.png").stat().st_size > 1000
+    # Without -o it draws too, beside the trace, as its help says.
+    assert cli.main(["trace", str(path)]) == 0
+    assert f"wrote {tmp_path / 'run.png'}" in capsys.readouterr().out
     assert (tmp_path / "run.png").stat().st_size > 1000
 
 

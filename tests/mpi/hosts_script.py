@@ -2,6 +2,7 @@
 
     python hosts_script.py contract OUTDIR   # fit (S, R, M from hyparflow run) against model.fit
     python hosts_script.py long MARKER       # train until stopped; MARKER.K once an epoch is done
+    python hosts_script.py busy MARKER       # as long, but tracing holds the GIL for 8 s
     python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
     python hosts_script.py resumable OUTDIR  # fit with checkpoints and resume=True (restarts)
 
@@ -52,10 +53,34 @@ def contract():
         json.dump(report, f)
 
 
-def long():
+HOLD = {"armed": False}
+
+
+class SlowTrace(keras.layers.Layer):
+    """Identity, whose first tracing in fit holds Python's GIL for 8 s: a long C++ call
+    (a big graph built or compiled) as the heartbeat thread meets it. libc's sleep
+    through ctypes' PyDLL keeps the GIL (a plain CDLL call would release it)."""
+
+    def call(self, x):
+        if HOLD["armed"]:
+            import ctypes
+
+            HOLD["armed"] = False
+            ctypes.PyDLL(None).usleep(8_000_000)
+        return x
+
+
+class Arm(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        HOLD["armed"] = True    # the heartbeat runs: the first step's tracing holds the GIL
+
+
+def long(busy=False):
     keras.utils.set_random_seed(0)
     inp = keras.Input((16,))
     h = keras.layers.Dense(32, activation="relu")(inp)
+    if busy:
+        h = SlowTrace()(h)
     h = keras.layers.Dense(32, activation="relu")(h)
     model = keras.Model(inp, keras.layers.Dense(2)(h))
     model.compile(optimizer="sgd", loss="mse")
@@ -68,7 +93,8 @@ def long():
                 with open(f"{TARGET}.{hf.rank()}", "w") as f:
                     f.write(f"{socket.gethostname()} {os.getpid()}")
 
-    hf.fit(model, x, y, batch_size=32, epochs=100000, verbose=0, callbacks=[Mark()])
+    hf.fit(model, x, y, batch_size=32, epochs=100000, verbose=0,
+           callbacks=[Mark()] + ([Arm()] if busy else []))
     print("finished without a failure", flush=True)
 
 
@@ -154,4 +180,5 @@ def resumable():
     print(f"result: {result}", flush=True)
 
 
-{"contract": contract, "long": long, "pause": pause, "resumable": resumable}[MODE]()
+{"contract": contract, "long": long, "busy": lambda: long(busy=True), "pause": pause,
+ "resumable": resumable}[MODE]()

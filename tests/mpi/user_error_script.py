@@ -2,7 +2,9 @@
 shows what model.fit prints; under mpiexec with `hyparflow`, what hyparflow.fit prints.
 
 KIND: shape (inputs of the wrong width), labels (a class id past the outputs), loss (a
-loss that does not match the output)."""
+loss that does not match the output); newcomers' first mistakes in hf.fit's own arguments
+(hyparflow only): ranks (num_stages=3 on 2 ranks), schedule (an unknown one), keyword (a
+mistyped keyword, num_stage=2)."""
 
 import sys
 
@@ -22,8 +24,12 @@ h = keras.layers.Dense(16, activation="relu")(inp)
 model = keras.Model(inp, keras.layers.Dense(4)(h))
 loss = "categorical_crossentropy" if KIND == "loss" else "sparse_categorical_crossentropy"
 model.compile(optimizer="sgd", loss=loss)
+MISTAKES = {"ranks": dict(num_stages=3), "schedule": dict(num_stages=2, schedule="1fb1"),
+            "keyword": dict(num_stage=2)}
 if WHO == "keras":
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+elif KIND in MISTAKES:
+    hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, **MISTAKES[KIND])
 else:
     hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0, num_stages=2, shuffle=False)
 print("finished without the error", flush=True)
