@@ -24,17 +24,19 @@ def _filtering():
         return False
 
 
-def filter_traceback(tb):
+def filter_traceback(tb, all_ours=False):
     """`tb` without hyparflow's own frames, as Keras hides its frames: the user's frame
-    comes first, then where the error was raised (the innermost frame is kept, unless
-    it is this module's: an entry point's own check of its arguments)."""
+    comes first, then where the error was raised (the innermost frame is kept, unless it
+    is this module's, or `all_ours`: the error is about the call itself, the user's line)."""
     frames = []
     while tb is not None:
         frames.append(tb)
         tb = tb.tb_next
     kept = [t for t in frames[:-1] if not t.tb_frame.f_code.co_filename.startswith(_PACKAGE)]
-    if frames and frames[-1].tb_frame.f_code.co_filename != _THIS or not kept:
-        kept += frames[-1:]
+    last = frames[-1:]
+    if last and (all_ours or last[0].tb_frame.f_code.co_filename == _THIS):
+        last = [] if kept else last
+    kept += last
     new = None
     for t in reversed(kept):
         new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
@@ -42,6 +44,7 @@ def filter_traceback(tb):
 
 
 _THIS = os.path.abspath(__file__)
+_CALL_ERROR = "_hyparflow_call_error"   # set on an error in the call's own arguments
 
 
 def _bad_call(fn, name, args, kwargs):
@@ -82,6 +85,7 @@ def user_errors(name=None, agree=None):
             try:
                 bad = _bad_call(fn, called, args, kwargs)
                 if bad is not None:
+                    setattr(bad, _CALL_ERROR, True)
                     if agree is None:
                         raise bad
                     agree(bad, kwargs)
@@ -90,7 +94,8 @@ def user_errors(name=None, agree=None):
                 if not _filtering():
                     raise
                 install_hook()
-                raise error.with_traceback(filter_traceback(error.__traceback__)) from None
+                raise error.with_traceback(filter_traceback(
+                    error.__traceback__, getattr(error, _CALL_ERROR, False))) from None
 
         return wrapper
 
@@ -121,7 +126,7 @@ def _hook(kind, value, tb):
         return   # another rank printed it; the exit code is still 1
     if _filtering() and tb is not None:
         # The entry point's own frame was added as the error left it: hide it too.
-        tb = filter_traceback(tb)
+        tb = filter_traceback(tb, getattr(value, _CALL_ERROR, False))
     _previous(kind, value, tb)
 
 
