@@ -127,6 +127,7 @@ def _hook(kind, value, tb):
     if _filtering() and tb is not None:
         # The entry point's own frame was added as the error left it: hide it too.
         tb = filter_traceback(tb, getattr(value, _CALL_ERROR, False))
+        value = value.with_traceback(tb)   # Python prints the exception's own traceback
     _previous(kind, value, tb)
 
 
