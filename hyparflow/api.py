@@ -18,10 +18,10 @@ Balance = Union[None, str, Sequence[int]]
 Shares = Union[None, str, Sequence[float]]
 
 
-def _agree_bad_call(call):
+def _agree_bad_call(call: str) -> Any:
     """For a call of `call` whose arguments do not fit: raise its error on every rank
     together (collective over the call's communicator), printed once by the first."""
-    def agree(error, kwargs):
+    def agree(error: Exception, kwargs: dict[str, Any]) -> None:
         comm = kwargs.get("comm")
         communicator, owned = wrap(comm if "comm" in kwargs else None, call)
         try:
@@ -34,15 +34,17 @@ def _agree_bad_call(call):
     return agree
 
 
-def _resolve(communicator, **arguments):
+def _resolve(communicator: Any, **arguments: Any) -> _layout.Layout:
     """The call's layout, or its error raised on every rank together (printed once, by
     the first rank); rank 0 warns where a launcher's count lost to an argument."""
-    layout, error = None, None
+    layout: Optional[_layout.Layout] = None
+    error: Optional[Exception] = None
     try:
         layout = _layout.resolve(communicator.size, **arguments)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(communicator, error)
+    assert layout is not None   # else agree_on_error raised
     if communicator.rank == 0:
         _layout.warn_overridden(layout)
     return layout

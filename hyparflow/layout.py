@@ -201,7 +201,7 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   overridden=tuple(overridden))
 
 
-_WARNED: set = set()
+_WARNED: set[Tuple[str, Any, Any]] = set()
 
 
 def warn_overridden(layout: Layout) -> None:
@@ -229,7 +229,8 @@ def _user_level() -> int:
     import sys
 
     package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: Any = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.dirname(os.path.abspath(
             frame.f_code.co_filename)) == package:
         frame, level = frame.f_back, level + 1
