@@ -7,8 +7,11 @@ communicator, which completes only when every rank has entered a call. Each rank
 its calls per parent communicator (`Calls.enter`), and once every rank has entered, they
 compare (name, number) (`Calls.agree`): a rank in `evaluate` while another is in
 `predict` is a mistake both are told of. A rank that is never coming cannot be seen by
-MPI: so the first call also makes a side channel (another duplicate), and a process
-that ends says so on it to every other rank (`atexit`, before mpi4py finalizes MPI), with
+MPI: so the first call also makes a side channel (a duplicate of that call's own
+communicator, once every rank is in it: two duplications in flight at once on one
+parent are where MPI implementations have given ranks different context ids, so that
+one communicator's messages met another's), and a process that ends says so on it to
+every other rank (`atexit`, before mpi4py finalizes MPI), with
 how many calls it made. A rank waiting to enter call n that hears a peer finished after
 fewer than n calls raises `CollectiveMismatch` naming both; the peer cannot come. A rank
 that waits long for peers that have not finished (rank 0 only, so a rank that loads data
@@ -55,9 +58,7 @@ class Calls:
         self.count = 0
         self.last = None
         self.finished = {}          # peer -> (its calls, its last call)
-        # The side channel, made with the first call's own duplicate (every rank starts
-        # it there, in the same order); in use once complete.
-        self.channel, self._pending = None, parent.Idup()
+        self.channel, self._pending = None, None   # the side channel (see `open`)
         self._said = False
         atexit.register(self._finish)
 
@@ -117,10 +118,15 @@ class Calls:
             sys.stderr.flush()
         return False
 
+    def open(self, comm):
+        """Start the side channel from the first call's own communicator (an mpi4py
+        communicator every rank has entered), if not made yet; then poll `ready`."""
+        if self.channel is None and self._pending is None:
+            self._pending = comm.Idup()
+
     def ready(self):
-        """Whether the side channel is made. Every rank started it before the first
-        call's own duplicate: once that is complete, so is this soon (wait for it there,
-        so that a rank that ends can say so)."""
+        """Whether the side channel is made (every rank starts it in its first call,
+        once all are there: wait for it then, so that a rank that ends can say so)."""
         return self._channel() is not None
 
     def agree(self, comm, number, call):

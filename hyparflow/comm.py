@@ -229,6 +229,7 @@ class MPICommunicator(Communicator):
         self.tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
         if calls is not None:
             try:
+                calls.open(self.comm)
                 _poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
                 calls.agree(self, number, call)
             except BaseException:
