@@ -85,9 +85,10 @@ def _stack(outputs):
 
 
 def _training(kwargs, training):
-    """An explicit `training=` in the layer call wins, as in Keras."""
-    explicit = kwargs.pop("training", None)
-    return training if explicit is None else explicit
+    """The call's `training`: the model call's (the step's) when it has one, as Keras's
+    Functional passes it over what the layer call recorded; else the recorded one."""
+    recorded = kwargs.pop("training", None)
+    return recorded if training is None else training
 
 
 class Kind:
@@ -410,7 +411,7 @@ class MultiHeadAttention(Kind):
 
     def call(self, args, kwargs, training, ctx):
         a = self._bind(args, kwargs)
-        training = a.get("training") if a.get("training") is not None else training
+        training = a.get("training") if training is None else training
         query, value = a["query"], a["value"]
         key = a.get("key") if a.get("key") is not None else value
         attention_mask = a.get("attention_mask")
