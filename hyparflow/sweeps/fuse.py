@@ -40,7 +40,7 @@ class Plan:
 
 
 def _describe_member(p, describe):
-    return f"member {p}" + (f" ({describe(p)})" if describe else "")
+    return describe(p) if describe else f"member {p}"
 
 
 def _check_model(model, p, describe):

@@ -132,7 +132,7 @@ class Steps:
         for k, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
                 parts = self.comm.allgather_obj((g.indices.numpy(), g.values.numpy()))
-                out[k] = tf.IndexedSlices(tf.constant(np.concatenate([i for i, _ in parts])),
-                                          tf.constant(np.concatenate([v for _, v in parts])),
+                out[k] = tf.IndexedSlices(tf.constant(np.concatenate([v for _, v in parts])),
+                                          tf.constant(np.concatenate([i for i, _ in parts])),
                                           g.dense_shape)
         return out
