@@ -8,6 +8,7 @@ optimizers), `steps` (compiled steps), `members` (configs, logs, callbacks, resu
 `table` (rank 0's progress table).
 """
 
+from .members import job_configs, read_configs
 from .run import SweepResult, sweep
 
-__all__ = ["sweep", "SweepResult"]
+__all__ = ["sweep", "SweepResult", "job_configs", "read_configs"]

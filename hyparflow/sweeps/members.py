@@ -12,7 +12,7 @@ from .. import _compat
 from .. import weights as _weights
 from ..progress import MAIN_ONLY_CALLBACKS
 
-__all__ = ["Config", "build_members", "describe", "prepare", "callback_list",
+__all__ = ["Config", "job_configs", "read_configs", "build_members", "describe", "prepare", "callback_list",
            "needs_batch_hooks", "MemberLogs", "gather_results"]
 
 
@@ -70,6 +70,30 @@ class Config(dict):
 
     def unread(self):
         return [k for k in dict.keys(self) if k not in self.read]
+
+
+def read_configs(path):
+    """A sweep's configs from a JSON file: a non-empty list of dicts."""
+    import json
+
+    with open(path) as f:
+        configs = json.load(f)
+    if not isinstance(configs, list) or not configs or \
+            not all(isinstance(c, dict) for c in configs):
+        raise ValueError(f"{path} must hold a non-empty JSON list of objects, one config per "
+                         "member.")
+    return configs
+
+
+def job_configs(default=None):
+    """The configs of the job `hyparflow slurm --sweep CONFIGS.json` rendered (the file
+    HYPARFLOW_SWEEP_CONFIGS names), else `default`: a script runs alone and as that job."""
+    from .. import settings
+
+    path = settings.sweep_configs()
+    if path is None:
+        return default
+    return read_configs(path)
 
 
 def describe(configs):

@@ -85,7 +85,9 @@ def sweep(build: Callable[[dict], Any], configs: Sequence[dict], x: Any, y: Any 
     Args:
         build: `build(config) -> compiled keras.Model`. Each key of a config must be read
             by it (a key it never reads is an error naming the member and the key).
-        configs: a list of dicts, one per member.
+        configs: a list of dicts, one per member, or the path of a JSON file of one
+            (`hyparflow.sweeps.job_configs(default)`: the file of the job `hyparflow slurm
+            --sweep` rendered).
         x, y, sample_weight, class_weight, batch_size, epochs, shuffle: as in `model.fit`
             (numpy arrays, or lists / dicts of them); every member sees the same data, in
             the order its own fit would take it.
@@ -137,6 +139,8 @@ class _Run:
     # set-up ------------------------------------------------------------------------------
     def _set_up(self, build, configs, x, y):
         o, comm = self.o, self.comm
+        if isinstance(configs, str):
+            configs = _members.read_configs(configs)
         if not isinstance(configs, (list, tuple)) or not configs:
             raise ValueError("`configs` must be a non-empty list of dicts, one per member. "
                              f"Received: {type(configs).__name__}")
