@@ -225,8 +225,12 @@ class Conv(Kind):
         # [N, *k, C/g, F] -> [*k, C/g, N * F]
         kperm = list(range(1, rank + 2)) + [0, rank + 2]
         k = tf.reshape(tf.transpose(kernel, kperm), list(kernel.shape[1:-1]) + [-1])
-        y = ops.conv(grouped, k, strides=list(layer.strides), padding=padding,
-                     dilation_rate=layer.dilation_rate, data_format="channels_last")
+        # TensorFlow's own grouped convolution, not keras.ops.conv: Keras compiles a grouped
+        # one with XLA on CPUs, which took 8 times as long here (16 digits CNNs: 200 ms a
+        # step against 24 ms for 16 separate convolutions and 12 ms grouped without XLA),
+        # and gives the same values as each member's own convolution.
+        y = tf.nn.convolution(grouped, k, strides=list(layer.strides), padding=padding.upper(),
+                              dilations=list(layer.dilation_rate))
         # [b, *space', N * F] -> [N, b, *space', F]
         out = tf.shape(y)
         y = tf.reshape(y, tf.concat([out[:-1], [self.n, filters]], 0))
