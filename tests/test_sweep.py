@@ -147,7 +147,8 @@ def _locked(build):
 def test_two_ranks_in_process(layout):
     """Two thread ranks: two groups (members 0, 1 | 2), or one group of two replicas
     (each half of every batch: dropout masks cut from the whole batch's, an Embedding's
-    pairs gathered); every rank returns every member as its own fit trains it."""
+    pairs gathered); with sample weights, every rank returns every member as its own fit
+    trains it."""
     if layout == "groups":
         build, (x, y), configs, replicas = sm.mlp, sm.mlp_data(), sm.MLP_CONFIGS[1:4], 1
     else:
@@ -156,14 +157,16 @@ def test_two_ranks_in_process(layout):
                                                 dict(seed=9, lr=0.01, optimizer="adam",
                                                      dropout=0.4)], 2)
 
+    weights = np.random.default_rng(5).uniform(0.5, 1.5, len(x)).astype("float32")
+
     def body(comm):
         models, histories = hf.sweep(_locked(build), configs, x, y, batch_size=BATCH,
                                      epochs=EPOCHS, verbose=0, shuffle=False,
-                                     num_replicas=replicas, comm=comm)
+                                     num_replicas=replicas, comm=comm, sample_weight=weights)
         return [m.get_weights() for m in models], [h.history for h in histories]
 
     ranks = run_ranks(2, body, timeout=300)
-    expected = [alone(build, c, x, y, shuffle=False) for c in configs]
+    expected = [alone(build, c, x, y, shuffle=False, sample_weight=weights) for c in configs]
     for weights, histories in ranks:
         for p, config in enumerate(configs):
             assert diff(weights[p], expected[p][0]) <= TOLERANCE[config.get("optimizer", "sgd")]

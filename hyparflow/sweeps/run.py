@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import _compat, settings
 from .. import data as _data
+from .. import weights as _weights
 from ..api import _agree_bad_call
 from ..comm import wrap
 from ..errors import user_errors
@@ -222,6 +223,15 @@ class _Run:
         print(f"hyparflow sweep: {self.n} members on {self.groups} group(s) of "
               f"{self.replicas} rank(s); {fused} of {len(self.plan.kinds)} layers fused",
               flush=True)
+        normalizing = [layers[0].name for layers in self.plan.layers.values()
+                       if isinstance(layers[0], keras.layers.BatchNormalization)
+                       and layers[0].trainable]
+        if self.replicas > 1 and normalizing:
+            print(f"hyparflow sweep: warning: with num_replicas={self.replicas} "
+                  f"BatchNormalization ({', '.join(normalizing)}) normalizes each replica's part "
+                  "of a batch by that part's statistics, so those members differ from their "
+                  "own model.fit (moving statistics are averaged over the replicas after each "
+                  "epoch, as in hf.fit). num_replicas=1 keeps them exact.", flush=True)
         for name, cls, why in self.plan.looped:
             print(f"hyparflow sweep: layer {name!r} ({cls}) runs once per member: {why}",
                   flush=True)
@@ -290,8 +300,13 @@ class _Run:
                         if not active:
                             break
             epoch_logs = logs.result(finishing)
+            if steps is not None and self.replicas > 1:
+                # Each replica's BatchNormalization statistics came from its part of the
+                # batches: the replicas take their mean (as hf.fit does).
+                _weights.average(self.group_comm,
+                                 [s.variable for s in steps.array.slots if not s.trainable])
             if self.validation is not None and epoch in self.val_epochs:
-                val = self._validate(steps, active, finishing, logs)
+                val = self._validate(steps, active, finishing, logs, callbacks)
                 for i in finishing:
                     epoch_logs[i].update({f"val_{k}": v for k, v in val[i].items()})
             if steps is not None:
@@ -333,7 +348,7 @@ class _Run:
             stops = self.group_comm.bcast_obj(stops, 0)
         return stops
 
-    def _validate(self, steps, active, finishing, logs):
+    def _validate(self, steps, active, finishing, logs, callbacks):
         """Each finishing member's validation logs (as its `model.fit` evaluates after
         the epoch's steps); a member that left mid-epoch is evaluated from its model."""
         out = {}
@@ -348,6 +363,8 @@ class _Run:
         for evaluator, members in groups:
             if not members:
                 continue
+            for i in members:
+                callbacks[i].on_test_begin()
             logs.reset(members)
             for lo in range(0, total, size):
                 rows = np.arange(lo, min(lo + size, total))
@@ -355,6 +372,8 @@ class _Run:
                 idx = np.tile(rows[part], (len(members), 1))
                 logs.add(members, evaluator.evaluate(idx, len(part) / len(rows)), len(rows))
             out.update(logs.result(members))
+            for i in members:
+                callbacks[i].on_test_end(out[i])
         return out
 
     def _report(self, epoch, epoch_logs, status, seconds, trained):
