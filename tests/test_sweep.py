@@ -235,3 +235,22 @@ def test_unfusable_models_are_refused_with_the_reason():
     info = _error(other_optimizer, [dict(seed=1, lr=0.1), dict(seed=2, lr=0.1)])
     assert "member 1 ({seed=2, lr=0.1})'s optimizer is Adagrad where member 0's is SGD" in \
         str(info.value)
+
+
+def test_loss_weights_per_member_on_two_outputs():
+    """Two inputs (a dict), two outputs with their own losses and metrics; the config sets
+    the regression output's loss weight."""
+    import models
+
+    def build(config):
+        model = models.two_in_two_out()
+        model.compile(optimizer=keras.optimizers.SGD(config["lr"]),
+                      loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                      loss_weights={"cls": 1.0, "reg": config["reg_weight"]},
+                      metrics={"cls": ["accuracy"], "reg": ["mae"]})
+        return model
+
+    x, y = models.two_in_two_out_data(48)
+    configs = [dict(lr=0.05, reg_weight=0.5), dict(lr=0.1, reg_weight=2.0)]
+    result = hf.sweep(build, configs, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
+    check(result, [alone(build, c, x, y) for c in configs], configs)

@@ -169,6 +169,10 @@ class _Run:
             (x, y, sw), o["validation_data"] = _data.validation_split(
                 x, y, o["sample_weight"], o["validation_split"])
             o["sample_weight"] = sw
+        if _data.is_dataset(x):
+            raise ValueError("hf.sweep takes numpy data (arrays, or lists / dicts of them): each "
+                             "member's batch is gathered from its own order. Received a "
+                             "tf.data.Dataset.")
         samples = _num_samples(x)
         self.steps_per_epoch = math.ceil(samples / self.batch_size)
         self.describe = _members.describe(self.configs)
@@ -226,6 +230,13 @@ class _Run:
         normalizing = [layers[0].name for layers in self.plan.layers.values()
                        if isinstance(layers[0], keras.layers.BatchNormalization)
                        and layers[0].trainable]
+        random_loops = [layers[0].name for key, layers in self.plan.layers.items()
+                        if not self.plan.kinds[key].fused and _compat.seed_generators(layers[0])]
+        if self.replicas > 1 and random_loops:
+            print(f"hyparflow sweep: warning: layers run once per member draw their own random "
+                  f"numbers on each replica's part of a batch ({', '.join(random_loops)}), "
+                  "not the whole batch's as their own model.fit: those members differ from it. "
+                  "num_replicas=1 keeps them exact.", flush=True)
         if self.replicas > 1 and normalizing:
             print(f"hyparflow sweep: warning: with num_replicas={self.replicas} "
                   f"BatchNormalization ({', '.join(normalizing)}) normalizes each replica's part "
