@@ -153,9 +153,9 @@ def test_two_ranks_in_process(layout):
         build, (x, y), configs, replicas = sm.mlp, sm.mlp_data(), sm.MLP_CONFIGS[1:4], 1
     else:
         build, (x, y), configs, replicas = (sm.transformer, sm.transformer_data(),
-                                            sm.TRANSFORMER_CONFIGS[1:3] + [
-                                                dict(seed=9, lr=0.01, optimizer="adam",
-                                                     dropout=0.4)], 2)
+                                            [sm.TRANSFORMER_CONFIGS[1],
+                                             dict(seed=9, lr=0.01, optimizer="adam",
+                                                  dropout=0.4)], 2)
 
     weights = np.random.default_rng(5).uniform(0.5, 1.5, len(x)).astype("float32")
 
