@@ -44,7 +44,7 @@ class SweepResult(NamedTuple):
     histories: list
 
 
-def _validation_epochs(freq, epochs):
+def _validation_epochs(freq: Union[int, Sequence[int]], epochs: int) -> set:
     if isinstance(freq, int):
         if freq < 1:
             raise ValueError(f"`validation_freq` must be >= 1. Received: validation_freq={freq}")
@@ -52,7 +52,7 @@ def _validation_epochs(freq, epochs):
     return {int(e) - 1 for e in freq}
 
 
-def _num_samples(x):
+def _num_samples(x: Any) -> int:
     first = x
     while isinstance(first, (dict, list, tuple)):
         first = next(iter(first.values())) if isinstance(first, dict) else first[0]
@@ -127,7 +127,8 @@ def sweep(build: Callable[[dict], Any], configs: Sequence[dict], x: Any, y: Any 
 class _Run:
     """One sweep on one rank: set-up (agreed by all ranks), then the epochs."""
 
-    def __init__(self, comm, build, configs, x, y, options):
+    def __init__(self, comm: Any, build: Callable[[dict], Any], configs: Any, x: Any, y: Any,
+                 options: dict) -> None:
         self.comm = comm
         self.o = options
         error = None
@@ -138,7 +139,7 @@ class _Run:
         agree_on_error(comm, error)
 
     # set-up ------------------------------------------------------------------------------
-    def _set_up(self, build, configs, x, y):
+    def _set_up(self, build: Callable[[dict], Any], configs: Any, x: Any, y: Any) -> None:
         o, comm = self.o, self.comm
         if isinstance(configs, str):
             configs = _members.read_configs(configs)
@@ -177,7 +178,7 @@ class _Run:
         self.steps_per_epoch = math.ceil(samples / self.batch_size)
         self.describe = _members.describe(self.configs)
 
-        def draw_orders():
+        def draw_orders() -> Any:
             if not o["shuffle"]:
                 return None
             return np.stack([_compat.fit_shuffle_order(samples) for _ in range(self.epochs)])
@@ -200,7 +201,7 @@ class _Run:
         self.orders = np.stack(orders) if o["shuffle"] else None
 
     # training ----------------------------------------------------------------------------
-    def train(self):
+    def train(self) -> SweepResult:
         comm = self.comm
         # Rank 0's members everywhere, whatever each rank's builds drew.
         _members.broadcast_start(comm, self.models)
@@ -222,7 +223,7 @@ class _Run:
             if self.group_comm is not None:
                 self.group_comm.free()
 
-    def _announce(self):
+    def _announce(self) -> None:
         fused = sum(1 for k in self.plan.kinds.values() if k.fused)
         print(f"hyparflow sweep: {self.n} members on {self.groups} group(s) of "
               f"{self.replicas} rank(s); {fused} of {len(self.plan.kinds)} layers fused",
@@ -247,7 +248,7 @@ class _Run:
             print(f"hyparflow sweep: layer {name!r} ({cls}) runs once per member: {why}",
                   flush=True)
 
-    def _fuse(self, indices):
+    def _fuse(self, indices: list) -> Optional[Steps]:
         """The group's array of the members `indices` (its steps; None for none)."""
         if not indices:
             return None
@@ -257,14 +258,14 @@ class _Run:
         return Steps(array, optimizer, self.data, self.validation,
                      self.group_comm if self.replicas > 1 else None)
 
-    def _rows(self, member, epoch, step, total_rows):
+    def _rows(self, member: int, epoch: int, step: int, total_rows: int) -> Any:
         lo = step * self.batch_size
         hi = min(lo + self.batch_size, total_rows)
         if self.orders is None:
             return np.arange(lo, hi)
         return self.orders[member, epoch, lo:hi]
 
-    def _epochs(self):
+    def _epochs(self) -> SweepResult:
         comm, n_samples = self.comm, len(self.data)
         main = self.replica == 0
         callbacks = {i: _members.callback_list(
@@ -280,7 +281,7 @@ class _Run:
         for i in active:
             self.models[i].stop_training = False
             callbacks[i].on_train_begin()
-        steps = self._fuse(active)
+        steps: Any = self._fuse(active)
         for epoch in range(self.epochs):
             start_time = time.perf_counter()
             logs.reset(active)
@@ -346,20 +347,21 @@ class _Run:
             steps.array.write_back()
         return self._results(callbacks)
 
-    def _agree(self, flag):
+    def _agree(self, flag: bool) -> bool:
         """One decision for the whole group (its replicas run the same members)."""
         if self.group_comm is None or self.replicas == 1:
             return flag
         return any(self.group_comm.allgather_obj(flag))
 
-    def _stopped(self, active):
+    def _stopped(self, active: list) -> list:
         """The members whose callbacks stopped them, as the group's first rank saw it."""
         stops = [i for i in active if self.models[i].stop_training]
         if self.group_comm is not None and self.replicas > 1:
             stops = self.group_comm.bcast_obj(stops, 0)
         return stops
 
-    def _validate(self, steps, active, finishing, logs, callbacks):
+    def _validate(self, steps: Any, active: list, finishing: list, logs: Any,
+                  callbacks: dict) -> dict:
         """Each finishing member's validation logs (as its `model.fit` evaluates after
         the epoch's steps); a member that left mid-epoch is evaluated from its model."""
         out = {}
@@ -369,6 +371,7 @@ class _Run:
             array = _fuse.Array(self.plan, self.models, gone)
             groups.append((Steps(array, None, self.data, self.validation,
                                  self.group_comm if self.replicas > 1 else None), gone))
+        assert self.validation is not None
         total = len(self.validation)
         size = self.o["validation_batch_size"] or self.batch_size
         for evaluator, members in groups:
@@ -387,24 +390,27 @@ class _Run:
                 callbacks[i].on_test_end(out[i])
         return out
 
-    def _report(self, epoch, epoch_logs, status, seconds, trained):
+    def _report(self, epoch: int, epoch_logs: dict, status: dict, seconds: float,
+                trained: int) -> int:
         """Every group's members to rank 0's table (collective); returns how many members
         still train anywhere."""
         mine = {i: (epoch_logs.get(i), status[i]) for i in self.positions} \
             if self.replica == 0 else {}
         everyone = self.comm.allgather_obj((mine, trained if self.replica == 0 else 0)) \
             if self.comm.size > 1 else [(mine, trained)]
-        rows, samples = {}, 0
+        rows: dict = {}
+        samples = 0
         for part, count in everyone:
             rows.update(part)
             samples += count
         if self.comm.rank == 0 and self.verbose:
-            shown = sorted((i, logs, state) for i, (logs, state) in rows.items())
+            shown = [(i, logs, state) for i, (logs, state) in sorted(rows.items(),
+                                                                     key=lambda r: r[0])]
             print(_table.render(epoch, self.epochs, shown, self.configs, seconds, samples),
                   flush=True)
         return sum(1 for _, state in rows.values() if state == "training")
 
-    def _results(self, callbacks):
+    def _results(self, callbacks: dict) -> SweepResult:
         histories = {}
         for i in self.positions:
             history = next(c for c in callbacks[i].callbacks
