@@ -147,7 +147,8 @@ def measure(way, model, n, epochs):
         command = [MPIEXEC, "-n", str(ranks)] + command
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n"
+                           f"{out.stderr[-3000:]}")
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
@@ -187,8 +188,8 @@ def main():
             others = [row[w]["rate"] for w in args.ways if w not in ("fused", "fused2")]
             cells = "  ".join(f"{row[w]['rate']:>15,.0f} ({row[w]['peak_mb']:>5.0f})"
                               for w in args.ways)
-            gain = (f"{max(row[w]['rate'] for w in ('fused', 'fused2') if w in row) / max(others):.2f}x"
-                    if others and ("fused" in row or "fused2" in row) else "")
+            fused = [row[w]["rate"] for w in ("fused", "fused2") if w in row]
+            gain = f"{max(fused) / max(others):.2f}x" if others and fused else ""
             print(f"{model:6} {n:>3}  {cells}  {gain:>10}", flush=True)
     with open(os.path.join(HERE, "sweep_results.json"), "w") as f:
         json.dump(results, f, indent=1)

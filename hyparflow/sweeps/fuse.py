@@ -100,7 +100,8 @@ def _compare(first, other, p, describe):
     if len(other.inputs) != len(first.inputs) or len(other.outputs) != len(first.outputs):
         fail(f"has {len(other.inputs)} inputs and {len(other.outputs)} outputs where member 0 "
              f"has {len(first.inputs)} and {len(first.outputs)}")
-    for kind, a, b in (("input", first.inputs, other.inputs), ("output", first.outputs, other.outputs)):
+    for kind, a, b in (("input", first.inputs, other.inputs),
+                       ("output", first.outputs, other.outputs)):
         for k, (i, j) in enumerate(zip(a, b)):
             sa, sb = first.tensors[i], other.tensors[j]
             if tuple(sa.shape) != tuple(sb.shape) or sa.dtype != sb.dtype:

@@ -437,9 +437,9 @@ class MultiHeadAttention(Kind):
         k = self.projections["key"].call([key], {}, training, ctx)
         v = self.projections["value"].call([value], {}, training, ctx)
         if any(l._dropout > 0.0 for l in self.layers):
-            out = tf.stack([self._member_attention(p, q[p], k[p], v[p],
-                                                   None if mask is None else _unfold(mask, self.n)[p],
-                                                   training, ctx, extra)
+            masks = [None] * self.n if mask is None else _unfold(mask, self.n)
+            out = tf.stack([self._member_attention(p, q[p], k[p], v[p], masks[p], training, ctx,
+                                                   extra)
                             for p in range(self.n)])
         else:
             out, _ = layer._compute_attention(_fold(q), _fold(k), _fold(v), mask, training,

@@ -12,8 +12,8 @@ from .. import _compat
 from .. import weights as _weights
 from ..progress import MAIN_ONLY_CALLBACKS
 
-__all__ = ["Config", "job_configs", "read_configs", "build_members", "describe", "prepare", "callback_list",
-           "needs_batch_hooks", "MemberLogs", "gather_results"]
+__all__ = ["Config", "job_configs", "read_configs", "build_members", "describe", "prepare",
+           "callback_list", "needs_batch_hooks", "MemberLogs", "gather_results"]
 
 
 class Config(dict):

@@ -336,8 +336,9 @@ class _Run:
                 steps = self._fuse(active)
             elif steps is not None:
                 steps.array.reload()      # a callback may have set a member's weights
-            remaining = self._report(epoch, {i: last_logs.get(i) for i in finishing}, status,
-                                     time.perf_counter() - start_time, trained)
+            shown = {i: last_logs.get(i) for i in self.positions}
+            remaining = self._report(epoch, shown, status, time.perf_counter() - start_time,
+                                     trained)
             if not remaining:
                 break
         for i in active:

@@ -67,7 +67,8 @@ class Stacked:
 
     def reload(self):
         """The array takes the members' values again (a callback may have set them)."""
-        self.variable.assign(self.storage(np.stack([np.asarray(v.numpy()) for v in self.originals])))
+        values = np.stack([np.asarray(v.numpy()) for v in self.originals])
+        self.variable.assign(self.storage(values))
 
     def take(self, keep):
         """The same weight for the members at positions `keep` (a member left)."""
