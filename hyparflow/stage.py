@@ -9,6 +9,7 @@ per-layer Python in the backward.
 
 import functools
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -93,6 +94,35 @@ def compiled_step(optimizer, variables, sparse, eager=False):
                   if k in sparse else tf.TensorSpec(v.shape, v.dtype)
                   for k, v in enumerate(variables)]]
     return step if eager else tf.function(step, input_signature=signature)
+
+
+def _wants_xla(model):
+    """HYPARFLOW_JIT when set, else what `model.compile(jit_compile=...)` resolved to
+    (Keras's "auto" turns XLA off on machines without an accelerator)."""
+    chosen = settings.jit()
+    return bool(getattr(model, "jit_compile", False)) if chosen is None else chosen
+
+
+class _XLAOrPlain:
+    """An XLA-compiled function that falls back to the plain one, once and said, when
+    XLA cannot compile it (an operation without an XLA kernel)."""
+
+    runs = 0   # calls run under XLA in this process (what `HYPARFLOW_JIT` changed)
+
+    def __init__(self, xla, plain):
+        self.xla, self.plain, self.failed = xla, plain, False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                out = self.xla(*args)
+                _XLAOrPlain.runs += 1
+                return out
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as exc:
+                self.failed = True
+                warnings.warn(f"hyparflow: XLA could not compile a stage function, which runs "
+                              f"without it ({str(exc).splitlines()[0][:200]})", RuntimeWarning)
+        return self.plain(*args)
 
 
 class Stage:
@@ -182,9 +212,22 @@ class Stage:
         self.presence = (True,) * len(self.mask_ids)
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
         self._eager = run_eagerly
+        self._jit = _wants_xla(model)
         self._functions = {}
         self.set_buckets([])  # gradient buffers, until the executor lays them out
         self._slowdown = settings.slowdown()
+
+    def _compile(self, fn, signature):
+        """`fn` as the stage runs it: eager when asked, else a `tf.function` with a `None`
+        batch dimension, XLA-compiled when the model asks for it (`_wants_xla`) and the
+        stage allows it (no split layer's exchange, no length known only at run time)."""
+        if self._eager:
+            return fn
+        plain = tf.function(fn, input_signature=signature, reduce_retracing=True)
+        if not self._jit or self.shards or any(
+                t.dynamic for t in (self.graph.tensors[i] for i in self.input_ids)):
+            return plain
+        return _XLAOrPlain(tf.function(fn, input_signature=signature, jit_compile=True), plain)
 
     def _transposed(self, graph, plan):
         """{node: kernels.Transposed} for the Dense calls whose input gradient is wanted."""
@@ -279,8 +322,7 @@ class Stage:
             def body(inputs, y, sample_weight, share, zs=None):
                 return self._body(inputs, y, sample_weight, share, kind, hooked, zs)
 
-            self._functions[key] = body if self._eager else tf.function(
-                body, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(body, signature)
         return self._functions[key]
 
     # -- the computation ------------------------------------------------------
@@ -559,8 +601,7 @@ class Stage:
             signature = [[tf.TensorSpec((None,) + tuple(x.shape[1:]), tf.float32) for x in xs],
                          [tf.TensorSpec((None,) + shape, tf.float32)
                           for _, _, shape in self.deferred]]
-            self._functions["weights"] = weights if self._eager else tf.function(
-                weights, input_signature=signature)
+            self._functions["weights"] = self._compile(weights, signature)
         if self._views is None:
             self._make_buffers()
         for (_, k, _), g in zip(self.deferred, self._functions["weights"](xs, dys)):
@@ -597,8 +638,7 @@ class Stage:
                 return contribution, grads, (result[2] if zs is not None else [])
 
             signature = self._signature(True, bool(sample_weight), split)
-            self._functions[key] = fused if self._eager else tf.function(
-                fused, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(fused, signature)
         self._ready()
         args = [inputs, [tf.convert_to_tensor(a) for a in y],
                 [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
@@ -633,8 +673,7 @@ class Stage:
             seeds = [_spec(self.graph.tensors[t]) for t in self.output_ids
                      if self.graph.tensors[t].floating] if seeded else []
             signature = self._signature(True, has_sample_weight) + [seeds]
-            self._functions[key] = fused if self._eager else tf.function(
-                fused, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(fused, signature)
         return self._functions[key]
 
     # -- timing, for the planner ------------------------------------------------
