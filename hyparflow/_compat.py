@@ -258,6 +258,13 @@ def track_global(loss, kinds, sums, normalisers, share):
         k += 1
 
 
+def variable_handle(variable):
+    """The TensorFlow resource handle behind a Keras variable (what a traced function
+    captures when it reads the variable)."""
+    value = getattr(variable, "value", variable)
+    return getattr(value, "handle", None)
+
+
 def seed_generators(layer):
     """The keras SeedGenerators a layer (and its sublayers) draws randomness from."""
     out = []

@@ -281,7 +281,7 @@ class Executor:
                 y, sw = (), ()
                 if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
-                    sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
+                    sw = [leaf[idx] for leaf in data.sample_weight or ()]
                 share = len(idx) / batch_size
                 if a.kind == sched.FB:
                     grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
@@ -373,7 +373,7 @@ class Executor:
             if mine:
                 exchanges.append(_sparse.Exchange(
                     comm, slices, {k: tuple(trainable[k].shape) for k in mine},
-                    dense_ok=_sparse.linear(self.optimizer)))
+                    dense_ok=_sparse.linear(self.optimizer), fixed=self.stage.fixed or ()))
         for k, (indices, values) in slices.items():
             if not any(kinds.get(k) == _sparse.SPARSE for kinds in self._kinds):
                 self.stage.densify(k, indices, values)

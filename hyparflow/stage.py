@@ -168,6 +168,9 @@ class Stage:
         self._saved = {}
         self.touched = np.zeros(len(self.trainable), dtype=bool)
         self._slices = {}  # position -> [(microbatch, indices, values)] this step
+        # Positions whose lookups have ids of a fixed shape (`sparse.fixed_lookups`):
+        # their microbatches' pairs are merged. Found at the first sparse gradient.
+        self.fixed = None
         self._keep_pairs = _sparse.enabled()
         # Gradients that a hook (`_arrive`) already summed during the current backward,
         # and who is told of each: the executor, to start allreduces early.
@@ -773,6 +776,8 @@ class Stage:
             if isinstance(g, tf.IndexedSlices) and not self._keep_pairs:
                 g = tf.convert_to_tensor(g)
             if isinstance(g, tf.IndexedSlices):
+                if self.fixed is None:
+                    self._find_fixed(into, where)
                 values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
                 into._slices.setdefault(where[k], []).append(
                     (microbatch, np.asarray(g.indices, np.int64), np.asarray(values)))
@@ -785,6 +790,24 @@ class Stage:
                 g = tf.zeros_like(diff_inputs[self._diff.index(k)])
             grads_in[t] = g
         return grads_in
+
+    def _find_fixed(self, into, where):
+        """Which of this stage's variables are looked up only with ids of a fixed shape,
+        read from its traced training forward (traced once more, for this only, when
+        the stage runs eagerly); noted on `into` (itself, or the accumulator it sinks
+        into) at `where`'s positions."""
+        fn = next((f for key, f in self._functions.items()
+                   if isinstance(key, tuple) and key[0] in ("train", "fused")
+                   and hasattr(f, "get_concrete_function")
+                   and f.experimental_get_tracing_count()), None)
+        if fn is None:
+            signature = self._signature(self.is_last, bool(self._sw_specs))
+            fn = tf.function(lambda inputs, y, sw, share: self._body(inputs, y, sw, share),
+                             input_signature=signature)
+        handles = {id(_compat.variable_handle(v)): k for k, v in enumerate(self.trainable)}
+        found = _sparse.fixed_lookups(fn.get_concrete_function().graph, handles)
+        self.fixed = found
+        into.fixed = (into.fixed or set()) | {where[k] for k in found}
 
     def set_buckets(self, buckets, sparse=()):
         """Lay the gradient buffers out as `buckets` (lists of positions in
@@ -816,6 +839,9 @@ class Stage:
         out = {}
         for k, pieces in self._slices.items():
             pieces = sorted(pieces, key=lambda p: p[0])
+            if k in (self.fixed or ()):
+                out[k] = _sparse.merge_pairs([(p[1], p[2]) for p in pieces])
+                continue
             out[k] = (np.concatenate([p[1] for p in pieces]),
                       np.concatenate([p[2] for p in pieces]))
         self._slices = {}
