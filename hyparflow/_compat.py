@@ -258,6 +258,53 @@ def track_global(loss, kinds, sums, normalisers, share):
         k += 1
 
 
+def overrider(model, method):
+    """The class (not Keras's own) whose `method` the model runs instead of Keras's,
+    or None."""
+    for cls in type(model).__mro__:
+        if method in cls.__dict__:
+            return None if cls.__module__.split(".")[0] == "keras" else cls
+    return None
+
+
+def calls_add_loss(layer):
+    """Whether `layer` or a layer inside it is of a class whose own `call` adds losses
+    (`self.add_loss`), which may grow with the batch. Keras's activity regularizers
+    are divided by the batch size by Keras itself: a mean."""
+    for sub in [layer] + sublayers(layer):
+        for cls in type(sub).__mro__:
+            if cls.__module__.split(".")[0] == "keras":
+                break
+            code = getattr(cls.__dict__.get("call"), "__code__", None)
+            if code is not None and "add_loss" in code.co_names:
+                return True
+    return False
+
+
+class model_losses_replaced:
+    """While active, `model.losses` (what `compute_loss` adds to the compiled loss) is
+    `losses` instead of the layers' own: hyparflow adds each stage's layer losses
+    where that stage runs."""
+
+    def __init__(self, model, losses):
+        self.model, self.losses = model, list(losses)
+
+    def __enter__(self):
+        self.saved = self.model.__dict__.get("_losses_override")
+        object.__setattr__(self.model, "_losses_override", self.losses)
+        return self
+
+    def __exit__(self, *exc):
+        object.__setattr__(self.model, "_losses_override", self.saved)
+        return False
+
+
+def run_compute_loss(model, x, y, y_pred, sample_weight, training):
+    """The model's own `compute_loss` (an override), as Keras's train step calls it."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=training)
+
+
 def variable_handle(variable):
     """The TensorFlow resource handle behind a Keras variable (what a traced function
     captures when it reads the variable)."""

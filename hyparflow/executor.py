@@ -281,6 +281,8 @@ class Executor:
                 y, sw = (), ()
                 if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
+                    if stage.takes_x:  # a compute_loss override takes the model's inputs
+                        y += [leaf[idx] for leaf in data.x]
                     sw = [leaf[idx] for leaf in data.sample_weight or ()]
                 share = len(idx) / batch_size
                 if a.kind == sched.FB:

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from . import _compat
+from . import customised as _customised
 from . import errors as errors_
 from . import graph as _graph
 from . import heartbeat as _heartbeat
@@ -165,6 +166,18 @@ def _target_specs(graph, sample):
     return specs
 
 
+def _input_specs(graph, sample):
+    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
+    dimension None, and every dimension the model leaves open."""
+    specs = []
+    for k, a in enumerate(sample.x):
+        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
+        dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
 def _weight_specs(sample):
     """(shape, dtype) of each sample-weight array, the batch dimension None."""
     return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
@@ -287,6 +300,13 @@ class Runtime:
             "counts": part.counts, "tensor_layers": split_names,
         })
         _build_compiled(model, graph, sample, batch_rows)
+        # A compute_loss override or layers adding losses of their own: checked on
+        # this process's model (every rank alike) that they add up over microbatches.
+        self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
+            else _customised.Plan()
+        y_specs = _target_specs(graph, sample)
+        if self.custom.loss is not None:
+            y_specs = y_specs + _input_specs(graph, sample)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         shards = self._shards(layout.tensor_shares)
@@ -294,7 +314,7 @@ class Runtime:
         if layout.num_chunks == 1:
             stage = Stage(graph, part.stages[s], model, part,
                           is_last=(s == layout.num_stages - 1), run_eagerly=eager,
-                          y_specs=_target_specs(graph, sample),
+                          y_specs=y_specs,
                           sw_specs=_weight_specs(sample),
                           per_output=sample.per_output, recompute=recompute, shards=shards)
         else:
@@ -304,7 +324,7 @@ class Runtime:
             last = part.num_stages - 1
             virtual = range(s, part.num_stages, layout.num_stages)
             chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
-                            run_eagerly=eager, y_specs=_target_specs(graph, sample),
+                            run_eagerly=eager, y_specs=y_specs,
                             sw_specs=_weight_specs(sample),
                             per_output=sample.per_output, recompute=recompute)
                       for j in virtual]
@@ -316,8 +336,9 @@ class Runtime:
                 chunk.sink_into(stage)
         self.stage = stage
         kinds, normaliser = self._plan_loss(sample)
-        for st in chunks or [stage]:
+        for st in (chunks or []) + [stage]:
             st.loss_kinds = kinds
+            st.custom = self.custom
         self.timeline = Timeline(comm.rank) if trace else None
         self.trace = trace
         self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
@@ -342,6 +363,17 @@ class Runtime:
         masked = [graph.tensors[t].mask is not None for t in graph.outputs] \
             if graph.functional is not None else [False]
         kinds = _compat.loss_kinds(loss, masked, sample.sample_weight is not None)
+        if self.custom.loss is not None:
+            if _compat.GLOBAL in kinds:
+                name = _compat.overrider(self.model, "compute_loss").__qualname__
+                raise NotImplementedError(
+                    f"{name}.compute_loss is run per microbatch, but the compiled loss it may "
+                    "call divides by a count over the whole batch (a Keras mask reaches the "
+                    "model's outputs, or a mean_with_sample_weight reduction), which a "
+                    "microbatch cannot know. Leave compute_loss to Keras (hyparflow carries "
+                    "the compiled loss's normaliser over microbatches and replicas), or train "
+                    "with num_microbatches=1 and num_replicas=1.")
+            return kinds, None
         weights = [w for w, kind in zip(_compat.loss_weights(loss), kinds)
                    if kind == _compat.GLOBAL]
         return kinds, (_normaliser.Normaliser(weights) if weights else None)

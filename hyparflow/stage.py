@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from . import customised as _customised
 from . import kernels
 from . import settings
 from . import sparse as _sparse
@@ -194,6 +195,10 @@ class Stage:
         # backward is seeded with `scales` (weight / the global batch's normaliser).
         self.loss_kinds, self.scales = [], None
         self.terms = {}  # microbatch -> its GLOBAL losses' [sums..., normaliser parts...]
+        # Customised training (`hyparflow.customised`): how the layers' own losses and
+        # a `compute_loss` override add up; with an override, the last stage's `y`
+        # list ends with the microbatch's model inputs (`takes_x`).
+        self.custom = _customised.Plan()
         self._eager = run_eagerly
         self._functions = {}
         self.set_buckets([])  # gradient buffers, until the executor lays them out
@@ -394,6 +399,29 @@ class Stage:
             self.on_arrival(k)
         return g
 
+    @property
+    def _num_x(self):
+        """How many model inputs end the last stage's `y` list (a `compute_loss`
+        override takes `x`)."""
+        return len(self.graph.inputs) if self.takes_x else 0
+
+    @property
+    def takes_x(self):
+        return self.is_last and self.custom.loss is not None
+
+    def _layer_losses(self, share):
+        """The stage's layers' own losses (regularisers, `add_loss`), each scaled as it
+        adds up over microbatches: a mean by `share`, a sum as it is."""
+        if not self.custom.layer_losses:
+            return tf.zeros((), tf.float32)
+        parts = []
+        for op in self._loss_ops:
+            for j, value in enumerate(op.losses):
+                value = tf.cast(tf.reduce_sum(value), tf.float32)
+                parts.append(value * share if self.custom.kind_of(op, j) == _customised.SHARE
+                             else value)
+        return tf.add_n(parts) if parts else tf.zeros((), tf.float32)
+
     def _weights(self, sample_weight):
         """The microbatch's sample weights as the compiled loss takes them: one array
         for every output, or the outputs' structure."""
@@ -411,8 +439,7 @@ class Stage:
         on the last stage, the GLOBAL losses' sums and normaliser parts."""
         kept = []
         values = self._run_nodes(inputs, training=(kind == "train"), zs=zs, kept=kept)
-        extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
-        total = share * tf.add_n(extra) if extra else tf.zeros((), tf.float32)
+        total = self._layer_losses(share)
         terms = tf.zeros((0,), tf.float32)
         if self.graph.functional is None:
             outs = []
@@ -423,7 +450,23 @@ class Stage:
             flat_pred = [self._value(values, t) for t in self.plan.outputs]
         if self.is_last and kind == "predict":
             return outs, total, list(flat_pred), terms
-        if self.is_last:
+        if self.is_last and self.custom.loss is not None:
+            y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
+            y, xs = list(y[:len(y) - self._num_x]), list(y[len(y) - self._num_x:])
+            y_true = y[0] if len(y) == 1 else list(y)
+            sw = self._weights(sample_weight)
+            x = (_compat.tree.pack_sequence_as(_compat.input_structure(self.graph.functional), xs)
+                 if self.graph.functional is not None else (xs[0] if len(xs) == 1 else xs))
+            # The layers' losses are added by the stages that hold the layers.
+            with _compat.model_losses_replaced(self.model, [tf.zeros(())]):
+                value = _compat.run_compute_loss(self.model, x, y_true, y_pred, sw,
+                                                 kind == "train")
+            metrics = _compat.compile_metrics(self.model)
+            if metrics is not None:
+                metrics.update_state(y_true, y_pred, sample_weight=sw)
+            value = tf.cast(value, tf.float32)
+            total = total + (value * share if self.custom.loss == _customised.SHARE else value)
+        elif self.is_last:
             y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
             y_true = y[0] if len(y) == 1 else list(y)
             sw = self._weights(sample_weight)
