@@ -9,7 +9,7 @@ import sys
 from . import _env
 
 __version__ = "0.1.0"
-__all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main", "__version__"]
+__all__ = ["fit", "evaluate", "predict", "sweep", "rank", "size", "is_main", "__version__"]
 
 _env.quiet_tensorflow()
 # The `hyparflow` command's entry point (hyparflow_command.py, loaded first) says
@@ -19,6 +19,7 @@ _COMMAND = getattr(sys.modules.get("hyparflow_command"), "COMMAND", False)
 if not _COMMAND:
     _env.start_tensorflow()
     from .api import evaluate, fit, is_main, predict, rank, size  # noqa: E402,F401
+    from .sweeps import sweep  # noqa: E402,F401
 
 
 def __getattr__(name):
@@ -27,4 +28,8 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "sweep":
+        from .sweeps import sweep
+
+        return sweep
     raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")

@@ -8,6 +8,7 @@ __all__ = [
     "functional_of", "graph_nodes", "producer_node", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
+    "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
 ]
 
 
@@ -407,3 +408,60 @@ def fit_shuffle_order(num_samples):
     indices = np.arange(num_samples, dtype=np.int64)
     dataset = ArrayDataAdapter(indices, shuffle=True, batch_size=num_samples).get_tf_dataset()
     return np.concatenate([np.asarray(batch) for batch in dataset])
+
+
+# -- sweeps (hyparflow.sweeps) -----------------------------------------------------------
+
+def dropout_rows(x, rate, noise_shape, seed_generator, start, total):
+    """`keras.random.dropout(full, rate, noise_shape, seed_generator)` for the rows
+    `start:start + len(x)` of a batch of `total` rows of which `x` is a part: the mask
+    the whole batch's call draws (TensorFlow's stateless dropout, as Keras calls it),
+    cut to these rows, so that each replica of a member drops what its own fit drops."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.random import _cast_seed
+    from keras.src.random.seed_generator import draw_seed
+
+    if rate == 1.0:
+        return tf.zeros_like(x)
+    if rate == 0.0:
+        return x
+    seed = _cast_seed(draw_seed(seed_generator))
+    shape = tf.shape(x)
+    full = tf.concat([[total], shape[1:]], 0)
+    if noise_shape is not None:
+        full = tf.stack([full[i] if d is None else tf.constant(d, tf.int32)
+                         for i, d in enumerate(noise_shape)])
+    random = tf.random.stateless_uniform(full, seed=seed, dtype=x.dtype)
+    if noise_shape is None or noise_shape[0] is None:
+        random = random[start:start + shape[0]]
+    scaled = x * tf.constant(1.0 / (1.0 - rate), x.dtype)
+    return tf.where(random >= rate, scaled, tf.zeros((), x.dtype))
+
+
+def own_loss_count(layer):
+    """How many losses the layer has added in calls so far (add_loss)."""
+    return len(getattr(layer, "_losses", ()))
+
+
+def learning_rate(optimizer, iterations):
+    """`optimizer.learning_rate` as its `apply` reads it, at step `iterations` (a
+    schedule's value there, its variable's current value, a callable's result)."""
+    from keras.src.optimizers.schedules import learning_rate_schedule
+
+    lr = optimizer._learning_rate
+    if isinstance(lr, learning_rate_schedule.LearningRateSchedule):
+        return lr(iterations)
+    if isinstance(lr, _backend.Variable):
+        return lr.value
+    if callable(lr):
+        return lr()
+    return lr
+
+
+def optimizer_slot(optimizer, attribute, variable):
+    """The optimizer's slot variable in its list `attribute` (e.g. "_momentums") for the
+    model variable `variable`, or None (e.g. SGD without momentum keeps none)."""
+    slots = getattr(optimizer, attribute, None)
+    if not slots:
+        return None
+    return slots[optimizer._get_variable_index(variable)]

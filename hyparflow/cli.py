@@ -159,6 +159,13 @@ def _add_slurm(sub):
                    help="srun --mpi=pmi2 (default) or the MPI's mpiexec")
     p.add_argument("--array", help="job array spec for a sweep, e.g. 0-7 or 0-15%%4; the task "
                    f"index is appended to the script's arguments, or replaces {slurm.TASK_TOKEN} in them")
+    p.add_argument("--sweep", metavar="CONFIGS.json",
+                   help="one job running the script's hf.sweep over the configs in this JSON "
+                        "list (exported as HYPARFLOW_SWEEP_CONFIGS; the script reads them with "
+                        "hyparflow.sweeps.job_configs()), instead of a job array")
+    p.add_argument("--replicas", type=int,
+                   help="with --sweep: ranks per group, each member data parallel over them "
+                        "(exported as HYPARFLOW_NUM_REPLICAS; default 1)")
     p.add_argument("--log", help="the job's output file (default JOBNAME-%%j.out, "
                    "arrays JOBNAME-%%A_%%a.out)")
     p.add_argument("--overcommit", action="store_true",
@@ -181,7 +188,7 @@ def _slurm(args):
         time=args.time, partition=args.partition, account=args.account,
         cpus_per_task=args.cpus_per_task, job_name=args.job_name, template=args.template,
         launcher=args.launcher, array=args.array, log=args.log, overcommit=args.overcommit,
-        sbatch_options=args.sbatch_option,
+        sbatch_options=args.sbatch_option, sweep=args.sweep, replicas=args.replicas,
         rendered_by="Rendered by: " + shlex.join(["hyparflow", *sys.argv[1:]]))
     text, warnings = slurm.render(spec)
     for warning in warnings:

@@ -14,7 +14,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
-           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped"]
+           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
+           "sweep_configs"]
 
 
 class Variable(NamedTuple):
@@ -81,6 +82,9 @@ VARIABLES = (
              "for testing balancing)"),
     Variable("HYPARFLOW_SLURM_TEMPLATES", "the package's templates",
              "a directory of Slurm templates for `hyparflow slurm`"),
+    Variable("HYPARFLOW_SWEEP_CONFIGS", "unset",
+             "a JSON file of a sweep's configs (a list of dicts), set by `hyparflow slurm "
+             "--sweep`; `hyparflow.sweeps.job_configs()` reads it"),
 )
 _NAMES = {v.name for v in VARIABLES}
 
@@ -218,3 +222,8 @@ def slowdown() -> float:
 
 def slurm_templates() -> Optional[str]:
     return _raw("HYPARFLOW_SLURM_TEMPLATES")
+
+
+def sweep_configs(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_SWEEP_CONFIGS: the path of a sweep's configs file, if set."""
+    return _raw("HYPARFLOW_SWEEP_CONFIGS", environ)

@@ -14,9 +14,9 @@ from .launch import LaunchError, layout
 from . import settings
 
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
-           "parse_time", "signal_lead", "render", "submit"]
+           "parse_time", "signal_lead", "read_sweep", "render", "submit"]
 
-TEMPLATES = ("single", "hybrid", "array")
+TEMPLATES = ("single", "hybrid", "array", "sweep")
 LAUNCHERS = ("srun", "mpiexec")
 TASK_TOKEN = "{task}"          # in script arguments: replaced by the array task's index
 _PLACEHOLDER = re.compile(r"\$(?:\{([a-z_][a-z0-9_]*)\}|([a-z_][a-z0-9_]*))")
@@ -46,6 +46,8 @@ class JobSpec:
     sbatch_options: list = field(default_factory=list)
     workdir: str = None
     rendered_by: str = ""
+    sweep: str = None              # a JSON file of configs: one job running hf.sweep
+    replicas: int = None           # with sweep: ranks per group (HYPARFLOW_NUM_REPLICAS)
 
 
 def template_dir():
@@ -135,6 +137,8 @@ def _environment_lines():
 def _choose_template(spec):
     if spec.template:
         return spec.template
+    if spec.sweep:
+        return "sweep"
     if spec.array:
         return "array"
     return "single" if spec.nodes == 1 else "hybrid"
@@ -166,6 +170,48 @@ def _layout_exports(spec):
     return "export " + " ".join(exports)
 
 
+def read_sweep(path):
+    """The configs of a sweep file: a non-empty JSON list of objects."""
+    import json
+
+    try:
+        with open(path) as f:
+            configs = json.load(f)
+    except OSError as error:
+        raise LaunchError(f"--sweep {path}: cannot read it ({error.strerror or error}).") from None
+    except ValueError as error:
+        raise LaunchError(f"--sweep {path} is not JSON: {error}.") from None
+    if not isinstance(configs, list) or not configs or \
+            not all(isinstance(c, dict) for c in configs):
+        raise LaunchError(f"--sweep {path} must hold a non-empty JSON list of objects (one "
+                          "config per member), e.g. [{\"learning_rate\": 0.01}, ...].")
+    return configs
+
+
+def _sweep_layout(spec, ntasks, warnings):
+    """(layout sentence, exports, members, groups, replicas) of a --sweep job."""
+    members = len(read_sweep(spec.sweep))
+    replicas = spec.replicas or 1
+    if not isinstance(replicas, int) or replicas < 1 or ntasks % replicas:
+        raise LaunchError(f"--replicas {spec.replicas} must divide the {ntasks} ranks.")
+    groups = ntasks // replicas
+    if groups > members:
+        raise LaunchError(
+            f"{ntasks} ranks with --replicas {replicas} make {groups} groups for {members} "
+            f"members: every group needs a member. Use --replicas "
+            f"{-(-ntasks // members)} or more, or fewer tasks.")
+    if members % groups:
+        warnings.append(f"{members} members over {groups} groups: some groups train "
+                        f"{members // groups + 1} members, others {members // groups}.")
+    text = (f"{members} members over {ntasks} ranks = {groups} groups x {replicas} "
+            f"replica(s), about {members / groups:.3g} members per group")
+    exports = "export HYPARFLOW_SWEEP_CONFIGS=" + shlex.quote(
+        os.path.abspath(os.path.join(spec.workdir or os.getcwd(), spec.sweep)))
+    if spec.replicas:
+        exports += f" HYPARFLOW_NUM_REPLICAS={spec.replicas}"
+    return text, exports, members, groups, replicas
+
+
 def render(spec):
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
     warnings = []
@@ -180,6 +226,10 @@ def render(spec):
         raise LaunchError(f"--cpus-per-task must be a positive integer. Received: {spec.cpus_per_task!r}")
     if spec.launcher not in LAUNCHERS:
         raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}. Received: {spec.launcher!r}")
+    if spec.sweep and (spec.array or spec.stages or spec.microbatches or spec.tensor):
+        raise LaunchError("--sweep runs one job of hf.sweep: it takes no --array, --stages, "
+                          "--microbatches or --tensor (use --replicas for data parallelism "
+                          "within each member).")
     ntasks = spec.nodes * spec.tasks_per_node
     shape = layout(ntasks, spec.stages, None, spec.microbatches, environ={}, tensor=spec.tensor)
     stages, replicas = shape.num_stages, shape.num_replicas
@@ -187,6 +237,12 @@ def render(spec):
     if template == "single" and spec.nodes != 1:
         raise LaunchError(f"the single template is for one node (--nodes {spec.nodes}); "
                           f"use --template hybrid.")
+    if template == "sweep" and not spec.sweep:
+        raise LaunchError("the sweep template needs --sweep CONFIGS.json.")
+    if spec.replicas is not None and not spec.sweep:
+        raise LaunchError("--replicas is for --sweep jobs (hf.fit derives its replicas from "
+                          "the ranks and --stages).")
+    sweep = _sweep_layout(spec, ntasks, warnings) if spec.sweep else None
     if template == "array" and not spec.array:
         raise LaunchError("the array template needs --array, e.g. --array 0-7 or --array 1,3,5%2.")
     if spec.array and template in ("single", "hybrid"):
@@ -229,10 +285,12 @@ def render(spec):
     values = {
         "job_name": job_name, "nodes": spec.nodes, "tasks_per_node": spec.tasks_per_node,
         "ntasks": ntasks, "stages": spec.stages or "S",
-        "replicas": replicas if spec.stages else "N // S",
+        "replicas": (sweep[4] if sweep else replicas) if (spec.stages or sweep) else "N // S",
         "microbatches": spec.microbatches or "M",
-        "layout": _layout_text(ntasks, spec, replicas),
+        "layout": sweep[0] if sweep else _layout_text(ntasks, spec, replicas),
         "layout_exports": _layout_exports(spec),
+        "sweep_exports": sweep[1] if sweep else "",
+        "members": sweep[2] if sweep else "", "groups": sweep[3] if sweep else "",
         "time": spec.time, "log": log, "workdir": spec.workdir or os.getcwd(),
         "signal_lead": signal_lead(limit), "sbatch_options": "\n".join(options),
         "activate": activate, "launch": launch, "other_launch": other,

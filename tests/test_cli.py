@@ -1,5 +1,6 @@
 """The `hyparflow` command: run (dry run, errors, exit code), info, slurm rendering."""
 
+import json
 import os
 import re
 import shutil
@@ -436,3 +437,36 @@ def test_the_command_entry_point_says_it_is_the_command():
                             capture_output=True, text=True, timeout=100)
     assert script.returncode == 0, script.stderr
     assert script.stdout.split() == ["True", "True"]
+
+
+def test_slurm_sweep_is_one_job(capsys, tmp_path):
+    """--sweep: one job of the sweep template, the configs file exported (absolute), the
+    members' share per group in the layout line; --replicas exported for hf.sweep."""
+    configs = tmp_path / "configs.json"
+    configs.write_text(json.dumps([{"learning_rate": 10.0 ** -k} for k in range(1, 9)]))
+    text, err = render(capsys, "--sweep", str(configs), "--nodes", "2", "--tasks-per-node", "2",
+                       "--replicas", "2", EXAMPLE, "--epochs", "3")
+    lines = sbatch_lines(text)
+    for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2"):
+        assert expected in lines, (expected, lines)
+    assert not any("--array" in line for line in lines)
+    assert text.splitlines()[1] == ("# hyparflow sweep on 2 node(s) x 2 tasks: 8 members over 4 "
+                                    "ranks = 2 groups x 2 replica(s), about 4 members per group.")
+    assert f"export HYPARFLOW_SWEEP_CONFIGS={configs} HYPARFLOW_NUM_REPLICAS=2" in text.splitlines()
+    assert f"python {EXAMPLE} --epochs 3 &" in text
+    assert not re.search(r"\$\{[a-z_]+\}", text), "a placeholder was left"
+    check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    assert err == ""
+    # Uneven shares are said; more groups than members, or stages, are refused.
+    _, err = render(capsys, "--sweep", str(configs), "--tasks-per-node", "3", EXAMPLE)
+    assert "8 members over 3 groups: some groups train 3 members, others 2." in err
+    configs.write_text(json.dumps([{"a": 1}, {"a": 2}]))
+    assert cli.main(["slurm", "--sweep", str(configs), "--tasks-per-node", "4", EXAMPLE]) == 2
+    assert "4 ranks with --replicas 1 make 4 groups for 2 members" in capsys.readouterr().err
+    assert cli.main(["slurm", "--sweep", str(configs), "--stages", "2", EXAMPLE]) == 2
+    assert "--sweep runs one job of hf.sweep: it takes no --array, --stages" in \
+        capsys.readouterr().err
+    configs.write_text("{}")
+    assert cli.main(["slurm", "--sweep", str(configs), EXAMPLE]) == 2
+    assert "must hold a non-empty JSON list of objects" in capsys.readouterr().err

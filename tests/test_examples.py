@@ -29,6 +29,10 @@ CASES = {
     "gpt_text.py": (["--chars", "20000", "--epochs", "1", "--samples", "1"],
                     r"^gpt_text: held-out loss [0-9.]+, perplexity [0-9.]+ per character on "
                     r"\d+ windows of 64$"),
+    # Two ranks: two groups of the sweep's members (a sweep takes no stages).
+    "sweep_digits.py": (["--epochs", "1", "--seeds", "1"],
+                        r"^sweep_digits: best learning rate [0-9.e-]+ \(seed 0\): test accuracy "
+                        r"[0-9.]+, 8 members on 2 rank\(s\)$"),
     "transformer_text.py": (["--samples", "256", "--epochs", "1"],
                             r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
                             r"held-out sequences$"),
