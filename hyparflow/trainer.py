@@ -8,6 +8,7 @@ import keras
 from . import checkpoint as _ckpt
 from . import costs as _costs
 from . import data as _data
+from .customised import refuse_steps
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -40,6 +41,8 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
         if checkpoint_dir:
             state["checkpointer"] = _ckpt.Checkpointer(checkpoint_dir, checkpoint_every, keep)
         state["verbose"] = resolve_verbose(verbose)
+        refuse_steps(model, ("train_step", "test_step") if (
+            validation_data is not None or validation_split) else ("train_step",))
         state["batch_size"] = batch_size
         if validation_split and validation_data is None:
             if _data.is_dataset(x):

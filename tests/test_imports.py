@@ -25,6 +25,7 @@ RULES = {
     "hyparflow.heartbeat": ["tensorflow", "keras"],
     "hyparflow.calls": ["tensorflow", "keras"],
     "hyparflow.restart": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
 
 
@@ -55,7 +56,7 @@ PLANNING = {"planner", "measure", "probes", "profile", "costs"}
 ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
           "comm", "local", "partition", "graph", "topology", "schedule", "weights",
           "heartbeat", "calls", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
-          "layout", "settings", "clock", "_compat", "_env"}
+          "layout", "settings", "clock", "_compat", "_env", "normaliser", "customised"}
 
 
 def _imports(path, top_level_only=False):
