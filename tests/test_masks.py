@@ -4,9 +4,8 @@ Keras 3's MultiHeadAttention removes the mask from the tensors it was given, so 
 `model.fit` a layer reading the same tensor after it sees no mask (and an
 `Add([x, attention(x, x)])` gives an output without one: the loss is then not
 masked). Every layout must reproduce that, and split layers must give their
-outputs the masks the whole layers give. The data keep the same number of valid
-tokens in every microbatch and replica, so that a masked loss has one normaliser
-whatever the split (`model.fit` divides by the whole batch's count)."""
+outputs the masks the whole layers give. Microbatches and replicas hold different
+numbers of valid tokens (a masked loss is divided by the whole batch's count)."""
 
 import time
 
@@ -33,9 +32,7 @@ def tokens(length, vocab, valid, seed):
     return ids
 
 
-# 8 valid tokens in each quarter of the batch: microbatches and replicas of 2 or 4
-# rows hold the same count.
-VALID = [3, 5, 2, 6, 4, 4, 2, 6]
+VALID = [3, 5, 2, 6, 4, 1, 1, 6]  # valid tokens per row (of 6)
 
 
 def attention_then_add():
@@ -135,17 +132,16 @@ def encoder_decoder():
 
 
 def test_encoder_decoder_split_by_heads_and_columns():
-    """Attention and FFN layers split over 2 tensor ranks, with stages and
-    microbatches, Adam: model.fit's weights (2.0e-2 apart before, or an abort)."""
+    """Attention and FFN layers split over 2 tensor ranks, with 2 stages and 2
+    microbatches, Adam: model.fit's weights (2.8e-2 apart before, or an abort)."""
     x = [tokens(10, 30, [9, 4, 10, 3, 6, 8, 5, 7], 2), tokens(7, 30, [4, 6, 3, 7, 5, 5, 3, 7], 3)]
     y = np.random.default_rng(4).integers(0, 30, (BATCH, 7))
     start, expected, _ = reference(encoder_decoder, x, y, epochs=1, batch_size=BATCH)
-    for s, m in [(1, 1), (2, 2)]:
-        results = train_ranks(encoder_decoder, x, y, num_stages=s, num_replicas=1,
-                              num_microbatches=m, weights=start, num_tensor=2,
-                              tensor_layers=SPLIT, batch_size=BATCH, epochs=1, shuffle=False)
-        # Adam's first step is about lr * sign(g): round-off moves near-zero ones.
-        assert max_diff(results[0][0], expected) <= 2e-5, (s, m)
+    results = train_ranks(encoder_decoder, x, y, num_stages=2, num_replicas=1,
+                          num_microbatches=2, weights=start, num_tensor=2, tensor_layers=SPLIT,
+                          batch_size=BATCH, epochs=1, shuffle=False)
+    # Adam's first step is about lr * sign(g): round-off moves near-zero ones.
+    assert max_diff(results[0][0], expected) <= 2e-5
 
 
 class Delay(L.Layer):
