@@ -5,7 +5,7 @@ from keras.src import backend as _backend
 from keras.src import tree
 
 __all__ = [
-    "functional_of", "graph_nodes", "producer_node", "fill_in", "call_operation",
+    "functional_of", "graph_nodes", "producer_node", "call_order", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
     "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
@@ -32,6 +32,15 @@ def producer_node(tensor):
     """The keras Node that produced a KerasTensor."""
     history = tensor._keras_history
     return history.operation._inbound_nodes[history.node_index]
+
+
+def call_order(functional):
+    """The graph's keras Nodes in the order `Functional.call` runs them (deepest
+    first, as its `_run_through_graph`): the order in which a layer that removes
+    masks from its inputs (MultiHeadAttention) acts in `model.fit`."""
+    return [node for depth in sorted(functional._nodes_by_depth, reverse=True)
+            for node in functional._nodes_by_depth[depth]
+            if node.operation and not node.is_input]
 
 
 def fill_in(node, tensor_dict):

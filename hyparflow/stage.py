@@ -18,6 +18,7 @@ import tensorflow as tf
 from . import _compat
 from . import customised as _customised
 from . import kernels
+from . import masks as _masks
 from . import settings
 from . import sparse as _sparse
 from .clock import timed
@@ -126,6 +127,9 @@ class _XLAOrPlain:
         return self.plain(*args)
 
 
+_PRODUCED = "produced masks"  # the key of `_run_nodes`' masks by tensor
+
+
 class Stage:
     """Runs stage `plan.index` of `graph` for the user's `model`, on its own variables.
 
@@ -151,7 +155,11 @@ class Stage:
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
         self.output_ids = sorted({e.tensor for e in plan.send})
         # Keras masks (padding) cross with their tensors: inputs and outputs end with
-        # the masks of these tensors, in this order.
+        # the masks of these tensors, in this order. Recording the masks model.fit
+        # sees (hyparflow.masks) comes first: it may find masks that only run-time
+        # calls attach, which must cross too.
+        if not accumulator:
+            _masks.of(graph, True)
         self.mask_ids = [e.tensor for e in plan.recv if graph.tensors[e.tensor].mask is not None]
         self.output_mask_ids = [t for t in self.output_ids if graph.tensors[t].mask is not None]
         # Split layers (tensor parallelism): this rank trains its parts in place of
@@ -362,12 +370,23 @@ class Stage:
         values = {id(g.tensors[t].keras_tensor): v
                   if k in diff or not tf.as_dtype(v.dtype).is_floating else tf.stop_gradient(v)
                   for k, (t, v) in enumerate(zip(self.input_ids, inputs))}
+        # Each tensor's mask as its producer attached it (None: without one); before
+        # each call its inputs carry exactly the masks model.fit's call finds
+        # (`hyparflow.masks`: a MultiHeadAttention that ran before it in Keras's
+        # order removed them, wherever it ran here).
+        produced = {}
         masks = iter(inputs[len(self.input_ids):])
         for t, present in zip(self.mask_ids, self.presence):
             if present:
-                _compat.set_mask(values[id(g.tensors[t].keras_tensor)], next(masks))
+                produced[t] = next(masks)
+                _compat.set_mask(values[id(g.tensors[t].keras_tensor)], produced[t])
+        run = _masks.of(g, training)
         for i in self.plan.nodes:
             node = g.nodes[i]
+            if run is not None:
+                for t, present in run.present[i].items():
+                    _compat.set_mask(values[id(g.tensors[t].keras_tensor)],
+                                     produced.get(t) if present else None)
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
                 out = self.shards[i](args, kwargs, training)
@@ -379,16 +398,22 @@ class Stage:
                 out = self.transposed[i](args, kwargs)
             else:
                 out = _compat.call_operation(node.op, args, kwargs, training)
-            for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
+            for t, kt, v in zip(node.outputs, node.keras_node.outputs, _compat.tree.flatten(out)):
                 values[id(kt)] = v
+                produced[t] = _compat.get_mask(v)
+        values[_PRODUCED] = produced
+        if run is not None and self.is_last:
+            for t in self.plan.outputs:  # as the loss finds them in model.fit
+                _compat.set_mask(self._value(values, t), produced.get(t) if run.final[t] else None)
         return values
 
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
 
     def _mask(self, values, t):
-        """The Keras mask a value carries at run time; an empty one when it has none."""
-        mask = _compat.get_mask(self._value(values, t))
+        """The Keras mask tensor `t`'s producer attached at run time (what crosses a
+        stage, whatever a later call here did to it); an empty one when it has none."""
+        mask = values[_PRODUCED].get(t)
         return tf.zeros((0,), tf.bool) if mask is None else tf.cast(mask, tf.bool)
 
     def _inputs(self, inputs):
@@ -533,6 +558,7 @@ class Stage:
         stage; "predict": the model's outputs there). Returns (outputs, loss
         contribution, predictions, GLOBAL loss terms)."""
         inputs = self._inputs(inputs)
+        _masks.of(self.graph, False)  # recorded here, not inside the function's trace
         fn = self._function(kind, bool(sample_weight))
         if kind == "predict":
             y, sample_weight = (), ()
