@@ -17,8 +17,14 @@ pytestmark = pytest.mark.timeout(300)
 
 # -- LocalSGD(every=1) is model.fit ------------------------------------------------
 
-@pytest.mark.parametrize("s,r,m,weighted", [(1, 2, 1, False), (2, 2, 2, True)])
-def test_local_sgd_every_step_trains_as_model_fit(s, r, m, weighted):
+@pytest.mark.parametrize("s,r,m,weighted,extra", [
+    (1, 2, 1, False, {}),
+    (2, 2, 2, True, {}),
+    # Split layers (each tensor rank averages its parts) and model chunks.
+    (1, 2, 1, False, {"num_tensor": 2, "tensor_layers": ["hidden_1", "hidden_2"]}),
+    (2, 2, 2, False, {"schedule": "interleaved", "num_chunks": 2}),
+])
+def test_local_sgd_every_step_trains_as_model_fit(s, r, m, weighted, extra):
     """Averaging after every step of plain SGD (momentum too: its step is linear in the
     gradient) is the allreduce step: the weights of model.fit, to round-off."""
     x, y = models.mlp_data(100)  # the last batch (4 samples) is short
@@ -27,7 +33,7 @@ def test_local_sgd_every_step_trains_as_model_fit(s, r, m, weighted):
     start, expected, _ = reference(build, x, y, epochs=2, batch_size=16, sample_weight=sw)
     results = train_ranks(build, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                           weights=start, batch_size=16, epochs=2, shuffle=False,
-                          sample_weight=sw, replica_sync=hf.LocalSGD(every=1))
+                          sample_weight=sw, replica_sync=hf.LocalSGD(every=1), **extra)
     for w, _ in results:
         assert max_diff(w, expected) <= 1e-5
 
@@ -178,3 +184,31 @@ def test_resume_goes_on_from_each_replicas_own_weights(tmp_path):
     resumed = run(2, checkpoint_dir=str(tmp_path), resume=True)
     assert max_diff(resumed[0][0], straight[0][0]) <= 1e-6
     assert max_diff(first[0][0], straight[0][0]) > 1e-3  # the second epoch did something
+
+
+def test_tied_copies_stay_identical_within_each_replica():
+    """A weight tied across stages (GPT's embedding, on the first and the last stage) is
+    summed over its stages within each replica, never across replicas: the two copies
+    of a replica agree after every step, and the replicas differ until they average."""
+    import test_tied
+
+    x, y = test_tied.data()
+    x, y = x[:64], y[:64]
+    start = test_tied.build().get_weights()
+    copies = [test_tied.Copies() for _ in range(4)]
+
+    def body(comm):
+        model = test_tied.build()
+        model.set_weights(start)
+        hf.fit(model, x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, num_stages=2,
+               num_replicas=2, num_microbatches=2, callbacks=[copies[comm.rank]], comm=comm,
+               replica_sync=hf.LocalSGD(every=2))
+
+    run_ranks(4, body, timeout=300)
+    # Ranks: (stage 0, replica 0), (stage 1, replica 0), (stage 0, replica 1), (stage 1, replica 1).
+    for first, last in ((0, 1), (2, 3)):
+        assert len(copies[first].seen) == 2
+        for a, b in zip(copies[first].seen, copies[last].seen):
+            np.testing.assert_array_equal(a, b)
+    assert max_diff([copies[0].seen[0]], [copies[2].seen[0]]) > 1e-6  # on their own
+    np.testing.assert_array_equal(copies[0].seen[1], copies[2].seen[1])  # averaged
