@@ -42,14 +42,16 @@ def scenes(n, seed):
         wave = 0.06 * np.sin(xx / rng.uniform(3, 8) + rng.uniform(0, 6)) * np.cos(
             yy / rng.uniform(3, 8) + rng.uniform(0, 6))
         image = ground + wave[..., None] + rng.normal(0, 0.03, (SIZE, SIZE, 3))
-        # Roads: one or two each way, 2 pixels wide; the corridor reaches 4 pixels out.
+        # Roads: one each way, sometimes two, 2 pixels wide; the surveyed corridor
+        # reaches 2 pixels out on each side.
         road = np.zeros((SIZE, SIZE), bool)
         corridor = np.zeros((SIZE, SIZE), bool)
         for axis in (0, 1):
-            for at in rng.choice(np.arange(3, SIZE - 4), rng.integers(1, 3), replace=False):
+            count = 1 + int(rng.random() < 0.3)
+            for at in rng.choice(np.arange(3, SIZE - 4), count, replace=False):
                 line = (yy if axis == 0 else xx)
                 road |= (line >= at) & (line < at + 2)
-                corridor |= (line >= at - 4) & (line < at + 6)
+                corridor |= (line >= at - 2) & (line < at + 4)
         # Trees: round crowns, denser along the roads, never on them.
         label = np.zeros((SIZE, SIZE), bool)
         for _ in range(rng.integers(8, 16)):
