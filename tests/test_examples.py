@@ -29,6 +29,12 @@ CASES = {
     "gpt_text.py": (["--chars", "20000", "--epochs", "1", "--samples", "1"],
                     r"^gpt_text: held-out loss [0-9.]+, perplexity [0-9.]+ per character on "
                     r"\d+ windows of 64$"),
+    "imbalanced_digits.py": (["--epochs", "1", "--seeds", "1"],
+                             r"^imbalanced_digits: rare classes' held-out accuracy [0-9.]+ "
+                             r"without mixing, [0-9.]+ with mixing \(mean of 1 seed\)$"),
+    "masked_segmentation.py": (["--samples", "64", "--epochs", "1"],
+                               r"^masked_segmentation: final loss [0-9.]+; accuracy [0-9.]+ "
+                               r"inside the mask, [0-9.]+ outside$"),
     "transformer_text.py": (["--samples", "256", "--epochs", "1"],
                             r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
                             r"held-out sequences$"),
