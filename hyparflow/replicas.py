@@ -165,9 +165,10 @@ class Replicas:
                     v.assign(np.asarray(v.numpy(), dtype) * keep + leader * move)
         self._average(comm, self.bn)
 
-    def _average(self, comm, variables):
+    def _average(self, comm, variables, count=True):
         """Float `variables` become their mean over `comm` (summed in their dtype in
-        rank order where the sum is ours, then times 1/size)."""
+        rank order where the sum is ours, then times 1/size). `count`: add the bytes to
+        `received` (training's meetings; not the agreed model shown at epoch ends)."""
         if comm.size == 1:
             return
         for dtype, group in _by_dtype(_floats(variables)):
@@ -175,7 +176,8 @@ class Replicas:
             comm.allreduce(flat)
             flat *= np.asarray(1.0 / comm.size, dtype)
             # A ring allreduce moves 2 (n-1)/n of the payload in and out of each rank.
-            self.received += int(flat.nbytes * 2 * (comm.size - 1) / comm.size)
+            if count:
+                self.received += int(flat.nbytes * 2 * (comm.size - 1) / comm.size)
             for v, value in zip(group, _unpack(flat, group)):
                 v.assign(value)
 
@@ -201,7 +203,7 @@ class Replicas:
         variables = self.trainable + self.state
         self._saved = [np.array(v.numpy(), copy=True) for v in variables]
         if isinstance(self.method, LocalSGD):
-            self._average(self.everyone, self.trainable + self.bn)
+            self._average(self.everyone, self.trainable + self.bn, count=False)
         else:
             self.final = self.leader()
             self._copy(self.everyone, self.final, variables)
