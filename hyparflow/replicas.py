@@ -39,11 +39,7 @@ def replica_groups(method, hosts_of_replicas):
     if not isinstance(method, LeaderSGD):
         return [0] * count
     if method.groups is not None:
-        if count % method.groups:
-            raise ValueError(f"LeaderSGD(groups={method.groups}) must divide the replicas "
-                             f"({count}). Pass a divisor of {count}, or groups=None (one "
-                             "group per host).")
-        size = count // method.groups
+        size = count // method.groups  # it divides them (`sync.check`)
         return [r // size for r in range(count)]
     order = {}
     for host in hosts_of_replicas:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["LocalSGD", "LeaderSGD", "resolve", "ALLREDUCE"]
+__all__ = ["LocalSGD", "LeaderSGD", "resolve", "check", "ALLREDUCE"]
 
 ALLREDUCE = "allreduce"
 
@@ -94,6 +94,15 @@ class LeaderSGD:
         return (f"LeaderSGD(pull={self.pull}, local_every={self.local_every}, "
                 f"global_every={self.global_every}"
                 + (f", groups={self.groups}" if self.groups is not None else "") + ")")
+
+
+def check(method: Any, num_replicas: int) -> None:
+    """Refuse a method that cannot run with `num_replicas` replicas."""
+    if isinstance(method, LeaderSGD) and method.groups is not None and (
+            num_replicas % method.groups):
+        raise ValueError(f"LeaderSGD(groups={method.groups}) must divide the replicas "
+                         f"(num_replicas={num_replicas}). Pass a divisor of {num_replicas}, "
+                         "or groups=None (one group per host).")
 
 
 def resolve(value: Any) -> Any:

@@ -38,6 +38,7 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
     try:
         check_positive(batch_size=batch_size, epochs=epochs)
         replica_sync = _sync.resolve(replica_sync)
+        _sync.check(replica_sync, layout.num_replicas)
         if resume and not checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
         if checkpoint_dir:

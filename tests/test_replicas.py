@@ -212,3 +212,60 @@ def test_tied_copies_stay_identical_within_each_replica():
             np.testing.assert_array_equal(a, b)
     assert max_diff([copies[0].seen[0]], [copies[2].seen[0]]) > 1e-6  # on their own
     np.testing.assert_array_equal(copies[0].seen[1], copies[2].seen[1])  # averaged
+
+
+def test_bad_methods_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"pull=1\.5"):
+        hf.LeaderSGD(pull=1.5)
+    with pytest.raises(ValueError, match="both None"):
+        hf.LeaderSGD(local_every=None, global_every=None)
+    with pytest.raises(ValueError, match="every=0"):
+        hf.LocalSGD(every=0)
+    x, y = models.mlp_data(32)
+
+    def body(comm):
+        hf.fit(models.mlp(), x, y, batch_size=16, num_replicas=2, comm=comm, verbose=0,
+               replica_sync=hf.LeaderSGD(groups=3))
+
+    with pytest.raises(ValueError, match=r"groups=3\) must divide the replicas"):
+        run_ranks(2, body, timeout=120)
+    with pytest.raises(ValueError, match="Unknown replica_sync 'local'"):
+        run_ranks(1, lambda comm: hf.fit(models.mlp(), x, y, comm=comm, verbose=0,
+                                         replica_sync="local"), timeout=120)
+
+
+def test_pulls_average_batchnorm_statistics():
+    """At every pull the group's BatchNorm statistics become their mean (the same bits
+    on both replicas) while the weights only move toward the leader's."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(8, name="first")(inp)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    model = keras.Model(inp, keras.layers.Dense(2)(h))
+    config = model.to_json()
+    w0 = model.get_weights()
+    x, y = tiny_data(32)
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.stats, self.kernels = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.stats.append(self.model.get_layer("norm").moving_mean.numpy().copy())
+            self.kernels.append(self.model.get_layer("first").kernel.numpy().copy())
+
+    seen = [Seen(), Seen()]
+
+    def body(comm):
+        m = keras.models.model_from_json(config)
+        m.set_weights(w0)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        hf.fit(m, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, num_replicas=2,
+               comm=comm, callbacks=[seen[comm.rank]],
+               replica_sync=hf.LeaderSGD(pull=0.5, local_every=1, global_every=None))
+
+    run_ranks(2, body, timeout=120)
+    for step in range(2):
+        np.testing.assert_array_equal(seen[0].stats[step], seen[1].stats[step])
+        assert max_diff([seen[0].kernels[step]], [seen[1].kernels[step]]) > 1e-6
