@@ -55,6 +55,9 @@ class Executor:
         self._timed = {}
         self.chosen = None  # what "auto" chose, once it has
         self.transposed = None  # {node: keeps W^T}, agreed at the first training step
+        # Replicas that step on their own (hyparflow.replicas) scale their summed
+        # gradients by this before the optimizer step; 1 under allreduce.
+        self.grad_scale = 1.0
         if schedule == "auto":
             self.schedule = AUTO[0]
         self.s = topology.stage(comm.rank)
@@ -151,6 +154,8 @@ class Executor:
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
         else:
             self._normalise_empty()
+        if self.grad_scale != 1.0:
+            self.stage.scale_grads(self.grad_scale)
         self._allreduce_and_apply()
         self._record("step", "step", start, step=step_id)
         if self._trials:

@@ -18,6 +18,7 @@ from . import tensor as _tensor
 from . import weights
 from . import zero as _zero
 from .executor import Executor, split_batch
+from .replicas import Replicas
 from .stage import Stage
 from .timeline import Timeline
 from .topology import Topology
@@ -228,13 +229,16 @@ def _build_compiled(model, graph, data, rows=None):
                                     y_true, y_pred, sw_sym)
 
 
-def _make_groups(comm, topo, part, stage, model_variables):
+def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
     """One communicator per set of stages sharing variables (normally one stage):
     every rank joins each split, in the same sorted order. Returns
     {stage set: (communicator or None, positions in stage.trainable)}. With model
     chunks (`part` cut into more stages than the pipeline has ranks), the sets are
-    of pipeline positions: virtual stage j is on position j % S."""
+    of pipeline positions: virtual stage j is on position j % S. `per_replica`:
+    replicas that step on their own (`hyparflow.replicas`) sum a tied variable's
+    gradient over their own stages only."""
     s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
+    r = topo.replica(comm.rank)
     S = topo.num_stages
     users = {vid: tuple(sorted({u % S for u in us})) for vid, us in part.users.items()}
     index_of = {id(v): k for k, v in enumerate(stage.originals)}
@@ -245,7 +249,7 @@ def _make_groups(comm, topo, part, stage, model_variables):
         # Tensor rank t of each stage sums with tensor rank t of the others only:
         # its split layers' parts are its own, and its unsplit weights' gradients
         # are the same on every tensor rank.
-        color = t if s in key else None
+        color = (r * topo.num_tensor + t if per_replica else t) if s in key else None
         sub = comm.split(color, comm.rank) if topo.size > 1 else None
         if color is None:
             continue
@@ -276,10 +280,12 @@ class Runtime:
     """Everything one rank needs to run stage s of replica r of `model`."""
 
     def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
-                 recompute=False, trace=None, training=True, facts=None, batch_rows=None):
+                 recompute=False, trace=None, training=True, facts=None, batch_rows=None,
+                 replica_sync=None):
         """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
-        `layout.balance`."""
+        `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
+        method, under which each replica steps on its own (`hyparflow.replicas`)."""
         _check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
@@ -288,6 +294,9 @@ class Runtime:
             _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
         self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
+        # Replicas on their own only where there are several (one replica: allreduce).
+        self.sync = replica_sync if training and layout.num_replicas > 1 else None
+        self.replicas = None
         # Interleaved schedules: S x v virtual stages, virtual stage j on position j % S.
         self.part = part = _partition.partition(
             graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
@@ -437,11 +446,15 @@ class Runtime:
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.training:
             optimizer = self.model.optimizer
-            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
+            local = self.sync is not None
+            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
+                                  per_replica=local)
             shared = [g for g in groups.values() if g[1]]
             # Not sharded with model chunks (a first version: ZeRO's shards and the
-            # chunks' accumulator are not combined yet; docs/performance.md).
-            self.zero = self._plan_zero(optimizer, shared) if self.layout.num_chunks == 1 else None
+            # chunks' accumulator are not combined yet; docs/performance.md), nor when
+            # each replica steps on its own (nothing is summed over replicas).
+            self.zero = (self._plan_zero(optimizer, shared)
+                         if self.layout.num_chunks == 1 and not local else None)
             if not optimizer.built:
                 # Only this stage's variables (or, sharded, this rank's parts of them):
                 # optimizer state is split like the weights.
@@ -449,9 +462,18 @@ class Runtime:
             elif self.stage.shards or not self.zero:
                 _zero.check_knows(optimizer, self.zero.variables if self.zero
                                   else self.stage.trainable)
-            early = overlap.enabled(default=len(set(hosts)) > 1) and self.layout.num_chunks == 1
+            # Not early with replicas on their own: their gradients are scaled (below)
+            # before any sum, and only tied copies within a replica are summed.
+            early = (overlap.enabled(default=len(set(hosts)) > 1)
+                     and self.layout.num_chunks == 1 and not local)
             self.executor.set_groups(shared, early=early, zero=self.zero)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
+            if local:
+                state = self.graph.variables_of(self.stage.plan.nodes, trainable=False)
+                self.replicas = Replicas(self.sync, self.comm, topo, self.stage, state, hosts)
+                # Each replica steps on R times its share of the batch's gradient: its
+                # own slice's mean gradient when the slices are equal (hyparflow.replicas).
+                self.executor.grad_scale = float(topo.num_replicas)
         norm = self.executor.normaliser
         if norm is not None and topo.size > 1:
             # The last stage's replicas at each tensor rank agree on its normalisers.
@@ -488,6 +510,8 @@ class Runtime:
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+        if self.replicas is not None:
+            self.replicas.free()
         comms = [c for c, _ in getattr(self.executor, "groups", ())]
         comms.append(getattr(getattr(self, "collectives", None), "comm", None))
         norm = getattr(self.executor, "normaliser", None)

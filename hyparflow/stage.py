@@ -987,6 +987,17 @@ class Stage:
         self.reset_grads()
         self._step(optimizer, grads)
 
+    def scale_grads(self, factor):
+        """Multiply this step's summed gradients (dense buffers and kept pairs) by
+        `factor`, in place (replicas that step on their own: `hyparflow.replicas`)."""
+        if self._views is not None:
+            for k, view in enumerate(self._views):
+                if view is not None and self.touched[k]:
+                    view *= np.float32(factor)
+        for pieces in self._slices.values():
+            for j, (microbatch, indices, values) in enumerate(pieces):
+                pieces[j] = (microbatch, indices, values * np.float32(factor))
+
     def reset_grads(self):
         self.touched[:] = False
         self.arrived[:] = False

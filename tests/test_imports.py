@@ -19,6 +19,8 @@ RULES = {
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.schedule": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.replicas": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.comm": ["tensorflow", "keras"],
     "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
@@ -56,6 +58,7 @@ PLANNING = {"planner", "measure", "probes", "profile", "costs"}
 ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
           "comm", "local", "partition", "graph", "topology", "schedule", "weights",
           "heartbeat", "calls", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
+          "replicas", "sync", "layers",
           "layout", "settings", "clock", "_compat", "_env", "normaliser", "customised"}
 
 
