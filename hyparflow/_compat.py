@@ -250,6 +250,28 @@ def compile_loss_terms(loss, y_true, y_pred, sample_weight, share, kinds):
     return (sum(static) if static else ops.zeros((), "float32")), sums
 
 
+def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
+    """`CompileLoss.__call__` on a whole batch's rows (a fused sweep's member), its
+    per-output loss trackers updated with weight `share`: the value `model.fit`
+    computes for the batch. (The pipeline splits batches: `compile_loss_terms`.)"""
+    from keras import ops
+
+    y_pred = _conform(loss._y_pred_build_structure, y_pred)
+    y_true = _conform(loss._y_true_build_structure, y_true)
+    metrics = list(loss.metrics) or [None] * len(loss._flat_losses)
+    values = []
+    for (path, fn, weight, _), metric in zip(loss._flat_losses, metrics):
+        y_t, y_p = _resolve(path, y_true), _resolve(path, y_pred)
+        sw = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+        value = ops.cast(fn(y_t, y_p, sw), dtype=loss.dtype)
+        if metric is not None:
+            metric.update_state(value, sample_weight=share)
+        if weight is not None:
+            value = ops.multiply(value, weight)
+        values.append(value)
+    return sum(values) if values else ops.zeros(())
+
+
 def track_global(loss, kinds, sums, normalisers, share):
     """Update the per-output loss trackers of the GLOBAL losses with this rank's part
     of the step's value (`sums`: this rank's sums, `normalisers`: the global batch's,
