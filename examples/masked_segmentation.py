@@ -12,11 +12,11 @@ the loss counts only the pixels inside it. After training, the model is asked ab
 pixel (mask of ones) and scored against the full synthetic truth, inside the corridor and
 outside it, where it never saw a label.
 
-The loss is `masked_bce`: the binary cross-entropy of the pixels inside the mask, summed
-and divided by the number of pixels of the batch (a per-pixel mean, so the masked mean's
-direction with a normaliser that does not depend on where the microbatches are cut:
-training with microbatches is exactly model.fit's). A mean over the *valid* pixels of the
-whole batch needs the batch's count in every microbatch (docs/models.md).
+The loss is the binary cross-entropy with the mask as a per-pixel `sample_weight` map and
+`reduction="mean_with_sample_weight"`: the mean over the pixels inside the mask of the
+whole batch. The microbatches hold very different numbers of such pixels, so each one's
+sum is divided by the batch's count, agreed between the ranks before the backward
+(docs/models.md, "Losses over the whole batch"): training ends with model.fit's weights.
 """
 
 import argparse
@@ -89,15 +89,6 @@ def build_unet():
     return keras.Model({"image": image, "mask": mask}, coated, name="masked_unet")
 
 
-@keras.saving.register_keras_serializable(package="examples")
-def masked_bce(y_true, y_pred):
-    """y_true: (label, mask) channels. Each pixel's binary cross-entropy inside the mask,
-    0 outside; Keras then divides the sum by the batch's pixels."""
-    label, known = y_true[..., :1], y_true[..., 1:]
-    bce = keras.losses.binary_crossentropy(label, y_pred)  # (batch, H, W)
-    return bce * known[..., 0]
-
-
 def scores(model, images, masks, trees):
     """Pixel accuracy and tree IoU inside and outside the corridor, the model asked about
     every pixel (a mask of ones: no coat)."""
@@ -134,9 +125,11 @@ def main():
     test = scenes(256, seed=1)
     keras.utils.set_random_seed(0)
     model = build_unet()
-    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss=masked_bce)
-    history = hf.fit(model, {"image": images, "mask": masks},
-                     np.concatenate([trees, masks], axis=-1), batch_size=args.batch_size,
+    # Only the pixels inside the mask count, and the mean is over them (not all pixels).
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss=keras.losses.BinaryCrossentropy(reduction="mean_with_sample_weight"))
+    history = hf.fit(model, {"image": images, "mask": masks}, trees,
+                     sample_weight=masks[..., 0], batch_size=args.batch_size,
                      epochs=args.epochs, num_stages=stages, num_microbatches=microbatches,
                      seed=0, verbose=2 if hf.is_main() else 0)
 

@@ -29,7 +29,15 @@ def test_local_sgd_every_step_trains_as_model_fit(s, r, m, weighted, extra):
     gradient) is the allreduce step: the weights of model.fit, to round-off."""
     x, y = models.mlp_data(100)  # the last batch (4 samples) is short
     sw = np.linspace(0.5, 2.0, len(x)).astype("float32") if weighted else None
-    build = lambda: models.mlp(keras.optimizers.SGD(0.05, momentum=0.9))  # noqa: E731
+
+    def build():
+        model = models.mlp(keras.optimizers.SGD(0.05, momentum=0.9))
+        if weighted:  # a mean over the batch's weights: its normaliser spans the replicas
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True, reduction="mean_with_sample_weight"))
+        return model
+
     start, expected, _ = reference(build, x, y, epochs=2, batch_size=16, sample_weight=sw)
     results = train_ranks(build, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                           weights=start, batch_size=16, epochs=2, shuffle=False,
