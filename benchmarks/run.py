@@ -28,6 +28,7 @@ PLANS = {
                   (1, 2, 1, "gpipe", 1, {"HYPARFLOW_OVERLAP": "1"}),
                   (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 8, "zb-h1"), (2, 1, 8, "zb-batched"),
                   (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched")]),
+    "cnnmlp": (128, [(1, 2, 1, "gpipe"), (2, 1, 4, "auto")]),
     "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched"),
                        (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),

@@ -66,10 +66,17 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
     if comm.rank == 0:
         data = timeline.load(trace)
         rank_steps = {}
+        # `auto` times each candidate schedule over its first steps, then marks its choice:
+        # the steps after the marker are the chosen schedule's.
+        chosen = [e["ts"] for e in data["traceEvents"]
+                  if e.get("cat") == "step" and "times" in e.get("args", {})]
         for e in data["traceEvents"]:
-            if e.get("cat") == "step":
+            if e.get("cat") == "step" and "step" in e["args"] and e["ts"] >= max(chosen, default=0):
                 rank_steps.setdefault(e["args"]["step"], []).append(e["dur"] / 1e6)
-        per_step = [max(v) for k, v in sorted(rank_steps.items())][1:]  # skip the traced first
+        per_step = [max(v) for k, v in sorted(rank_steps.items())]
+        per_step = per_step[1:] if not chosen else per_step  # skip the traced first
+        if not per_step:
+            raise SystemExit(f"no step after auto's trials in {steps} steps: give --steps more")
         step = statistics.median(per_step)
         # Gradient bytes rank 0 exchanged per step: its dense buckets and sparse pairs.
         sums = [e["args"].get("dense_bytes", 0) + e["args"].get("sparse_bytes", 0)

@@ -1,4 +1,4 @@
-"""Benchmark models: the MLP, ResNet-110, a ResNet-1001-style net (synthetic data), the
+"""Benchmark models: the MLP, a CNN feeding an MLP, ResNet-110, a ResNet-1001-style net (synthetic data), the
 GPT-style language model of examples/gpt_text.py (the standard library's source) and a
 text classifier with a 200,000-row embedding (synthetic ids)."""
 
@@ -32,6 +32,24 @@ def wide():
     model = keras.Model(inp, L.Dense(16, name="out")(x), name="wide_mlp")
     model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     return model, (1024,), (16,)
+
+
+def cnnmlp():
+    """A CNN feeding an MLP (the shape of many user models): three Conv2D + BatchNorm +
+    pooling blocks on 32x32x3 images, then Dense(512) x 2, 10 classes, Adam."""
+    inp = keras.Input((32, 32, 3))
+    x = inp
+    for filters in (32, 64, 128):
+        x = L.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        x = L.ReLU()(L.BatchNormalization()(x))
+        x = L.MaxPooling2D()(x)
+    x = L.Flatten()(x)
+    for _ in range(2):
+        x = L.Dense(512, activation="relu")(x)
+    model = keras.Model(inp, L.Dense(10)(x), name="cnn_mlp")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, (32, 32, 3), ()
 
 
 def _basic_block(x, filters, stride):
@@ -125,7 +143,7 @@ def make(name, samples):
     keras.utils.set_random_seed(0)
     if name in ("gpt", "embed"):
         return {"gpt": gpt, "embed": embed}[name](samples)
-    builders = {"mlp": mlp, "wide": wide, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
+    builders = {"mlp": mlp, "wide": wide, "cnnmlp": cnnmlp, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
     model, x_shape, y_shape = builders[name]()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(samples,) + x_shape).astype("float32")

@@ -9,9 +9,11 @@ import sys
 from . import _env
 
 __version__ = "0.1.0"
-__all__ = ["fit", "evaluate", "predict", "sweep", "rank", "size", "is_main", "__version__"]
+__all__ = ["fit", "evaluate", "predict", "sweep", "rank", "size", "is_main", "LocalSGD",
+           "LeaderSGD", "layers", "__version__"]
 
 _env.quiet_tensorflow()
+from .sync import LeaderSGD, LocalSGD  # noqa: E402  (pure: no TensorFlow)
 # The `hyparflow` command's entry point (hyparflow_command.py, loaded first) says
 # when this process is the command, which needs no TensorFlow; any other process
 # may train, and starts TensorFlow now, with its threads set.
@@ -20,6 +22,7 @@ if not _COMMAND:
     _env.start_tensorflow()
     from .api import evaluate, fit, is_main, predict, rank, size  # noqa: E402,F401
     from .sweeps import sweep  # noqa: E402,F401
+    from . import layers  # noqa: E402,F401
 
 
 def __getattr__(name):
@@ -32,4 +35,8 @@ def __getattr__(name):
         from .sweeps import sweep
 
         return sweep
+    if name == "layers":
+        import importlib
+
+        return importlib.import_module(".layers", __name__)
     raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")

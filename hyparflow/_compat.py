@@ -5,7 +5,7 @@ from keras.src import backend as _backend
 from keras.src import tree
 
 __all__ = [
-    "functional_of", "graph_nodes", "producer_node", "fill_in", "call_operation",
+    "functional_of", "graph_nodes", "producer_node", "call_order", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
     "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
@@ -32,6 +32,15 @@ def producer_node(tensor):
     """The keras Node that produced a KerasTensor."""
     history = tensor._keras_history
     return history.operation._inbound_nodes[history.node_index]
+
+
+def call_order(functional):
+    """The graph's keras Nodes in the order `Functional.call` runs them (deepest
+    first, as its `_run_through_graph`): the order in which a layer that removes
+    masks from its inputs (MultiHeadAttention) acts in `model.fit`."""
+    return [node for depth in sorted(functional._nodes_by_depth, reverse=True)
+            for node in functional._nodes_by_depth[depth]
+            if node.operation and not node.is_input]
 
 
 def fill_in(node, tensor_dict):
@@ -103,40 +112,157 @@ def is_compiled(model):
     return bool(getattr(model, "compiled", False)) and getattr(model, "optimizer", None) is not None
 
 
-def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
-    """`CompileLoss.__call__` for one microbatch that is `share` of the global batch.
+# How a microbatch's value of each compiled loss adds up to the global batch's:
+# "share": Keras's value times the microbatch's share of the batch (a mean over a
+# fixed number of elements per sample); "sum": Keras's value as it is (a sum over
+# the batch); "global": a sum over the microbatch divided by a normaliser that
+# depends on the whole batch (a mask's valid entries, a sum of sample weights),
+# so the microbatch returns the sum and its part of the normaliser instead.
+SHARE, SUM, GLOBAL = "share", "sum", "global"
 
-    Keras weights each per-output loss tracker ("out_loss" in the logs) by the
-    batch's *static* size, which is None in its traced train function, so
-    `model.fit` reports the plain mean over steps of each batch's per-output
-    loss. Weighting a microbatch's update by its share of the global batch adds
-    up, over microbatches and replicas, to exactly one update per step with
-    the global batch's per-output loss: the same numbers as `model.fit`.
 
-    `y_true` must have the structure of `y_pred` (the trainer packs it so)."""
+def _resolve(path, obj):
+    for p in path:
+        obj = obj[p]
+    return obj
+
+
+def _conform(structure, value):
+    if structure is None:
+        return value
+    try:
+        tree.assert_same_structure(structure, value)
+        return value
+    except ValueError:
+        return tree.pack_sequence_as(structure, tree.flatten(value))
+
+
+def loss_kinds(loss, masked_outputs, weighted):
+    """The kind (SHARE, SUM or GLOBAL) of each of a built `CompileLoss`'s losses.
+
+    `masked_outputs`: per model output (flat order), whether a Keras mask may reach
+    it; `weighted`: whether sample weights are given. A loss that replaces
+    `Loss.__call__` is opaque: its value is taken as a mean (SHARE)."""
+    if loss is None or loss._flat_losses is None:
+        return []
+    positions = _conform(loss._y_pred_build_structure, list(range(len(masked_outputs)))) \
+        if len(masked_outputs) > 1 else 0
+    kinds = []
+    for path, fn, _, _ in loss._flat_losses:
+        output = _resolve(path, positions) if len(masked_outputs) > 1 else 0
+        masked = bool(masked_outputs[output]) if masked_outputs else False
+        reduction = getattr(fn, "reduction", "sum_over_batch_size")
+        if type(fn).__call__ is not keras.losses.Loss.__call__:
+            kinds.append(SHARE)
+        elif reduction in (None, "none", "sum"):
+            kinds.append(SUM)
+        elif masked or (reduction == "mean_with_sample_weight" and weighted):
+            kinds.append(GLOBAL)
+        else:
+            kinds.append(SHARE)
+    return kinds
+
+
+def loss_weights(loss):
+    """Each compiled loss's weight (`loss_weights` in `compile`; 1 when none)."""
+    return [1.0 if w is None else float(w) for _, _, w, _ in (loss._flat_losses or [])]
+
+
+def _global_sums(fn, y_true, y_pred, sample_weight):
+    """`Loss.__call__` of `fn` split in two: (the weighted sum of the microbatch's
+    values, the microbatch's part of the normaliser) such that Keras's value over
+    a batch is the sum of the first over the batch divided by the sum of the second.
+    Follows `keras.losses.Loss.__call__` and `reduce_weighted_values` step by step."""
+    from keras import ops
+    from keras.src.losses import loss as _loss
+
+    in_mask = _backend.get_keras_mask(y_pred)
+    dtype = fn.dtype
+    y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=dtype), y_pred)
+    y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=dtype), y_true)
+    values = fn.call(y_true, y_pred)
+    out_mask = _backend.get_keras_mask(values)
+    masks = [m for m in (in_mask, out_mask) if m is not None]
+    mask = masks[0] if len(masks) == 1 else (masks[0] & masks[1] if masks else None)
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    size = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")), dtype)
+    # The mask as 0/1 weights (Keras's total/valid factor is the normaliser's part).
+    weights = _loss.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    if weights is not None:
+        values, weights = _loss.squeeze_or_expand_to_same_rank(values, ops.cast(weights, dtype))
+        values = values * weights
+    total = ops.sum(values)
+    if fn.reduction == "mean_with_sample_weight":
+        count = size if weights is None else ops.sum(weights)
+    elif mask is not None:
+        # Keras: sum(values * w * total / valid) / size, total the mask's elements.
+        elements = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(mask), dtype="int32")),
+                            dtype)
+        count = ops.sum(ops.cast(mask, dtype)) * size / elements
+    else:
+        count = size
+    return ops.cast(total, "float32"), ops.cast(count, "float32")
+
+
+def compile_loss_terms(loss, y_true, y_pred, sample_weight, share, kinds):
+    """The compiled loss of one microbatch that is `share` of the global batch, as
+    (the part whose sum over microbatches and replicas is the batch's: SHARE and SUM
+    losses, weighted; [sum, normaliser part] of each GLOBAL loss, unweighted), and
+    the per-output loss trackers ("out_loss" in the logs) of the SHARE and SUM
+    losses updated (the GLOBAL ones' wait for the normaliser: `track_global`).
+
+    Keras weights each per-output loss tracker by the batch's *static* size, which
+    is None in its traced train function, so `model.fit` reports the plain mean over
+    steps of each batch's per-output loss. Weighting a microbatch's update by its
+    share of the global batch adds up, over microbatches and replicas, to exactly
+    one update per step with the global batch's per-output loss: the same numbers as
+    `model.fit`. `y_true` must have the structure of `y_pred` (the trainer packs it
+    so); `sample_weight` one array for all outputs or the outputs' structure."""
     from keras import ops
 
-    def resolve(path, obj):
-        for p in path:
-            obj = obj[p]
-        return obj
+    y_pred = _conform(loss._y_pred_build_structure, y_pred)
+    y_true = _conform(loss._y_true_build_structure, y_true)
+    metrics = list(loss.metrics) or [None] * len(loss._flat_losses)
+    static, sums = [], []
+    for (path, fn, weight, _), metric, kind in zip(loss._flat_losses, metrics, kinds):
+        y_t, y_p = _resolve(path, y_true), _resolve(path, y_pred)
+        sw = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+        if kind == GLOBAL:
+            sums.append(_global_sums(fn, y_t, y_p, sw))
+            continue
+        if kind == SHARE and _backend.get_keras_mask(y_p) is not None and \
+                type(fn).__call__ is keras.losses.Loss.__call__ and \
+                fn.reduction in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
+            raise ValueError(
+                f"A Keras mask reaches the loss {fn.name!r} at run time, though the model's "
+                "symbolic outputs carry none, so its normaliser (the batch's unmasked "
+                "entries) was not planned for. Attach the mask in the model's graph (a layer "
+                "with compute_mask), or pass the padding as a per-token sample_weight.")
+        value = ops.cast(fn(y_t, y_p, sw), dtype=loss.dtype)
+        if metric is not None:
+            metric.update_state(value if kind == SHARE else value / share, sample_weight=share)
+        if weight is not None:
+            value = ops.multiply(value, weight)
+        value = ops.cast(value, "float32")
+        static.append(value * share if kind == SHARE else value)
+    return (sum(static) if static else ops.zeros((), "float32")), sums
 
-    def conform(structure, value):
-        if structure is None:
-            return value
-        try:
-            tree.assert_same_structure(structure, value)
-            return value
-        except ValueError:
-            return tree.pack_sequence_as(structure, tree.flatten(value))
 
-    y_pred = conform(loss._y_pred_build_structure, y_pred)
-    y_true = conform(loss._y_true_build_structure, y_true)
+def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
+    """`CompileLoss.__call__` on a whole batch's rows (a fused sweep's member), its
+    per-output loss trackers updated with weight `share`: the value `model.fit`
+    computes for the batch. (The pipeline splits batches: `compile_loss_terms`.)"""
+    from keras import ops
+
+    y_pred = _conform(loss._y_pred_build_structure, y_pred)
+    y_true = _conform(loss._y_true_build_structure, y_true)
     metrics = list(loss.metrics) or [None] * len(loss._flat_losses)
     values = []
     for (path, fn, weight, _), metric in zip(loss._flat_losses, metrics):
-        y_t, y_p = resolve(path, y_true), resolve(path, y_pred)
-        sw = resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+        y_t, y_p = _resolve(path, y_true), _resolve(path, y_pred)
+        sw = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
         value = ops.cast(fn(y_t, y_p, sw), dtype=loss.dtype)
         if metric is not None:
             metric.update_state(value, sample_weight=share)
@@ -144,6 +270,78 @@ def call_compile_loss(loss, y_true, y_pred, sample_weight, share):
             value = ops.multiply(value, weight)
         values.append(value)
     return sum(values) if values else ops.zeros(())
+
+
+def track_global(loss, kinds, sums, normalisers, share):
+    """Update the per-output loss trackers of the GLOBAL losses with this rank's part
+    of the step's value (`sums`: this rank's sums, `normalisers`: the global batch's,
+    `share`: this rank's part of the batch), so that, summed over the ranks, each
+    gets one update with the global batch's value per step (as in
+    `compile_loss_terms`)."""
+    metrics = list(loss.metrics)
+    if not metrics or share <= 0:
+        return
+    k = 0
+    for metric, kind in zip(metrics, kinds):
+        if kind != GLOBAL:
+            continue
+        value = sums[k] / normalisers[k] if normalisers[k] else 0.0
+        metric.update_state(value / share, sample_weight=share)
+        k += 1
+
+
+def overrider(model, method):
+    """The class (not Keras's own) whose `method` the model runs instead of Keras's,
+    or None."""
+    for cls in type(model).__mro__:
+        if method in cls.__dict__:
+            return None if cls.__module__.split(".")[0] == "keras" else cls
+    return None
+
+
+def calls_add_loss(layer):
+    """Whether `layer` or a layer inside it is of a class whose own `call` adds losses
+    (`self.add_loss`), which may grow with the batch. Keras's activity regularizers
+    are divided by the batch size by Keras itself: a mean."""
+    for sub in [layer] + sublayers(layer):
+        for cls in type(sub).__mro__:
+            if cls.__module__.split(".")[0] == "keras":
+                break
+            code = getattr(cls.__dict__.get("call"), "__code__", None)
+            if code is not None and "add_loss" in code.co_names:
+                return True
+    return False
+
+
+class model_losses_replaced:
+    """While active, `model.losses` (what `compute_loss` adds to the compiled loss) is
+    `losses` instead of the layers' own: hyparflow adds each stage's layer losses
+    where that stage runs."""
+
+    def __init__(self, model, losses):
+        self.model, self.losses = model, list(losses)
+
+    def __enter__(self):
+        self.saved = self.model.__dict__.get("_losses_override")
+        object.__setattr__(self.model, "_losses_override", self.losses)
+        return self
+
+    def __exit__(self, *exc):
+        object.__setattr__(self.model, "_losses_override", self.saved)
+        return False
+
+
+def run_compute_loss(model, x, y, y_pred, sample_weight, training):
+    """The model's own `compute_loss` (an override), as Keras's train step calls it."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=training)
+
+
+def variable_handle(variable):
+    """The TensorFlow resource handle behind a Keras variable (what a traced function
+    captures when it reads the variable)."""
+    value = getattr(variable, "value", variable)
+    return getattr(value, "handle", None)
 
 
 def seed_generators(layer):

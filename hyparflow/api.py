@@ -67,7 +67,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         speeds: Union[None, str, Sequence[float]] = None, memory_limit: Optional[float] = None,
         plan: Optional[str] = None, num_tensor: Optional[int] = None,
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-        num_chunks: Optional[int] = None) -> Any:
+        num_chunks: Optional[int] = None, replica_sync: Any = "allreduce") -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -155,6 +155,14 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             (any number of stages and replicas may load it); none there means
             starting from the beginning.
         check_finite: refuse numpy inputs or targets with NaN or infinity.
+        replica_sync: how the replicas keep in step: "allreduce" (the default:
+            gradients summed every step, the exact contract above),
+            `hf.LocalSGD(every=k)` (each replica steps on its own slice, weights
+            averaged every k steps) or `hf.LeaderSGD(pull=0.1, local_every=64,
+            global_every=128)` (replicas pulled toward the one with the lowest
+            training loss); see docs/replicas.md for what each promises. The
+            returned model is then the replicas' mean (LocalSGD) or the global
+            leader's (LeaderSGD), and the History has a `replicas` attribute.
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
@@ -183,7 +191,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
             resume=resume, check_finite=check_finite, speeds=speeds,
-            memory_limit=memory_limit)
+            memory_limit=memory_limit, replica_sync=replica_sync)
     finally:
         if owned:
             communicator.free()

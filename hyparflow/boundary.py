@@ -24,6 +24,7 @@ import numpy as np
 __all__ = ["Boundary"]
 
 _ACT, _GRAD, _MASK, _HEAD = range(4)
+_UNSET = -2   # a header's values before it arrives: a short message leaves some
 
 
 def _np_dtype(dtype):
@@ -69,8 +70,9 @@ class Boundary:
                 t = self._tensor(e)
                 src = self.rank_of(e.src)
                 if self._headed(t):
-                    self.act[(i, e.index)] = ("head", self._irecv(
-                        self._head_size(t), np.int64, src, self._tag(i, e, _HEAD)))
+                    head = np.full(self._head_size(t), _UNSET, np.int64)
+                    self.act[(i, e.index)] = ("head", (head, self.comm.irecv(
+                        head, src, self._tag(i, e, _HEAD))))
                 else:
                     self.act[(i, e.index)] = ("arrays", self._arrays(
                         i, e, src, (n,) + tuple(t.shape[1:]), None))
@@ -105,8 +107,14 @@ class Boundary:
                 n = len(t.shape)
                 shape = tuple(int(d) for d in buf[:n])
                 mask_shape = tuple(int(d) for d in buf[n:]) if t.mask is not None else None
-                if mask_shape is not None and min(mask_shape, default=0) < 0:
+                if mask_shape is not None and all(d == -1 for d in mask_shape):
                     mask_shape = None  # sent without its mask
+                if min(shape + (mask_shape or ()), default=0) < 0:
+                    raise RuntimeError(
+                        f"hyparflow: the shape header of boundary tensor {e.tensor} (microbatch {i}) "
+                        f"from stage {e.src} arrived as {buf.tolist()}: not a header this "
+                        f"run sent (a message left on an earlier communicator?). Please "
+                        f"report this.")
                 self.act[(i, e.index)] = state, entry = "arrays", self._arrays(
                     i, e, self.rank_of(e.src), shape, mask_shape)
             value, mask = entry

@@ -21,6 +21,7 @@ import uuid
 import numpy as np
 
 __all__ = ["CheckpointError", "Checkpointer", "latest_valid", "read", "restore_model",
+           "replica_weights",
            "list_checkpoints", "PREEMPTED_EXIT_CODE", "Preempted", "StopFlag", "export"]
 
 FORMAT = "hyparflow-checkpoint"
@@ -144,9 +145,14 @@ def latest_valid(directory, warn=print):
     return None, None
 
 
-def _load_arrays(path, manifest):
+def _load_arrays(path, manifest, replica=None):
+    """Every array of the checkpoint's main files, and those of `replica`'s own files
+    (replicas that stepped on their own, `replica-<r>-stage-<s>.npz`) if given."""
     arrays = {}
     for name in manifest["files"]:
+        if name.startswith("replica-") and not (
+                replica is not None and name.startswith(f"replica-{replica}-")):
+            continue
         if name.endswith(".npz"):
             try:
                 # allow_pickle=False: a checkpoint from anywhere can never run code.
@@ -159,13 +165,27 @@ def _load_arrays(path, manifest):
     return arrays
 
 
-def restore_model(model, path, manifest=None, optimizer=True, parts=None):
+def replica_weights(manifest, num_replicas):
+    """Whether checkpoint `manifest` holds each of `num_replicas` replicas' own weights
+    (written by replicas that step on their own, with as many replicas)."""
+    info = manifest.get("replicas")
+    return bool(info) and info.get("num_replicas") == num_replicas
+
+
+def restore_model(model, path, manifest=None, optimizer=True, parts=None, replica=None):
     """Load checkpoint `path` into `model` (and the optimizer slots of the variables
     it has), by name: any partition can load any checkpoint of the same model.
     `parts`: {id(optimizer variable): function} giving the part of a whole saved
-    slot that a slot of a split layer's part takes (tensor parallelism)."""
+    slot that a slot of a split layer's part takes (tensor parallelism).
+    `replica`: load that replica's own weights and optimizer state where the
+    checkpoint has them (`replica_weights`), else the agreed model's."""
     manifest = manifest or read(path)
-    arrays = _load_arrays(path, manifest)
+    arrays = _load_arrays(path, manifest, replica)
+    if replica is not None:
+        # A replica's own arrays stand in for the agreed model's, key by key.
+        prefix = f"replica/{replica}/"
+        arrays.update({key[len(prefix):]: value for key, value in arrays.items()
+                       if key.startswith(prefix)})
     names = variable_names(model)
     saved = manifest.get("variables", [])
     problems = []
@@ -214,11 +234,20 @@ class Checkpointer:
         return not epoch_end and global_step % self.every == 0
 
     def write(self, runtime, position):
-        """Collective: every rank calls it. Replica 0 of each stage writes its part."""
+        """Collective: every rank calls it. Replica 0 of each stage writes its part.
+        Replicas that step on their own (`runtime.replicas`) each write their own
+        weights and optimizer state too (`replica-<r>-stage-<s>.npz`), and the main
+        files hold their agreed model: the global leader's (its ranks write them) or
+        the replicas' mean (written by replica 0, with replica 0's optimizer state)."""
         comm, model = runtime.comm, runtime.model
-        runtime.average_state()
+        replicas = getattr(runtime, "replicas", None)
+        if replicas is None:
+            runtime.average_state()
         runtime.gather_shards()  # split layers: every part, whole, into the model's variables
         whole = runtime.full_slots()
+        s = runtime.topo.stage(comm.rank)
+        owned_vars = [v for v in model.weights if runtime.owner_stage(v) == s]
+        writer, values = (0, None) if replicas is None else replicas.checkpoint_source(owned_vars)
         # Optimizer state sharded over the replicas (hyparflow.zero), put together.
         sharded = runtime.zero_slots()
         name = f"ckpt-{position['global_step']:09d}"
@@ -236,29 +265,32 @@ class Checkpointer:
             raise CheckpointError(f"Cannot write checkpoints into {self.directory}: {error}")
         files = {}
         try:
-            s, r = runtime.topo.stage(comm.rank), runtime.topo.replica(comm.rank)
-            if r == 0 and runtime.topo.tensor(comm.rank) == 0:
-                file = f"stage-{s}.npz"
-                arrays = {}
-                names = variable_names(model)
-                for v, n in zip(model.weights, names):
-                    if runtime.owner_stage(v) == s:
-                        arrays[f"model/{n}"] = np.asarray(v.numpy())
-                opt = model.optimizer
-                owned = {n for v, n in zip(model.weights, names)
-                         if runtime.owner_stage(v) == s}
-                for var, n in zip(opt.variables, slot_names(opt, model)):
-                    if (n.startswith("slot/") and n[5:].rsplit("/", 1)[0] in owned) or (
-                            n.startswith("optimizer/") and s == 0):
-                        arrays[n] = whole[id(var)] if id(var) in whole else np.asarray(var.numpy())
-                arrays.update({n: value for n, value in sharded.items()
-                               if n[5:].rsplit("/", 1)[0] in owned})
-                np.savez(os.path.join(tmp, file), **arrays)
-                files[file] = _sha256(os.path.join(tmp, file))
+            r = runtime.topo.replica(comm.rank)
+            if runtime.topo.tensor(comm.rank) == 0 and (r == writer or replicas is not None):
+                arrays = self._arrays(runtime, s, whole, sharded)
+                if r == writer:
+                    file = f"stage-{s}.npz"
+                    agreed = dict(arrays)
+                    if values is not None:  # the replicas' mean, not this replica's own
+                        agreed.update({f"model/{n}": values[id(v)]
+                                       for v, n in zip(model.weights, variable_names(model))
+                                       if id(v) in values})
+                    np.savez(os.path.join(tmp, file), **agreed)
+                    files[file] = _sha256(os.path.join(tmp, file))
+                if replicas is not None:
+                    file = f"replica-{r}-stage-{s}.npz"
+                    np.savez(os.path.join(tmp, file),
+                             **{f"replica/{r}/{key}": value for key, value in arrays.items()})
+                    files[file] = _sha256(os.path.join(tmp, file))
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
         everyone = comm.allgather_obj((files, error))
         errors = [e for _, e in everyone if e]  # the same list on every rank
+        if replicas is not None:
+            position = dict(position, replicas={
+                "method": replicas.method.describe(), "num_replicas": replicas.num_replicas,
+                "agreed": (f"replica {writer}'s (the global leader)" if values is None
+                           else "the replicas' mean")})
         if not errors and comm.rank == 0:
             try:
                 self._finish(runtime, tmp, final, name, position,
@@ -275,6 +307,26 @@ class Checkpointer:
                 + (f"the previous checkpoint {previous[-1]} is intact." if previous else
                    "there is no earlier checkpoint."))
         return final
+
+    @staticmethod
+    def _arrays(runtime, s, whole, sharded):
+        """{key: value} of stage `s`'s variables and their optimizer state, as this
+        rank holds them."""
+        model = runtime.model
+        arrays = {}
+        names = variable_names(model)
+        for v, n in zip(model.weights, names):
+            if runtime.owner_stage(v) == s:
+                arrays[f"model/{n}"] = np.asarray(v.numpy())
+        opt = model.optimizer
+        owned = {n for v, n in zip(model.weights, names) if runtime.owner_stage(v) == s}
+        for var, n in zip(opt.variables, slot_names(opt, model)):
+            if (n.startswith("slot/") and n[5:].rsplit("/", 1)[0] in owned) or (
+                    n.startswith("optimizer/") and s == 0):
+                arrays[n] = whole[id(var)] if id(var) in whole else np.asarray(var.numpy())
+        arrays.update({n: value for n, value in sharded.items()
+                       if n[5:].rsplit("/", 1)[0] in owned})
+        return arrays
 
     def _finish(self, runtime, tmp, final, name, position, files):
         """Rank 0: architecture and manifest (last), rename into place, LATEST, rotate."""

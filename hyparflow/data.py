@@ -10,10 +10,13 @@ __all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "DatasetSource", 
 
 class Data:
     """Inputs as a flat list in the model's input order, targets (or None) as a flat
-    list in its output order, optional per-sample weights; numpy, sliced by index."""
+    list in its output order, sample weights (or None) as a list of arrays of any
+    shape `model.fit` takes (per sample, per token, ...): one for every output, or
+    with `per_output` one per output in its order; numpy, sliced by index."""
 
-    def __init__(self, x, y, sample_weight):
+    def __init__(self, x, y, sample_weight, per_output=False):
         self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.per_output = per_output
 
     def __len__(self):
         return len(self.x[0])
@@ -63,18 +66,22 @@ def prepare_data(graph, x, y, sample_weight=None, class_weight=None, need_y=True
                 f"{len(ys)} arrays. Pass one target array per output (a list, or a dict by output name)."
             )
         lengths.update({f"y[{i}]": len(a) for i, a in enumerate(ys)})
-    sw = None
+    sw, per_output = None, False
     if class_weight is not None:
         if ys is None or len(ys) != 1:
             raise ValueError("`class_weight` is only supported for models with one output; "
                              "use `sample_weight` for several outputs.")
         labels = ys[0]
         labels = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels.reshape(len(labels), -1)[:, 0]
-        sw = np.array([class_weight.get(int(c), 1.0) for c in labels], np.float32)
+        sw = [np.array([class_weight.get(int(c), 1.0) for c in labels], np.float32)]
     if sample_weight is not None:
-        sample_weight = _numpy(sample_weight).astype(np.float32).reshape(-1)
-        lengths["sample_weight"] = len(sample_weight)
-        sw = sample_weight if sw is None else sw * sample_weight
+        given, per_output = _sample_weights(graph, sample_weight, ys)
+        lengths.update({("sample_weight" if len(given) == 1 and not per_output
+                         else f"sample_weight[{k}]"): len(a) for k, a in enumerate(given)})
+        # With class weights too (one output): each sample's class weight times its
+        # weights, whatever their shape.
+        sw = given if sw is None else [given[0] * sw[0].reshape(
+            (-1,) + (1,) * (given[0].ndim - 1))]
     if len(set(lengths.values())) != 1:
         raise ValueError(
             "`x`, `y` (and `sample_weight`) must have the same number of samples. "
@@ -82,7 +89,29 @@ def prepare_data(graph, x, y, sample_weight=None, class_weight=None, need_y=True
         )
     if len(xs[0]) == 0:
         raise ValueError("No samples: `x` is empty.")
-    return Data(xs, ys, sw)
+    return Data(xs, ys, sw, per_output)
+
+
+def _sample_weights(graph, sample_weight, ys):
+    """(arrays, per_output): one array for every output, or a list or dict (by output
+    name) of one per output, as `model.fit` takes them. An array keeps its shape: a
+    weight per sample ([batch]) or per token ([batch, sequence]) reaches the loss as
+    given, and the loss broadcasts it as in `model.fit`."""
+    if isinstance(sample_weight, (list, tuple, dict)):
+        leaves = _leaves(sample_weight, graph.output_names, "sample_weight")
+        if ys is not None and len(leaves) != len(ys):
+            raise ValueError(
+                f"`sample_weight` holds {len(leaves)} arrays but the model has {len(ys)} "
+                f"outputs {graph.output_names}: pass one array for all outputs, or one per "
+                "output (a list, or a dict by output name).")
+        if len(leaves) == 1:
+            return [_numpy(leaves[0]).astype(np.float32)], False
+        return [_numpy(a).astype(np.float32) for a in leaves], True
+    array = _numpy(sample_weight).astype(np.float32)
+    if array.ndim == 0:
+        raise ValueError(f"`sample_weight` must have one value per sample (an array whose "
+                         f"first dimension is the samples). Received a scalar: {array!r}")
+    return [array], False
 
 
 def check_finite(data):
@@ -90,8 +119,8 @@ def check_finite(data):
     the weights. Names the array and the first bad sample."""
     arrays = [(f"x[{i}]", a) for i, a in enumerate(data.x)]
     arrays += [(f"y[{i}]", a) for i, a in enumerate(data.y or [])]
-    if data.sample_weight is not None:
-        arrays.append(("sample_weight", data.sample_weight))
+    arrays += [(f"sample_weight[{k}]" if len(data.sample_weight) > 1 else "sample_weight", a)
+               for k, a in enumerate(data.sample_weight or [])]
     for name, a in arrays:
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             bad = np.argwhere(~np.isfinite(a.reshape(len(a), -1)))[0][0]

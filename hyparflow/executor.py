@@ -55,6 +55,9 @@ class Executor:
         self._timed = {}
         self.chosen = None  # what "auto" chose, once it has
         self.transposed = None  # {node: keeps W^T}, agreed at the first training step
+        # Replicas that step on their own (hyparflow.replicas) scale their summed
+        # gradients by this before the optimizer step; 1 under allreduce.
+        self.grad_scale = 1.0
         if schedule == "auto":
             self.schedule = AUTO[0]
         self.s = topology.stage(comm.rank)
@@ -73,6 +76,9 @@ class Executor:
         self.boxes = [Boundary(comm, graph, plan, self._rank_of, len(partition.edges))
                       for plan in self.plans]
         self.boundary = self.boxes[0]
+        # Losses divided by a count over the whole batch (`hyparflow.normaliser`):
+        # set by the runtime on every rank, since they change every stage's order.
+        self.normaliser = None
 
     def set_groups(self, groups, early=False, zero=None):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
@@ -98,7 +104,11 @@ class Executor:
                 # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
                 # the same order as GPipe's, and lets each backward fuse with its forward.
                 name = "1f1b" if self.topo.num_stages == 1 else self.schedule
-                if self.chunks > 1 and m % self.topo.num_stages:
+                if self.normaliser is not None:
+                    # The first backward waits for the global normaliser, known once
+                    # every forward has run: all forwards, then all backwards.
+                    compute = sched.gpipe(self.topo.num_stages, m, self.chunks)
+                elif self.chunks > 1 and m % self.topo.num_stages:
                     # A short last batch's microbatches are not whole groups of S:
                     # all chunks' forwards, then their backwards (same sums, same order).
                     compute = sched.gpipe(self.topo.num_stages, m, self.chunks)
@@ -106,7 +116,8 @@ class Executor:
                     compute = sched.build(name, self.topo.num_stages, m, self.chunks)
                 # The last stage's forward and backward of a microbatch in one call
                 # where the schedule has them back to back (the planner reads the same).
-                compute = sched.fuse(compute, self._dests, self.stage.recompute)
+                if self.normaliser is None:
+                    compute = sched.fuse(compute, self._dests, self.stage.recompute)
             else:
                 compute = sched.forward_only(self.topo.num_stages, m, self.chunks)
             lowered = sched.lower(compute, self._sources, self._dests)
@@ -141,6 +152,10 @@ class Executor:
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
+        else:
+            self._normalise_empty()
+        if self.grad_scale != 1.0:
+            self.stage.scale_grads(self.grad_scale)
         self._allreduce_and_apply()
         self._record("step", "step", start, step=step_id)
         if self._trials:
@@ -200,8 +215,34 @@ class Executor:
         Returns the summed loss contribution and, on the last stage for "predict",
         the predictions of each microbatch (lists of arrays, one per model output)."""
         if not micro_indices:
+            if kind != "predict":
+                self._normalise_empty()
             return 0.0, []
         return self._pipeline(micro_indices, batch_size, data, 0, None, kind)
+
+    @property
+    def _normalising(self):
+        """The normaliser, on a rank holding the last stage (None elsewhere)."""
+        if self.normaliser is not None and any(st.is_last for st in self.stages):
+            return self.normaliser
+        return None
+
+    def _normalise_empty(self):
+        """A replica with no sample in a short last batch still joins the agreement."""
+        norm = self._normalising
+        if norm is not None:
+            norm.reset()
+            norm.agree(lambda reqs: self._wait(reqs, timeout_seconds()))
+
+    def _normalise(self, stage):
+        """Before the last stage's first backward (or after its last forward, for
+        evaluate): agree on the global normalisers and hand the scales to `stage`."""
+        norm = self.normaliser
+        self.position = "agreeing on the loss normaliser"
+        start = time.perf_counter()
+        norm.agree(lambda reqs: self._wait(reqs, timeout_seconds()))
+        stage.scales = norm.scales()
+        self._record("normaliser", "allreduce", start)
 
     def _pipeline(self, micro_indices, batch_size, data, first_id, seed, kind="train"):
         g = self.graph
@@ -211,6 +252,9 @@ class Executor:
             box.start([len(idx) for idx in micro_indices], training)
         sends, outs, grads_in, predictions = [], {}, {}, []
         total = 0.0
+        norm = self._normalising
+        if norm is not None:
+            norm.reset()
         actions = self.lowered(len(micro_indices), training)
         # Split backward (W actions): B leaves the deferred kernels' gradients to W.
         for stage in self.stages:
@@ -242,7 +286,9 @@ class Executor:
                 y, sw = (), ()
                 if stage.is_last and data.y is not None:
                     y = [leaf[idx] for leaf in data.y]
-                    sw = [data.sample_weight[idx]] if data.sample_weight is not None else ()
+                    if stage.takes_x:  # a compute_loss override takes the model's inputs
+                        y += [leaf[idx] for leaf in data.x]
+                    sw = [leaf[idx] for leaf in data.sample_weight or ()]
                 share = len(idx) / batch_size
                 if a.kind == sched.FB:
                     grads, c = stage.forward_backward(i, inputs, y, sw, share, (seed, first_id + i),
@@ -254,9 +300,13 @@ class Executor:
                     out, c = stage.forward(i, inputs, y, sw, share=share,
                                            seed=(seed, first_id + i), hooked=hooked and i == last)
                 else:
-                    out, c, pred = stage.infer(kind, inputs, y, sw, share=share)
+                    out, c, pred, terms = stage.infer(kind, inputs, y, sw, share=share)
                     if pred:
                         predictions.append([p.numpy() for p in pred])
+                    if terms.shape[0]:
+                        stage.terms[i] = terms.numpy()
+                if norm is not None and stage.is_last and kind != "predict":
+                    norm.add(stage.terms.pop(i), share)
                 outs[key] = {t: o.numpy() for t, o in zip(
                     stage.output_ids + [("mask", t) for t in stage.output_mask_ids], out)}
                 total += float(c)
@@ -271,6 +321,8 @@ class Executor:
                 self._wait(reqs, timeout)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind == sched.B:
+                if norm is not None and stage.is_last and not norm.agreed:
+                    self._normalise(stage)
                 out_grads = box.gradients(i)
                 outs.pop(key, None)
                 grads = stage.backward(i, out_grads)
@@ -287,6 +339,12 @@ class Executor:
                 self._record(str(a), "send", start, microbatch=i, peer=a.peer)
             elif a.kind in (sched.ALLREDUCE, sched.STEP):
                 break  # the step closes with these for every replica alike, below
+        if norm is not None and kind != "predict":
+            last = next(st for st in self.stages if st.is_last)
+            if not norm.agreed:
+                self._normalise(last)
+            total += norm.contribution()
+            last.track_global(norm)
         self.position = "completing sends"
         start = time.perf_counter()
         self._wait(sends, timeout)
@@ -322,7 +380,7 @@ class Executor:
             if mine:
                 exchanges.append(_sparse.Exchange(
                     comm, slices, {k: tuple(trainable[k].shape) for k in mine},
-                    dense_ok=_sparse.linear(self.optimizer)))
+                    dense_ok=_sparse.linear(self.optimizer), fixed=self.stage.fixed or ()))
         for k, (indices, values) in slices.items():
             if not any(kinds.get(k) == _sparse.SPARSE for kinds in self._kinds):
                 self.stage.densify(k, indices, values)

@@ -47,7 +47,15 @@ __all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE",
 
 EXIT_CODE = 75  # EX_TEMPFAIL: a peer was lost; a restart on the hosts left may succeed
 
-_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER = 1, 2, 3, 4, 5   # tags on the heartbeat's communicator
+_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER = 1, 2, 3, 4, 5   # kinds of the heartbeat's messages
+# Ranks stop at different moments, so a goodbye or a beat can reach a rank that has
+# already freed the heartbeat's communicator; MPI then gives that communicator's
+# context to the next one made (the next call's, whose stage boundaries receive on
+# small tags) and the message left unread would match there. So each heartbeat's tags
+# lie high up, apart from every other message's, and differ from one heartbeat to the
+# next (`_GENERATIONS` of them): what an earlier one left matches nothing later.
+_GENERATIONS = 1024
+_next_generation = 0                      # the generation of this process's next heartbeat
 _ALIVE, _LOST = 1, 0                     # a probe's answer
 
 
@@ -149,6 +157,7 @@ class Heartbeat:
         # An error about a dead peer (a reset connection) is ours to report, not fatal here.
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = new.Get_rank(), new.Get_size()
+        top = self.comm.Get_attr(MPI.TAG_UB) or 32767
         self.hosts = list(hosts)
         self.interval = interval or interval_seconds()
         self.limit = limit or peer_timeout_seconds()
@@ -157,10 +166,17 @@ class Heartbeat:
         self.describe = describe        # what this rank was doing, for the message
         self.peers = neighbours(self.rank, self.size)   # beaten to and watched
         # Every rank's machine and process (`machine`), for probes.
-        mine = np.array(machine(), np.int64)
-        self.machines = np.zeros((self.size, len(mine)), np.int64)
-        req = new.Iallgather(mine, self.machines)
+        global _next_generation
+        mine = np.array(machine() + [_next_generation], np.int64)
+        gathered = np.zeros((self.size, len(mine)), np.int64)
+        req = new.Iallgather(mine, gathered)
         _poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
+        self.machines = gathered[:, :-1]
+        # One generation for all: the ranks may have started different numbers before.
+        generation = int(gathered[:, -1].max())
+        _next_generation = generation + 1
+        base = top // 2 + 8 * (generation % _GENERATIONS)
+        self.tags = {kind: base + kind for kind in (_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER)}
         now = time.monotonic()
         self.heard = {r: now for r in self.peers}
         self.gone = set()               # peers that said goodbye
@@ -172,11 +188,11 @@ class Heartbeat:
         self._verdict_in = np.zeros(self.size, np.uint8)
         self._probe_in = np.zeros(1, np.int64)
         self._answer_in = np.zeros(2, np.int64)
-        self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
-        self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, _VERDICT)
-        self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
-        self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, _PROBE)
-        self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, _ANSWER)
+        self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, self.tags[_BEAT])
+        self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, self.tags[_VERDICT])
+        self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, self.tags[_BYE])
+        self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, self.tags[_PROBE])
+        self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, self.tags[_ANSWER])
         self._stop = threading.Event()
         self.beats = 0
         self.lost = set()               # ranks found lost, here or by a verdict
@@ -241,7 +257,7 @@ class Heartbeat:
         self.asked[r] = now + self.probe_seconds
         self.why[r] = f"no rank on its host answered for it within {self.probe_seconds:g} s"
         for m in mates:
-            self._send(np.array([r], np.int64), m, _PROBE)
+            self._send(np.array([r], np.int64), m, self.tags[_PROBE])
         return False
 
     def _send(self, data, to, tag):
@@ -274,7 +290,7 @@ class Heartbeat:
         for r in range(self.size):
             if r != self.rank and r not in self.lost and r not in self.gone:
                 try:
-                    reqs.append(self.comm.Isend(mask, r, _VERDICT))
+                    reqs.append(self.comm.Isend(mask, r, self.tags[_VERDICT]))
                 except self._MPI.Exception:
                     pass
         self._sending += reqs
@@ -286,16 +302,16 @@ class Heartbeat:
         while self._recv.Test(status):
             self.heard[status.Get_source()] = now
             self.asked.pop(status.Get_source(), None)
-            self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, _BEAT)
+            self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, self.tags[_BEAT])
         while self._recv_probe.Test(status):
             # Another rank asks about a silent rank on this machine: look it up here.
             r = int(self._probe_in[0])
-            self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, _PROBE)
+            self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, self.tags[_PROBE])
             self._send(np.array([r, probe(*self.machines[r][3:])], np.int64),
-                       status.Get_source(), _ANSWER)
+                       status.Get_source(), self.tags[_ANSWER])
         while self._recv_answer.Test(status):
             r, state = (int(v) for v in self._answer_in)
-            self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, _ANSWER)
+            self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, self.tags[_ANSWER])
             if r in self.asked and state == _ALIVE:
                 del self.asked[r]
                 self.why.pop(r, None)
@@ -305,10 +321,10 @@ class Heartbeat:
                 self._found([r], None)
         while self._recv_bye.Test(status):
             self.gone.add(status.Get_source())
-            self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, _BYE)
+            self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, self.tags[_BYE])
         while self._recv_verdict.Test(status):
             lost = [r for r in range(self.size) if self._verdict_in[r]]
-            self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, _VERDICT)
+            self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, self.tags[_VERDICT])
             self._found(lost, status.Get_source())
 
     def _beat(self):
@@ -318,7 +334,7 @@ class Heartbeat:
             req = self._sends.get(r)
             # One beat in flight per peer: a peer that stopped reading gets no pile-up.
             if req is None or req.Test():
-                self._sends[r] = self.comm.Isend(self._one, r, _BEAT)
+                self._sends[r] = self.comm.Isend(self._one, r, self.tags[_BEAT])
         self.beats += 1
 
     def _end(self):
@@ -365,7 +381,7 @@ class Heartbeat:
         for r in self.peers:
             if r not in self.gone:
                 try:
-                    byes.append(self.comm.Isend(self._one[:0], r, _BYE))
+                    byes.append(self.comm.Isend(self._one[:0], r, self.tags[_BYE]))
                 except MPI.Exception:
                     pass
         deadline = time.monotonic() + 2.0
@@ -378,6 +394,13 @@ class Heartbeat:
                 if not req.Test():
                     req.Cancel()
                     req.Wait()
+            # Read what has come meanwhile (beats and goodbyes crossing this one), so
+            # that little is left unread when the context passes on (see the tags).
+            status = MPI.Status()
+            while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                sink = np.empty(max(1, status.Get_count(MPI.BYTE)), np.uint8)
+                self.comm.Recv([sink, status.Get_count(MPI.BYTE), MPI.BYTE],
+                               status.Get_source(), status.Get_tag())
             self.comm.Free()
         except MPI.Exception:
             pass

@@ -6,6 +6,7 @@ import numpy as np
 
 from . import _compat
 from . import data as _data
+from .customised import refuse_steps
 from .logs import GlobalLogs
 from .progress import callback_list, resolve_verbose
 from .runtime import Runtime, agree_on_error, check_positive, fail, read_graph
@@ -26,6 +27,8 @@ def run_evaluation(model, runtime, source, logs=None):
 
 def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kind):
     check_positive(batch_size=batch_size)
+    if kind == "evaluate":
+        refuse_steps(model, ("test_step",))
     if layout.tensor_shares == "measure":
         # Shares change only the speed of inference, never its results.
         layout = dataclasses.replace(layout, tensor_shares=None)

@@ -7,15 +7,18 @@ import keras
 import numpy as np
 
 from . import _compat
+from . import customised as _customised
 from . import errors as errors_
 from . import graph as _graph
 from . import heartbeat as _heartbeat
+from . import normaliser as _normaliser
 from . import overlap
 from . import partition as _partition
 from . import tensor as _tensor
 from . import weights
 from . import zero as _zero
 from .executor import Executor, split_batch
+from .replicas import Replicas
 from .stage import Stage
 from .timeline import Timeline
 from .topology import Topology
@@ -164,6 +167,23 @@ def _target_specs(graph, sample):
     return specs
 
 
+def _input_specs(graph, sample):
+    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
+    dimension None, and every dimension the model leaves open."""
+    specs = []
+    for k, a in enumerate(sample.x):
+        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
+        dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
+def _weight_specs(sample):
+    """(shape, dtype) of each sample-weight array, the batch dimension None."""
+    return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
+
+
 def _check_agreement(comm, facts):
     """All ranks must run the same model on the same data shape with the same
     settings; a mismatch would otherwise hang or silently mix models."""
@@ -187,7 +207,12 @@ def _build_compiled(model, graph, data, rows=None):
         return
     x_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.x]
     y_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.y]
-    sw_sym = _compat.symbolic((rows,), "float32") if data.sample_weight is not None else None
+    sw_sym = None
+    if data.sample_weight is not None:
+        leaves = [_compat.symbolic((rows,) + a.shape[1:], "float32") for a in data.sample_weight]
+        sw_sym = leaves[0] if not data.per_output else (
+            _compat.pack_outputs(graph.functional, leaves) if graph.functional is not None
+            else leaves)
     if graph.functional is not None:
         x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
     else:
@@ -204,13 +229,16 @@ def _build_compiled(model, graph, data, rows=None):
                                     y_true, y_pred, sw_sym)
 
 
-def _make_groups(comm, topo, part, stage, model_variables):
+def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
     """One communicator per set of stages sharing variables (normally one stage):
     every rank joins each split, in the same sorted order. Returns
     {stage set: (communicator or None, positions in stage.trainable)}. With model
     chunks (`part` cut into more stages than the pipeline has ranks), the sets are
-    of pipeline positions: virtual stage j is on position j % S."""
+    of pipeline positions: virtual stage j is on position j % S. `per_replica`:
+    replicas that step on their own (`hyparflow.replicas`) sum a tied variable's
+    gradient over their own stages only."""
     s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
+    r = topo.replica(comm.rank)
     S = topo.num_stages
     users = {vid: tuple(sorted({u % S for u in us})) for vid, us in part.users.items()}
     index_of = {id(v): k for k, v in enumerate(stage.originals)}
@@ -221,7 +249,7 @@ def _make_groups(comm, topo, part, stage, model_variables):
         # Tensor rank t of each stage sums with tensor rank t of the others only:
         # its split layers' parts are its own, and its unsplit weights' gradients
         # are the same on every tensor rank.
-        color = t if s in key else None
+        color = (r * topo.num_tensor + t if per_replica else t) if s in key else None
         sub = comm.split(color, comm.rank) if topo.size > 1 else None
         if color is None:
             continue
@@ -252,10 +280,12 @@ class Runtime:
     """Everything one rank needs to run stage s of replica r of `model`."""
 
     def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
-                 recompute=False, trace=None, training=True, facts=None, batch_rows=None):
+                 recompute=False, trace=None, training=True, facts=None, batch_rows=None,
+                 replica_sync=None):
         """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
-        `layout.balance`."""
+        `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
+        method, under which each replica steps on its own (`hyparflow.replicas`)."""
         _check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
@@ -264,6 +294,9 @@ class Runtime:
             _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
         self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
+        # Replicas on their own only where there are several (one replica: allreduce).
+        self.sync = replica_sync if training and layout.num_replicas > 1 else None
+        self.replicas = None
         # Interleaved schedules: S x v virtual stages, virtual stage j on position j % S.
         self.part = part = _partition.partition(
             graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
@@ -276,6 +309,13 @@ class Runtime:
             "counts": part.counts, "tensor_layers": split_names,
         })
         _build_compiled(model, graph, sample, batch_rows)
+        # A compute_loss override or layers adding losses of their own: checked on
+        # this process's model (every rank alike) that they add up over microbatches.
+        self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
+            else _customised.Plan()
+        y_specs = _target_specs(graph, sample)
+        if self.custom.loss is not None:
+            y_specs = y_specs + _input_specs(graph, sample)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         shards = self._shards(layout.tensor_shares)
@@ -283,9 +323,9 @@ class Runtime:
         if layout.num_chunks == 1:
             stage = Stage(graph, part.stages[s], model, part,
                           is_last=(s == layout.num_stages - 1), run_eagerly=eager,
-                          y_specs=_target_specs(graph, sample),
-                          has_sample_weight=training and sample.sample_weight is not None,
-                          recompute=recompute, shards=shards)
+                          y_specs=y_specs,
+                          sw_specs=_weight_specs(sample),
+                          per_output=sample.per_output, recompute=recompute, shards=shards)
         else:
             # One Stage per model chunk (virtual stages s, s + S, ...), and one that
             # computes nothing but holds the rank's gradient sums for all of them:
@@ -293,9 +333,10 @@ class Runtime:
             last = part.num_stages - 1
             virtual = range(s, part.num_stages, layout.num_stages)
             chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
-                            run_eagerly=eager, y_specs=_target_specs(graph, sample),
-                            has_sample_weight=training and sample.sample_weight is not None,
-                            recompute=recompute) for j in virtual]
+                            run_eagerly=eager, y_specs=y_specs,
+                            sw_specs=_weight_specs(sample),
+                            per_output=sample.per_output, recompute=recompute)
+                      for j in virtual]
             union = _partition.StagePlan(s, [i for j in virtual for i in part.stages[j].nodes],
                                          [], [], [])
             stage = Stage(graph, union, model, part, is_last=False, run_eagerly=eager,
@@ -303,17 +344,48 @@ class Runtime:
             for chunk in chunks:
                 chunk.sink_into(stage)
         self.stage = stage
+        kinds, normaliser = self._plan_loss(sample)
+        for st in (chunks or []) + [stage]:
+            st.loss_kinds = kinds
+            st.custom = self.custom
         self.timeline = Timeline(comm.rank) if trace else None
         self.trace = trace
         self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
                                  schedule=layout.schedule,
                                  num_microbatches=layout.num_microbatches,
                                  timeline=self.timeline, chunks=chunks)
+        self.executor.normaliser = normaliser
         self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
         self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]
         self.non_trainable = [v for v in graph.variables_of(stage.plan.nodes, trainable=False)
                               if self.owner_stage(v) == s]
+
+    def _plan_loss(self, sample):
+        """The compiled loss's kinds (`_compat.loss_kinds`) and, when some loss divides
+        by a count over the whole batch, a `Normaliser` (the same on every rank: it
+        sets every stage's order)."""
+        loss = _compat.compile_loss(self.model)
+        if sample.y is None or loss is None or not loss.built:
+            return [], None
+        graph = self.graph
+        masked = [graph.tensors[t].mask is not None for t in graph.outputs] \
+            if graph.functional is not None else [False]
+        kinds = _compat.loss_kinds(loss, masked, sample.sample_weight is not None)
+        if self.custom.loss is not None:
+            if _compat.GLOBAL in kinds:
+                name = _compat.overrider(self.model, "compute_loss").__qualname__
+                raise NotImplementedError(
+                    f"{name}.compute_loss is run per microbatch, but the compiled loss it may "
+                    "call divides by a count over the whole batch (a Keras mask reaches the "
+                    "model's outputs, or a mean_with_sample_weight reduction), which a "
+                    "microbatch cannot know. Leave compute_loss to Keras (hyparflow carries "
+                    "the compiled loss's normaliser over microbatches and replicas), or train "
+                    "with num_microbatches=1 and num_replicas=1.")
+            return kinds, None
+        weights = [w for w, kind in zip(_compat.loss_weights(loss), kinds)
+                   if kind == _compat.GLOBAL]
+        return kinds, (_normaliser.Normaliser(weights) if weights else None)
 
     def owner_stage(self, variable):
         """The pipeline position (stage of ranks) whose replica 0 owns `variable`: the
@@ -374,11 +446,15 @@ class Runtime:
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.training:
             optimizer = self.model.optimizer
-            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights)
+            local = self.sync is not None
+            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
+                                  per_replica=local)
             shared = [g for g in groups.values() if g[1]]
             # Not sharded with model chunks (a first version: ZeRO's shards and the
-            # chunks' accumulator are not combined yet; docs/performance.md).
-            self.zero = self._plan_zero(optimizer, shared) if self.layout.num_chunks == 1 else None
+            # chunks' accumulator are not combined yet; docs/performance.md), nor when
+            # each replica steps on its own (nothing is summed over replicas).
+            self.zero = (self._plan_zero(optimizer, shared)
+                         if self.layout.num_chunks == 1 and not local else None)
             if not optimizer.built:
                 # Only this stage's variables (or, sharded, this rank's parts of them):
                 # optimizer state is split like the weights.
@@ -386,9 +462,23 @@ class Runtime:
             elif self.stage.shards or not self.zero:
                 _zero.check_knows(optimizer, self.zero.variables if self.zero
                                   else self.stage.trainable)
-            early = overlap.enabled(default=len(set(hosts)) > 1) and self.layout.num_chunks == 1
+            # Not early with replicas on their own: their gradients are scaled (below)
+            # before any sum, and only tied copies within a replica are summed.
+            early = (overlap.enabled(default=len(set(hosts)) > 1)
+                     and self.layout.num_chunks == 1 and not local)
             self.executor.set_groups(shared, early=early, zero=self.zero)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
+            if local:
+                state = self.graph.variables_of(self.stage.plan.nodes, trainable=False)
+                self.replicas = Replicas(self.sync, self.comm, topo, self.stage, state, hosts)
+                # Each replica steps on R times its share of the batch's gradient: its
+                # own slice's mean gradient when the slices are equal (hyparflow.replicas).
+                self.executor.grad_scale = float(topo.num_replicas)
+        norm = self.executor.normaliser
+        if norm is not None and topo.size > 1:
+            # The last stage's replicas at each tensor rank agree on its normalisers.
+            last = topo.stage(rank) == topo.num_stages - 1
+            norm.comm = self.comm.split(topo.tensor(rank) if last else None, rank)
         weights.broadcast(self.comm, self.model.weights, 0)
         self.load_shards()
 
@@ -420,8 +510,14 @@ class Runtime:
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+        if self.replicas is not None:
+            self.replicas.free()
         comms = [c for c, _ in getattr(self.executor, "groups", ())]
         comms.append(getattr(getattr(self, "collectives", None), "comm", None))
+        norm = getattr(self.executor, "normaliser", None)
+        if norm is not None:
+            comms.append(norm.comm)
+            norm.comm = None
         for comm in {id(c): c for c in comms if c is not None}.values():
             try:
                 comm.free()

@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
-           "inter_op_threads", "show_tf_logs", "timeout", "spin_seconds",
+           "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs"]
@@ -39,6 +39,8 @@ VARIABLES = (
              "intra-op threads per rank"),
     Variable("HYPARFLOW_INTER_OP_THREADS", "1",
              "inter-op threads per rank (ranks run as threads of one process need more)"),
+    Variable("HYPARFLOW_JIT", "as `model.compile(jit_compile=...)`",
+             "`1` compiles stage functions with XLA, `0` never (see docs/performance.md)"),
     Variable("HYPARFLOW_SHOW_TF_LOGS", "unset",
              "`1` keeps TensorFlow's start-up lines"),
     Variable("HYPARFLOW_TIMEOUT", "600",
@@ -143,6 +145,12 @@ def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 def inter_op_threads() -> int:
     value = _number("HYPARFLOW_INTER_OP_THREADS", int, minimum=1)
     return 1 if value is None else value
+
+
+def jit() -> Optional[bool]:
+    """HYPARFLOW_JIT: 1 compiles stage functions with XLA, 0 never; unset follows
+    `model.compile(jit_compile=...)`."""
+    return _flag("HYPARFLOW_JIT")
 
 
 def show_tf_logs() -> bool:

@@ -12,6 +12,16 @@ replica r holds the r-th contiguous slice of every batch, its microbatches are
 contiguous slices of that, and the pairs of a microbatch come in its order.
 The bytes exchanged are those of the rows the batch touched, not the table's.
 
+A lookup whose ids do not depend on the batch (a position table looked up with
+`arange(sequence)` for every sample, broadcast over the batch) is different:
+TensorFlow sums the batch's gradient before the lookup's, so `model.fit`'s
+IndexedSlices holds one pair per looked-up id with the *whole batch's* sum, and
+Adam squares that sum. Gathering each microbatch's pairs would square partial
+sums instead. So for such "fixed" lookups (found in the stage's traced forward:
+the ids of its gather have a static shape, `fixed_lookups`) the pairs of a
+step's microbatches, and then of the replicas, are merged: the same ids, their
+values added in order (`merge`), which is the pair list `model.fit` hands on.
+
 The rule for reducing densely instead: only for an optimizer whose step is
 linear in the gradient (plain `keras.optimizers.SGD`, with or without
 momentum, where pairs and their sum step alike), and only when the dense
@@ -26,7 +36,7 @@ gradient as a dense sum.
 import numpy as np
 from . import settings
 
-__all__ = ["Exchange", "linear", "merge", "enabled"]
+__all__ = ["Exchange", "linear", "merge", "merge_pairs", "fixed_lookups", "enabled"]
 
 SPARSE, DENSE, NONE = "s", "d", "-"
 
@@ -53,6 +63,46 @@ def merge(kinds):
     return SPARSE if SPARSE in kinds else NONE
 
 
+def merge_pairs(pieces):
+    """The (indices, values) of several microbatches or ranks of a fixed lookup as one
+    lookup over all of them: the same ids, the values added in order."""
+    indices, values = pieces[0]
+    if len(pieces) == 1:
+        return indices, values
+    total = np.array(values, np.float32, copy=True)
+    for other, more in pieces[1:]:
+        if not np.array_equal(other, indices):
+            raise ValueError(
+                "A lookup whose ids have a fixed shape (not one per sample) looked up "
+                "different ids in different microbatches, so its gradient over the batch "
+                "cannot be put together from theirs as model.fit's one lookup gives it. "
+                "Look the table up with ids that have the batch dimension, or train with "
+                "num_microbatches=1 and num_replicas=1.")
+        total += more
+    return indices, total
+
+
+def fixed_lookups(graph, handles):
+    """{position: True} for the variables (`handles`: resource handle id -> position)
+    that a traced function's graph looks up only with ids of a static shape (no batch
+    dimension); a variable also looked up per sample is not fixed."""
+    captured = {internal.ref(): external for external, internal in graph.captures}
+    fixed = {}
+    for op in graph.get_operations():
+        if "Gather" not in op.type:
+            continue
+        source = op.inputs[0]
+        while source.op.type in ("ReadVariableOp", "Identity", "IdentityN") and source.op.inputs:
+            source = source.op.inputs[0]
+        external = captured.get(source.ref())
+        k = handles.get(id(external)) if external is not None else None
+        if k is None:
+            continue
+        static = op.inputs[1].shape.is_fully_defined()
+        fixed[k] = fixed.get(k, True) and static
+    return {k for k, f in fixed.items() if f}
+
+
 class Exchange:
     """Gathers the pairs of a group's sparse variables from every member (a request:
     `test()` advances it; `result()` once done).
@@ -63,8 +113,10 @@ class Exchange:
     one call each) the indices and the values, or, where `dense_ok` and the
     table is smaller, each variable is scattered into a dense sum instead."""
 
-    def __init__(self, comm, local, shapes, dense_ok=False):
+    def __init__(self, comm, local, shapes, dense_ok=False, fixed=()):
+        """`fixed`: positions of fixed lookups, whose ranks' pairs are merged."""
         self.comm, self.shapes, self.dense_ok = comm, shapes, dense_ok
+        self.fixed = set(fixed)
         self.positions = sorted(shapes)
         self.local = {k: local.get(k) for k in self.positions}
         self.rows = {k: int(np.prod(shapes[k][1:])) for k in self.positions}
@@ -141,7 +193,11 @@ class Exchange:
                     (c,) + tuple(self.shapes[k][1:])))
                 i += c
                 v += c * width
-        self._result = {k: (np.concatenate(ix), np.concatenate(vs)) for k, (ix, vs) in pieces.items()}
+        self._result = {}
+        for k, (ix, vs) in pieces.items():
+            held = [(i, v) for i, v in zip(ix, vs) if len(i)]
+            self._result[k] = merge_pairs(held) if k in self.fixed and held else (
+                np.concatenate(ix), np.concatenate(vs))
         self._result.update(self.sums)
 
     def result(self):

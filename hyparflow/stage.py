@@ -9,13 +9,16 @@ per-layer Python in the backward.
 
 import functools
 import time
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from . import _compat
+from . import customised as _customised
 from . import kernels
+from . import masks as _masks
 from . import settings
 from . import sparse as _sparse
 from .clock import timed
@@ -95,6 +98,38 @@ def compiled_step(optimizer, variables, sparse, eager=False):
     return step if eager else tf.function(step, input_signature=signature)
 
 
+def _wants_xla(model):
+    """HYPARFLOW_JIT when set, else what `model.compile(jit_compile=...)` resolved to
+    (Keras's "auto" turns XLA off on machines without an accelerator)."""
+    chosen = settings.jit()
+    return bool(getattr(model, "jit_compile", False)) if chosen is None else chosen
+
+
+class _XLAOrPlain:
+    """An XLA-compiled function that falls back to the plain one, once and said, when
+    XLA cannot compile it (an operation without an XLA kernel)."""
+
+    runs = 0   # calls run under XLA in this process (what `HYPARFLOW_JIT` changed)
+
+    def __init__(self, xla, plain):
+        self.xla, self.plain, self.failed = xla, plain, False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                out = self.xla(*args)
+                _XLAOrPlain.runs += 1
+                return out
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as exc:
+                self.failed = True
+                warnings.warn(f"hyparflow: XLA could not compile a stage function, which runs "
+                              f"without it ({str(exc).splitlines()[0][:200]})", RuntimeWarning)
+        return self.plain(*args)
+
+
+_PRODUCED = "produced masks"  # the key of `_run_nodes`' masks by tensor
+
+
 class Stage:
     """Runs stage `plan.index` of `graph` for the user's `model`, on its own variables.
 
@@ -108,7 +143,7 @@ class Stage:
     """
 
     def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
-                 y_specs=(), has_sample_weight=False, recompute=False, shards=None,
+                 y_specs=(), sw_specs=(), per_output=False, recompute=False, shards=None,
                  accumulator=False):
         """`accumulator`: a stage that never computes, only holds a rank's gradient
         buffers and steps its variables (interleaved schedules: the rank's model
@@ -120,7 +155,11 @@ class Stage:
         self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
         self.output_ids = sorted({e.tensor for e in plan.send})
         # Keras masks (padding) cross with their tensors: inputs and outputs end with
-        # the masks of these tensors, in this order.
+        # the masks of these tensors, in this order. Recording the masks model.fit
+        # sees (hyparflow.masks) comes first: it may find masks that only run-time
+        # calls attach, which must cross too.
+        if not accumulator:
+            _masks.of(graph, True)
         self.mask_ids = [e.tensor for e in plan.recv if graph.tensors[e.tensor].mask is not None]
         self.output_mask_ids = [t for t in self.output_ids if graph.tensors[t].mask is not None]
         # Split layers (tensor parallelism): this rank trains its parts in place of
@@ -168,6 +207,9 @@ class Stage:
         self._saved = {}
         self.touched = np.zeros(len(self.trainable), dtype=bool)
         self._slices = {}  # position -> [(microbatch, indices, values)] this step
+        # Positions whose lookups have ids of a fixed shape (`sparse.fixed_lookups`):
+        # their microbatches' pairs are merged. Found at the first sparse gradient.
+        self.fixed = None
         self._keep_pairs = _sparse.enabled()
         # Gradients that a hook (`_arrive`) already summed during the current backward,
         # and who is told of each: the executor, to start allreduces early.
@@ -181,10 +223,37 @@ class Stage:
         # (and MultiHeadAttention removes its query's), so the sender says (a header).
         self.presence = (True,) * len(self.mask_ids)
         self._y_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d)) for s, d in y_specs]
+        # Sample weights of any shape model.fit takes: one array for every output, or
+        # (`per_output`) one per output.
+        self._sw_specs = [tf.TensorSpec((None,) + tuple(s[1:]), tf.as_dtype(d))
+                          for s, d in sw_specs]
+        self._per_output = per_output
+        # The compiled loss's kinds (`_compat.loss_kinds`), set by the runtime; GLOBAL
+        # losses return [sum, normaliser part] per microbatch (`terms`), and their
+        # backward is seeded with `scales` (weight / the global batch's normaliser).
+        self.loss_kinds, self.scales = [], None
+        self.terms = {}  # microbatch -> its GLOBAL losses' [sums..., normaliser parts...]
+        # Customised training (`hyparflow.customised`): how the layers' own losses and
+        # a `compute_loss` override add up; with an override, the last stage's `y`
+        # list ends with the microbatch's model inputs (`takes_x`).
+        self.custom = _customised.Plan()
         self._eager = run_eagerly
+        self._jit = _wants_xla(model)
         self._functions = {}
         self.set_buckets([])  # gradient buffers, until the executor lays them out
         self._slowdown = settings.slowdown()
+
+    def _compile(self, fn, signature):
+        """`fn` as the stage runs it: eager when asked, else a `tf.function` with a `None`
+        batch dimension, XLA-compiled when the model asks for it (`_wants_xla`) and the
+        stage allows it (no split layer's exchange, no length known only at run time)."""
+        if self._eager:
+            return fn
+        plain = tf.function(fn, input_signature=signature, reduce_retracing=True)
+        if not self._jit or self.shards or any(
+                t.dynamic for t in (self.graph.tensors[i] for i in self.input_ids)):
+            return plain
+        return _XLAOrPlain(tf.function(fn, input_signature=signature, jit_compile=True), plain)
 
     def _transposed(self, graph, plan):
         """{node: kernels.Transposed} for the Dense calls whose input gradient is wanted."""
@@ -251,7 +320,7 @@ class Stage:
         dimension None."""
         masks = [spec for spec, present in zip(self._mask_specs, self.presence) if present]
         signature = [self._in_specs + masks, self._y_specs if with_y else [],
-                     [tf.TensorSpec((None,), tf.float32)] if with_y and with_sample_weight else [],
+                     list(self._sw_specs) if with_y and with_sample_weight else [],
                      tf.TensorSpec((), tf.float32)]
         if split:
             signature.append([tf.TensorSpec((None,) + shape, tf.float32)
@@ -279,8 +348,7 @@ class Stage:
             def body(inputs, y, sample_weight, share, zs=None):
                 return self._body(inputs, y, sample_weight, share, kind, hooked, zs)
 
-            self._functions[key] = body if self._eager else tf.function(
-                body, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(body, signature)
         return self._functions[key]
 
     # -- the computation ------------------------------------------------------
@@ -302,12 +370,23 @@ class Stage:
         values = {id(g.tensors[t].keras_tensor): v
                   if k in diff or not tf.as_dtype(v.dtype).is_floating else tf.stop_gradient(v)
                   for k, (t, v) in enumerate(zip(self.input_ids, inputs))}
+        # Each tensor's mask as its producer attached it (None: without one); before
+        # each call its inputs carry exactly the masks model.fit's call finds
+        # (`hyparflow.masks`: a MultiHeadAttention that ran before it in Keras's
+        # order removed them, wherever it ran here).
+        produced = {}
         masks = iter(inputs[len(self.input_ids):])
         for t, present in zip(self.mask_ids, self.presence):
             if present:
-                _compat.set_mask(values[id(g.tensors[t].keras_tensor)], next(masks))
+                produced[t] = next(masks)
+                _compat.set_mask(values[id(g.tensors[t].keras_tensor)], produced[t])
+        run = _masks.of(g, training)
         for i in self.plan.nodes:
             node = g.nodes[i]
+            if run is not None:
+                for t, present in run.present[i].items():
+                    _compat.set_mask(values[id(g.tensors[t].keras_tensor)],
+                                     produced.get(t) if present else None)
             args, kwargs = _compat.fill_in(node.keras_node, values)
             if i in self.shards:
                 out = self.shards[i](args, kwargs, training)
@@ -319,16 +398,22 @@ class Stage:
                 out = self.transposed[i](args, kwargs)
             else:
                 out = _compat.call_operation(node.op, args, kwargs, training)
-            for kt, v in zip(node.keras_node.outputs, _compat.tree.flatten(out)):
+            for t, kt, v in zip(node.outputs, node.keras_node.outputs, _compat.tree.flatten(out)):
                 values[id(kt)] = v
+                produced[t] = _compat.get_mask(v)
+        values[_PRODUCED] = produced
+        if run is not None and self.is_last:
+            for t in self.plan.outputs:  # as the loss finds them in model.fit
+                _compat.set_mask(self._value(values, t), produced.get(t) if run.final[t] else None)
         return values
 
     def _value(self, values, t):
         return values[id(self.graph.tensors[t].keras_tensor)]
 
     def _mask(self, values, t):
-        """The Keras mask a value carries at run time; an empty one when it has none."""
-        mask = _compat.get_mask(self._value(values, t))
+        """The Keras mask tensor `t`'s producer attached at run time (what crosses a
+        stage, whatever a later call here did to it); an empty one when it has none."""
+        mask = values[_PRODUCED].get(t)
         return tf.zeros((0,), tf.bool) if mask is None else tf.cast(mask, tf.bool)
 
     def _inputs(self, inputs):
@@ -381,13 +466,48 @@ class Stage:
             self.on_arrival(k)
         return g
 
+    @property
+    def _num_x(self):
+        """How many model inputs end the last stage's `y` list (a `compute_loss`
+        override takes `x`)."""
+        return len(self.graph.inputs) if self.takes_x else 0
+
+    @property
+    def takes_x(self):
+        return self.is_last and self.custom.loss is not None
+
+    def _layer_losses(self, share):
+        """The stage's layers' own losses (regularisers, `add_loss`), each scaled as it
+        adds up over microbatches: a mean by `share`, a sum as it is."""
+        if not self.custom.layer_losses:
+            return tf.zeros((), tf.float32)
+        parts = []
+        for op in self._loss_ops:
+            for j, value in enumerate(op.losses):
+                value = tf.cast(tf.reduce_sum(value), tf.float32)
+                parts.append(value * share if self.custom.kind_of(op, j) == _customised.SHARE
+                             else value)
+        return tf.add_n(parts) if parts else tf.zeros((), tf.float32)
+
+    def _weights(self, sample_weight):
+        """The microbatch's sample weights as the compiled loss takes them: one array
+        for every output, or the outputs' structure."""
+        if not sample_weight:
+            return None
+        if not self._per_output:
+            return sample_weight[0]
+        return _compat.pack_outputs(self.graph.functional, list(sample_weight))
+
     def _compute(self, inputs, y, sample_weight, share, kind, zs=None):
-        """Returns (outputs, contribution), and with `zs` the deferred calls' inputs
-        after them (`kernels.deferred_call`)."""
+        """Returns (outputs, contribution, terms) for "train" (and with `zs` the
+        deferred calls' inputs after them, `kernels.deferred_call`), (outputs,
+        contribution, predictions, terms) otherwise. `contribution` is the part of
+        the loss whose sum over microbatches and replicas is the batch's; `terms`,
+        on the last stage, the GLOBAL losses' sums and normaliser parts."""
         kept = []
         values = self._run_nodes(inputs, training=(kind == "train"), zs=zs, kept=kept)
-        extra = [tf.cast(tf.reduce_sum(l), tf.float32) for op in self._loss_ops for l in op.losses]
-        total = tf.add_n(extra) if extra else tf.zeros((), tf.float32)
+        total = self._layer_losses(share)
+        terms = tf.zeros((0,), tf.float32)
         if self.graph.functional is None:
             outs = []
             flat_pred = values["opaque"]
@@ -396,32 +516,63 @@ class Stage:
             outs += [self._mask(values, t) for t in self.output_mask_ids]
             flat_pred = [self._value(values, t) for t in self.plan.outputs]
         if self.is_last and kind == "predict":
-            return outs, share * total, list(flat_pred)
-        if self.is_last:
+            return outs, total, list(flat_pred), terms
+        if self.is_last and self.custom.loss is not None:
             y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
+            y, xs = list(y[:len(y) - self._num_x]), list(y[len(y) - self._num_x:])
             y_true = y[0] if len(y) == 1 else list(y)
-            sw = sample_weight[0] if sample_weight else None
-            loss = _compat.call_compile_loss(_compat.compile_loss(self.model), y_true, y_pred, sw,
-                                             share)
+            sw = self._weights(sample_weight)
+            x = (_compat.tree.pack_sequence_as(_compat.input_structure(self.graph.functional), xs)
+                 if self.graph.functional is not None else (xs[0] if len(xs) == 1 else xs))
+            # The layers' losses are added by the stages that hold the layers.
+            with _compat.model_losses_replaced(self.model, [tf.zeros(())]):
+                value = _compat.run_compute_loss(self.model, x, y_true, y_pred, sw,
+                                                 kind == "train")
             metrics = _compat.compile_metrics(self.model)
             if metrics is not None:
                 metrics.update_state(y_true, y_pred, sample_weight=sw)
-            total = total + tf.cast(loss, tf.float32)
+            value = tf.cast(value, tf.float32)
+            total = total + (value * share if self.custom.loss == _customised.SHARE else value)
+        elif self.is_last:
+            y_pred = _compat.pack_outputs(self.graph.functional, flat_pred)
+            y_true = y[0] if len(y) == 1 else list(y)
+            sw = self._weights(sample_weight)
+            loss = _compat.compile_loss(self.model)
+            if len(self.loss_kinds) != len(loss._flat_losses or ()):
+                raise RuntimeError("hyparflow: the compiled loss's kinds were not planned "
+                                   "(Runtime sets them before the first step)")
+            static, sums = _compat.compile_loss_terms(loss, y_true, y_pred, sw, share,
+                                                      self.loss_kinds)
+            metrics = _compat.compile_metrics(self.model)
+            if metrics is not None:
+                metrics.update_state(y_true, y_pred, sample_weight=sw)
+            total = total + static
+            if sums:
+                terms = tf.stack([t for t, _ in sums] + [c for _, c in sums])
         if kind == "train":
-            return (outs, share * total) if zs is None else (outs, share * total, kept)
-        return outs, share * total, []
+            return (outs, total, terms) if zs is None else (outs, total, terms, kept)
+        return outs, total, [], terms
 
     def infer(self, kind, inputs, y=(), sample_weight=(), share=1.0):
         """Forward only, in inference mode ("evaluate": loss and metrics on the last
         stage; "predict": the model's outputs there). Returns (outputs, loss
-        contribution, predictions)."""
+        contribution, predictions, GLOBAL loss terms)."""
         inputs = self._inputs(inputs)
+        _masks.of(self.graph, False)  # recorded here, not inside the function's trace
         fn = self._function(kind, bool(sample_weight))
         if kind == "predict":
             y, sample_weight = (), ()
         return fn(inputs, [tf.convert_to_tensor(a) for a in y],
                   [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
                   tf.constant(share, tf.float32))
+
+    def track_global(self, normaliser):
+        """The per-output loss trackers of the GLOBAL losses, once the step's
+        normalisers are agreed (`_compat.track_global`)."""
+        loss = _compat.compile_loss(self.model)
+        if loss is not None:
+            _compat.track_global(loss, self.loss_kinds, normaliser.sums, normaliser.totals,
+                                 normaliser.share)
 
     def reseed(self, seed, microbatch_id):
         """Set every random layer's generator from (seed, global microbatch id, its number)."""
@@ -447,18 +598,20 @@ class Stage:
         if self.recompute:
             fn = self._function("train", bool(args[2]), (), split)
             result = fn(*args, self._zeros(args[0])) if split else fn(*args)
-            outs, contribution = result[0], result[1]
+            outs, contribution, terms = result[0], result[1], result[2]
             self._saved[i] = (args, seed, hooked, self.presence, split)
         else:
-            tape, outs, contribution, zs, kept = self._taped(args, hooked, split)
-            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, hooked,
-                              zs, kept)
+            tape, outs, contribution, terms, zs, kept = self._taped(args, hooked, split)
+            self._saved[i] = (tape, [args[0][k] for k in self._diff], outs, contribution, terms,
+                              hooked, zs, kept)
+        if terms.shape[0]:
+            self.terms[i] = terms.numpy()
         self._lag(start)
         return outs, contribution
 
     def _taped(self, args, hooked=(), split=False):
-        """The forward under a tape: (tape, outputs, contribution, zero inputs of the
-        deferred calls and their inputs, or None and None)."""
+        """The forward under a tape: (tape, outputs, contribution, GLOBAL loss terms,
+        zero inputs of the deferred calls and their inputs, or None and None)."""
         forward = self._function("train", bool(args[2]), hooked, split)
         tape = tf.GradientTape()
         zs = kept = None
@@ -469,10 +622,10 @@ class Stage:
                 zs = self._zeros(args[0])
                 for z in zs:
                     tape.watch(z)
-                outs, contribution, kept = forward(*args, zs)
+                outs, contribution, terms, kept = forward(*args, zs)
             else:
-                outs, contribution = forward(*args)
-        return tape, outs, contribution, zs, kept
+                outs, contribution, terms = forward(*args)
+        return tape, outs, contribution, terms, zs, kept
 
     def _replay(self, i):
         """Recompute microbatch `i`'s forward under a tape, leaving the layers' state
@@ -481,22 +634,30 @@ class Stage:
         before = [v.numpy() for v in self._state]
         if seed is not None:
             self.reseed(*seed)
-        tape, outs, contribution, zs, kept = self._taped(args, hooked, split)
+        tape, outs, contribution, terms, zs, kept = self._taped(args, hooked, split)
         for v, value in zip(self._state, before):
             v.assign(value)
-        return tape, [args[0][k] for k in self._diff], outs, contribution, hooked, zs, kept
+        return (tape, [args[0][k] for k in self._diff], outs, contribution, terms, hooked, zs,
+                kept)
 
     def backward(self, i, out_grads):
         """Backward microbatch `i` given the gradients of its outputs (dict tensor id ->
         array, or missing when no later stage used it); adds the variables' gradients
-        to the gradient buffers and returns the gradients of the received inputs by tensor id."""
+        to the gradient buffers and returns the gradients of the received inputs by
+        tensor id. With GLOBAL losses, `scales` must be set (`Executor`)."""
         start = time.perf_counter()
         if self.recompute:
-            tape, diff_inputs, outs, contribution, _, zs, kept = self._replay(i)
+            tape, diff_inputs, outs, contribution, terms, _, zs, kept = self._replay(i)
         else:
-            tape, diff_inputs, outs, contribution, _, zs, kept = self._saved.pop(i)
+            tape, diff_inputs, outs, contribution, terms, _, zs, kept = self._saved.pop(i)
         self._ready()
         targets, seeds = [contribution], [tf.ones_like(contribution)]
+        if terms.shape[0]:
+            # GLOBAL losses: each microbatch's sum times weight / the batch's normaliser,
+            # known once every microbatch of every replica has run its forward.
+            k = terms.shape[0] // 2
+            targets.append(terms)
+            seeds.append(tf.constant(np.concatenate([self.scales, np.zeros(k)]), tf.float32))
         for t, o in zip(self.output_ids, outs):
             g = out_grads.get(t)
             if g is not None and self.graph.tensors[t].floating:
@@ -559,8 +720,7 @@ class Stage:
             signature = [[tf.TensorSpec((None,) + tuple(x.shape[1:]), tf.float32) for x in xs],
                          [tf.TensorSpec((None,) + shape, tf.float32)
                           for _, _, shape in self.deferred]]
-            self._functions["weights"] = weights if self._eager else tf.function(
-                weights, input_signature=signature)
+            self._functions["weights"] = self._compile(weights, signature)
         if self._views is None:
             self._make_buffers()
         for (_, k, _), g in zip(self.deferred, self._functions["weights"](xs, dys)):
@@ -591,14 +751,16 @@ class Stage:
                         tape.watch(z)
                     result = self._body(inputs, y, sample_weight, share, "train", hooked, zs)
                 contribution = result[1]
+                if result[2].shape[0]:
+                    raise RuntimeError("hyparflow: a loss with a global normaliser cannot be "
+                                       "fused with its backward")
                 grads = tape.gradient(
                     contribution, variables + [inputs[k] for k in diff] + list(zs or ()),
                     unconnected_gradients=tf.UnconnectedGradients.NONE)
-                return contribution, grads, (result[2] if zs is not None else [])
+                return contribution, grads, (result[3] if zs is not None else [])
 
             signature = self._signature(True, bool(sample_weight), split)
-            self._functions[key] = fused if self._eager else tf.function(
-                fused, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(fused, signature)
         self._ready()
         args = [inputs, [tf.convert_to_tensor(a) for a in y],
                 [tf.convert_to_tensor(a, tf.float32) for a in sample_weight],
@@ -633,8 +795,7 @@ class Stage:
             seeds = [_spec(self.graph.tensors[t]) for t in self.output_ids
                      if self.graph.tensors[t].floating] if seeded else []
             signature = self._signature(True, has_sample_weight) + [seeds]
-            self._functions[key] = fused if self._eager else tf.function(
-                fused, input_signature=signature, reduce_retracing=True)
+            self._functions[key] = self._compile(fused, signature)
         return self._functions[key]
 
     # -- timing, for the planner ------------------------------------------------
@@ -723,6 +884,8 @@ class Stage:
             if isinstance(g, tf.IndexedSlices) and not self._keep_pairs:
                 g = tf.convert_to_tensor(g)
             if isinstance(g, tf.IndexedSlices):
+                if self.fixed is None:
+                    self._find_fixed(into, where)
                 values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
                 into._slices.setdefault(where[k], []).append(
                     (microbatch, np.asarray(g.indices, np.int64), np.asarray(values)))
@@ -735,6 +898,24 @@ class Stage:
                 g = tf.zeros_like(diff_inputs[self._diff.index(k)])
             grads_in[t] = g
         return grads_in
+
+    def _find_fixed(self, into, where):
+        """Which of this stage's variables are looked up only with ids of a fixed shape,
+        read from its traced training forward (traced once more, for this only, when
+        the stage runs eagerly); noted on `into` (itself, or the accumulator it sinks
+        into) at `where`'s positions."""
+        fn = next((f for key, f in self._functions.items()
+                   if isinstance(key, tuple) and key[0] in ("train", "fused")
+                   and hasattr(f, "get_concrete_function")
+                   and f.experimental_get_tracing_count()), None)
+        if fn is None:
+            signature = self._signature(self.is_last, bool(self._sw_specs))
+            fn = tf.function(lambda inputs, y, sw, share: self._body(inputs, y, sw, share),
+                             input_signature=signature)
+        handles = {id(_compat.variable_handle(v)): k for k, v in enumerate(self.trainable)}
+        found = _sparse.fixed_lookups(fn.get_concrete_function().graph, handles)
+        self.fixed = found
+        into.fixed = (into.fixed or set()) | {where[k] for k in found}
 
     def set_buckets(self, buckets, sparse=()):
         """Lay the gradient buffers out as `buckets` (lists of positions in
@@ -766,6 +947,9 @@ class Stage:
         out = {}
         for k, pieces in self._slices.items():
             pieces = sorted(pieces, key=lambda p: p[0])
+            if k in (self.fixed or ()):
+                out[k] = _sparse.merge_pairs([(p[1], p[2]) for p in pieces])
+                continue
             out[k] = (np.concatenate([p[1] for p in pieces]),
                       np.concatenate([p[2] for p in pieces]))
         self._slices = {}
@@ -802,6 +986,17 @@ class Stage:
             grads[k] = pairs
         self.reset_grads()
         self._step(optimizer, grads)
+
+    def scale_grads(self, factor):
+        """Multiply this step's summed gradients (dense buffers and kept pairs) by
+        `factor`, in place (replicas that step on their own: `hyparflow.replicas`)."""
+        if self._views is not None:
+            for k, view in enumerate(self._views):
+                if view is not None and self.touched[k]:
+                    view *= np.float32(factor)
+        for pieces in self._slices.values():
+            for j, (microbatch, indices, values) in enumerate(pieces):
+                pieces[j] = (microbatch, indices, values * np.float32(factor))
 
     def reset_grads(self):
         self.touched[:] = False

@@ -41,7 +41,26 @@ __all__ = ["MIN_PARAMS", "Split", "choose", "split_sizes", "shares_of", "shard",
            "Collectives"]
 
 MIN_PARAMS = 1 << 16  # layers with fewer weights are not split unless named
-_TAG = 11
+_TAG = 11  # a collective outside any split layer (the planner's measurements)
+
+# Every collective of a split layer has a tag of its own: (site, role), a site being
+# a split layer (its node index) or one of the layers a `Nested` splits inside it.
+# The collectives of independent branches (an encoder's and a decoder's, or the
+# backward sums of cross-attention's query and key/value) have no fixed order in a
+# compiled function, so two tensor ranks may run them in different orders: with
+# one tag, rank 0's first exchange would take rank 1's second (summing the wrong
+# tensors where the shapes agree). MPI (and the in-process communicator) match
+# messages of one tag in the order they were sent, and a site runs its collective
+# once per call of a stage function, which every tensor rank makes in the same
+# order, so the n-th exchange of a site pairs with the n-th on every rank.
+_SUM, _GATHER, _SCORES, _WEIGHTS, _ENTER = range(5)  # _ENTER + k: the k-th input entered
+_ROLES = 8
+_SUBS = 64  # layers a `Nested` may split inside one layer
+_SITE_BASE = 16
+
+
+def _site_tag(site, role):
+    return _SITE_BASE + site * _ROLES + role
 
 
 @dataclass(frozen=True)
@@ -277,8 +296,9 @@ class Collectives:
     def __init__(self, comm=None):
         self.comm = comm  # set once the ranks are connected
 
-    def exchange(self, array, shapes, what):
-        """Every rank's array (shapes[p] for rank p), in rank order."""
+    def exchange(self, array, shapes, what, tag=_TAG):
+        """Every rank's array (shapes[p] for rank p), in rank order. `tag`: the
+        collective's own (see `_site_tag`), so that independent ones never pair."""
         comm = self.comm
         array = np.ascontiguousarray(array)
         out = [None] * comm.size
@@ -287,40 +307,40 @@ class Collectives:
         for p in range(comm.size):
             if p != comm.rank:
                 out[p] = np.empty(shapes[p], array.dtype)
-                reqs.append(comm.irecv(out[p], p, _TAG))
-                reqs.append(comm.isend(array, p, _TAG))
+                reqs.append(comm.irecv(out[p], p, tag))
+                reqs.append(comm.isend(array, p, tag))
         wait_all(reqs, timeout_seconds(), f"the other tensor ranks ({what})", comm.spin)
         return out
 
-    def _summed(self, x, what):
+    def _summed(self, x, what, tag):
         def run(value):
             value = value.numpy()
-            return sum_in_order(self.exchange(value, [value.shape] * self.comm.size, what))
+            return sum_in_order(self.exchange(value, [value.shape] * self.comm.size, what, tag))
 
         out = tf.py_function(run, [x], x.dtype)
         out.set_shape(x.shape)
         return out
 
-    def sum(self, x, what):
+    def sum(self, x, what, tag=_TAG):
         """Forward: the sum over ranks; backward: the gradient as it is."""
 
         @tf.custom_gradient
         def op(x):
-            return self._summed(x, what), lambda dy: dy
+            return self._summed(x, what, tag), lambda dy: dy
 
         return op(x)
 
-    def enter(self, x, what):
+    def enter(self, x, what, tag=_TAG):
         """Forward: `x` as it is (replicated); backward: the sum of the ranks' partial
         gradients (each rank's split layer sees only its part)."""
 
         @tf.custom_gradient
         def op(x):
-            return tf.identity(x), lambda dy: self._summed(dy, what)
+            return tf.identity(x), lambda dy: self._summed(dy, what, tag)
 
         return op(x)
 
-    def gather(self, x, sizes, what, axis=-1):
+    def gather(self, x, sizes, what, axis=-1, tag=_TAG):
         """Forward: the ranks' parts joined on `axis` (their sizes `sizes`); backward:
         this rank's part."""
         rank = self.comm.rank
@@ -331,7 +351,7 @@ class Collectives:
         def run(value):
             value = value.numpy()
             shapes = [value.shape[:axis] + (n,) + value.shape[axis + 1:] for n in sizes]
-            return np.concatenate(self.exchange(value, shapes, what), axis=axis)
+            return np.concatenate(self.exchange(value, shapes, what, tag), axis=axis)
 
         def part(dy):
             index = [slice(None)] * ndim
@@ -356,7 +376,7 @@ def shard(op, split, rank, shares, collectives):
     key = (split, rank, tuple(shares))
     if key not in cache:
         kind = Nested if split.kind == "inner" else Shard
-        cache[key] = kind(op, split, rank, shares, collectives)
+        cache[key] = kind(op, split, rank, shares, collectives, site=split.node * _SUBS)
     cache[key].coll = collectives
     return cache[key]
 
@@ -366,8 +386,10 @@ class Shard:
     named as the layer's so optimizer slots carry the same names) and the call.
     Kinds as in `Split`, but "inner" (see `Nested`)."""
 
-    def __init__(self, op, split, rank, shares, collectives):
-        self.op, self.split, self.rank = op, split, rank
+    def __init__(self, op, split, rank, shares, collectives, site=0):
+        """`site`: a number of this part's own among the model's split layers, the
+        same on every rank (its collectives' tags, `_site_tag`)."""
+        self.op, self.split, self.rank, self.site = op, split, rank, site
         self.coll = collectives
         kind = split.kind
         if kind == "rows":
@@ -463,7 +485,8 @@ class Shard:
             shape = list(value.shape)
             shape[axis] = n
             shapes.append(tuple(shape))
-        return np.concatenate(self.coll.exchange(value, shapes, self.what), axis=axis)
+        return np.concatenate(self.coll.exchange(value, shapes, self.what,
+                                                 self._tag(_WEIGHTS)), axis=axis)
 
     def sliced(self, value, axis):
         """This rank's part of a whole value cut on `axis`."""
@@ -476,12 +499,19 @@ class Shard:
             if axis is not None:
                 var.assign(self.gathered(shard.numpy(), axis))
 
+    def _tag(self, role):
+        return _site_tag(self.site, role)
+
     def __call__(self, args, kwargs, training=None):
+        """The layer's call with this rank's part in place of its `call`, through
+        Keras's `Layer.__call__` as `model.fit` calls the whole layer: the Keras
+        mask its output gets (or not), input casting and the rest are Keras's."""
+        with _compat.calls_replaced(self.calls()):
+            return _compat.call_operation(self.op, args, kwargs, training)
+
+    def _part(self, x):
+        """This rank's part of a Dense, Conv2D or Embedding call on input `x`."""
         op, kind = self.op, self.split.kind
-        if kind == "heads":
-            with _compat.calls_replaced(self.calls()):
-                return _compat.call_operation(op, args, kwargs, training)
-        x = args[0] if args else kwargs["inputs"]
         if kind == "rows":
             return self._lookup(x)
         x = tf.cast(x, op.compute_dtype) if x.dtype.is_floating else x
@@ -489,11 +519,11 @@ class Shard:
         if kind == "row":
             # The input arrives already split (the column partner's output).
             y = keras.ops.matmul(x, weights[0])
-            y = self.coll.sum(y, self.what)
+            y = self.coll.sum(y, self.what, tag=self._tag(_SUM))
             if op.use_bias:
                 y = keras.ops.add(y, weights[1])
             return op.activation(y) if op.activation is not None else y
-        x = self.coll.enter(x, self.what)
+        x = self.coll.enter(x, self.what, tag=self._tag(_ENTER))
         if kind == "filters":
             y = op.convolution_op(x, weights[0])
         else:
@@ -503,7 +533,7 @@ class Shard:
         if op.activation is not None:
             y = op.activation(y)
         if self.split.gather:
-            y = self.coll.gather(y, self.sizes, self.what)
+            y = self.coll.gather(y, self.sizes, self.what, tag=self._tag(_GATHER))
         return y
 
     def _lookup(self, ids):
@@ -522,7 +552,7 @@ class Shard:
         rows = tf.scatter_nd(where, rows, tf.stack([tf.size(local, out_type=tf.int64),
                                                     tf.cast(table.shape[-1], tf.int64)]))
         rows = tf.reshape(rows, tf.concat([tf.shape(ids), [table.shape[-1]]], 0))
-        return tf.cast(self.coll.sum(rows, self.what), op.compute_dtype)
+        return tf.cast(self.coll.sum(rows, self.what, tag=self._tag(_SUM)), op.compute_dtype)
 
 
     # -- MultiHeadAttention by heads ---------------------------------------------
@@ -534,7 +564,7 @@ class Shard:
         probabilities draws the whole layer's mask and keeps this rank's heads of it,
         and the layer's own call is wrapped to enter the inputs and sum the outputs."""
         if self.split.kind != "heads":
-            return {self.op: lambda inputs, training=None: self([inputs], {})}
+            return {self.op: lambda inputs, training=None, **_: self._part(inputs)}
         parts = _compat.attention_parts(self.op)
         out = {}
         for name in ("query", "key", "value", "gate"):
@@ -593,21 +623,27 @@ class Shard:
                     f"Attention layer {op.name!r} is split by heads (num_tensor > 1) and was "
                     "called with a key/value cache, which holds every head. Decode with "
                     "num_tensor=1.")
-            entered = {}
-            for name in ("query", "value", "key"):
+            entered, originals = {}, []
+            for k, name in enumerate(("query", "value", "key")):
                 x = bound.arguments.get(name)
                 if x is None:
                     continue
+                originals.append(x)
                 if id(x) not in entered:  # self-attention: one sum for query = value
-                    entered[id(x)] = _compat.set_keras_mask(self.coll.enter(x, self.what),
-                                                            _compat.keras_mask(x))
+                    entered[id(x)] = _compat.set_keras_mask(
+                        self.coll.enter(x, self.what, tag=self._tag(_ENTER + k)),
+                        _compat.keras_mask(x))
                 bound.arguments[name] = entered[id(x)]
             result = own(*bound.args, **bound.kwargs)
+            # Keras's call removed the masks of the copies it was given; in model.fit
+            # it removes them from the tensors themselves, which later calls read.
+            for x in originals:
+                _compat.set_mask(x, None)
             rest = ()
             if isinstance(result, (tuple, list)):
                 result, rest = result[0], tuple(result[1:])
             mask = _compat.keras_mask(result)
-            y = self.coll.sum(result, self.what)
+            y = self.coll.sum(result, self.what, tag=self._tag(_SUM))
             if out_bias is not None:
                 y = keras.ops.add(y, out_bias)
             _compat.set_keras_mask(y, mask)
@@ -615,7 +651,8 @@ class Shard:
                 return y
             scores = rest[0]  # (batch..., heads, queries, keys): put the heads together
             axis = len(scores.shape) - 2 * len(axes) - 1
-            return (y, self.coll.gather(scores, self.sizes, self.what, axis=axis)) + rest[1:]
+            return (y, self.coll.gather(scores, self.sizes, self.what, axis=axis,
+                                        tag=self._tag(_SCORES))) + rest[1:]
 
         return call
 
@@ -641,14 +678,24 @@ class Nested:
     of its own), and a known Dense pair (`_INNER_PAIRS`: the feed-forward block) by
     columns then rows; their calls replaced while the outer layer runs as it is."""
 
-    def __init__(self, op, split, rank, shares, collectives):
+    def __init__(self, op, split, rank, shares, collectives, site=0):
         self.op, self.split, self.rank = op, split, rank
-        self.subs = [Shard(sub, Split(split.node, "heads"), rank, shares, collectives)
-                     for sub in _inner_attention(op)]
+        made = []
+
+        def sub(layer, kind, **extra):
+            made.append(Shard(layer, Split(split.node, kind, **extra), rank, shares,
+                              collectives, site=site + 1 + len(made)))
+
+        for layer in _inner_attention(op):
+            sub(layer, "heads")
         for first, second in _inner_pairs(op, len(shares)):
-            self.subs.append(Shard(first, Split(split.node, "column", gather=False), rank,
-                                   shares, collectives))
-            self.subs.append(Shard(second, Split(split.node, "row"), rank, shares, collectives))
+            sub(first, "column", gather=False)
+            sub(second, "row")
+        if len(made) >= _SUBS:
+            raise ValueError(f"Layer {op.name!r} holds {len(made)} layers to split; hyparflow "
+                             f"splits at most {_SUBS - 1} inside one layer. Use num_tensor=1 "
+                             "or leave it out of tensor_layers.")
+        self.subs = made
         self.coll = collectives
 
     @property

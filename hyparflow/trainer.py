@@ -8,6 +8,8 @@ import keras
 from . import checkpoint as _ckpt
 from . import costs as _costs
 from . import data as _data
+from .customised import refuse_steps
+from . import sync as _sync
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -29,17 +31,21 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
           validation_data=None, validation_split=0.0, validation_freq=1, initial_epoch=0,
           steps_per_epoch=None, validation_batch_size=None, validation_steps=None,
           checkpoint_dir=None, checkpoint_every="epoch", keep=3, resume=False,
-          check_finite=True, speeds=None, memory_limit=None):
+          check_finite=True, speeds=None, memory_limit=None, replica_sync=None):
     """The body of `hyparflow.fit` for one rank (see its docstring), with its
     resolved `layout` (hyparflow.layout)."""
     error, runtime, state = None, None, {}
     try:
         check_positive(batch_size=batch_size, epochs=epochs)
+        replica_sync = _sync.resolve(replica_sync)
+        _sync.check(replica_sync, layout.num_replicas)
         if resume and not checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
         if checkpoint_dir:
             state["checkpointer"] = _ckpt.Checkpointer(checkpoint_dir, checkpoint_every, keep)
         state["verbose"] = resolve_verbose(verbose)
+        refuse_steps(model, ("train_step", "test_step") if (
+            validation_data is not None or validation_split) else ("train_step",))
         state["batch_size"] = batch_size
         if validation_split and validation_data is None:
             if _data.is_dataset(x):
@@ -84,7 +90,7 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
                           run_eagerly=run_eagerly, recompute=recompute, trace=trace,
                           facts={"samples": len(sample), "steps": source.steps,
                                  "batch_size": batch_size, "epochs": epochs},
-                          batch_rows=min(effective, len(sample)))
+                          batch_rows=min(effective, len(sample)), replica_sync=replica_sync)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(comm, error)
@@ -105,7 +111,10 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
     stop_flag = _ckpt.StopFlag() if checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:
-        return _loop(model, runtime, source, state, epochs, callbacks)
+        history = _loop(model, runtime, source, state, epochs, callbacks)
+        if runtime.replicas is not None:
+            _report_replicas(runtime, history, verbose=state["verbose"])
+        return history
     except (_ckpt.Preempted, _ckpt.CheckpointError):
         raise  # every rank raises these together: nothing to abort
     except BaseException as exc:
@@ -127,7 +136,17 @@ def _resume(runtime, state):
             print(f"hyparflow: no checkpoint in {directory}; starting from the beginning.",
                   flush=True)
         return
-    manifest = _ckpt.restore_model(runtime.model, path, parts=runtime.slot_slicer())
+    replica = None
+    if runtime.replicas is not None:
+        manifest = _ckpt.read(path)
+        if _ckpt.replica_weights(manifest, runtime.topo.num_replicas):
+            replica = runtime.replica  # each replica goes on from its own weights
+        elif comm.rank == 0:
+            print(f"hyparflow: {path} holds no weights of {runtime.topo.num_replicas} "
+                  "replicas stepping on their own; every replica starts from its model.",
+                  flush=True)
+    manifest = _ckpt.restore_model(runtime.model, path, parts=runtime.slot_slicer(),
+                                   replica=replica)
     runtime.load_shards()
     choices = manifest.get("choices") or {}
     if choices.get("for") == _choices_key(runtime, state):
@@ -137,6 +156,20 @@ def _resume(runtime, state):
     if comm.rank == 0:
         print(f"hyparflow: resuming from {path} (epoch {manifest['epoch'] + 1}, step "
               f"{manifest['step']}).", flush=True)
+
+
+def _report_replicas(runtime, history, verbose):
+    """Replicas that stepped on their own: which model `fit` returns, said once, and
+    what they did in `history.replicas` (hyparflow.replicas.Replicas.summary)."""
+    summary = runtime.replicas.summary()
+    history.replicas = summary
+    if verbose and runtime.comm.rank == 0:
+        if summary["final"] is None:
+            which = "the mean of the replicas' weights"
+        else:
+            which = (f"replica {summary['final']}'s weights (the global leader: the lowest "
+                     "training loss at the last step)")
+        print(f"hyparflow: {summary['method']}: the model holds {which}.", flush=True)
 
 
 def _choices_key(runtime, state):
@@ -167,7 +200,10 @@ def _loop(model, runtime, source, state, epochs, callbacks):
     epoch_logs = {}
     first_epoch, skip, global_step = state["start"]
     checkpointer, flag = state.get("checkpointer"), state.get("stop_flag")
+    replicas = runtime.replicas  # None: allreduce (every replica takes the same step)
     for epoch in range(first_epoch, epochs):
+        if replicas is not None:
+            replicas.restore()  # each replica's own weights, after the last epoch's report
         logs.reset()
         cbs.on_epoch_begin(epoch)
         for step, (data, batch) in enumerate(source.epoch(epoch)):
@@ -179,9 +215,12 @@ def _loop(model, runtime, source, state, epochs, callbacks):
                 # model this is the longest wait of the run, and looked like a hang.
                 print("hyparflow: compiling the stages (the first step traces each stage's "
                       "forward and backward; the steps after it reuse them) ...", flush=True)
-            contribution = executor.step(runtime.microbatches(batch), len(batch), data,
-                                         global_step, state["seed"])
+            micro = runtime.microbatches(batch)
+            contribution = executor.step(micro, len(batch), data, global_step, state["seed"])
             global_step += 1
+            if replicas is not None:
+                replicas.after_step(global_step, contribution if runtime.counted else 0.0,
+                                    sum(len(m) for m in micro), len(batch))
             logs.add(contribution, len(batch))
             if per_step:
                 cbs.on_train_batch_end(step, logs.result())
@@ -199,9 +238,15 @@ def _loop(model, runtime, source, state, epochs, callbacks):
                     if comm.rank == 0:
                         print(message, file=sys.stderr, flush=True)
                     raise _ckpt.Preempted(message)
-        runtime.sync_weights()
+        if replicas is None:
+            runtime.sync_weights()
         if checkpointer is not None and checkpointer.due(global_step, epoch_end=True):
             _checkpoint(runtime, state, epoch + 1, 0, global_step)
+        if replicas is not None:
+            # Validation, callbacks and the returned model see the replicas' agreed
+            # model; the checkpoint above kept each replica's own.
+            replicas.report()
+            runtime.sync_weights()
         epoch_logs = logs.result()
         if "validation" in state and epoch in state["validation_epochs"]:
             val = run_evaluation(model, runtime, state["validation"], logs)

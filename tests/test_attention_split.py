@@ -186,10 +186,10 @@ def test_the_heads_are_split_and_summed_once_each_way(monkeypatch):
     seen = []
     exchange = hft.Collectives.exchange
 
-    def counted(self, array, shapes, what):
+    def counted(self, array, shapes, what, *tag):
         if what == "layer 'attn'" and np.shape(array) == (BATCH // 2, SEQ, DIM):
             seen.append(self.comm.rank)
-        return exchange(self, array, shapes, what)
+        return exchange(self, array, shapes, what, *tag)
 
     monkeypatch.setattr(hft.Collectives, "exchange", counted)
     for shares, heads in ((None, [2, 2]), ([3, 1], [3, 1])):
@@ -409,10 +409,10 @@ def test_keras_hub_block_parts_and_sums(kind, monkeypatch):
     seen = []
     exchange = hft.Collectives.exchange
 
-    def counted(self, array, shapes, what):
+    def counted(self, array, shapes, what, *tag):
         if np.shape(array) == (BATCH, SEQ, DIM):
             seen.append((self.comm.rank, what))
-        return exchange(self, array, shapes, what)
+        return exchange(self, array, shapes, what, *tag)
 
     monkeypatch.setattr(hft.Collectives, "exchange", counted)
 

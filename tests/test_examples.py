@@ -33,6 +33,12 @@ CASES = {
     "sweep_digits.py": (["--epochs", "1", "--seeds", "1"],
                         r"^sweep_digits: best learning rate [0-9.e-]+ \(seed 0\): test accuracy "
                         r"[0-9.]+, 8 members on 2 rank\(s\)$"),
+    "imbalanced_digits.py": (["--epochs", "1", "--seeds", "1"],
+                             r"^imbalanced_digits: rare classes' held-out accuracy [0-9.]+ "
+                             r"without mixing, [0-9.]+ with mixing \(mean of 1 seed\)$"),
+    "masked_segmentation.py": (["--samples", "64", "--epochs", "1"],
+                               r"^masked_segmentation: final loss [0-9.]+; accuracy [0-9.]+ "
+                               r"inside the mask, [0-9.]+ outside$"),
     "transformer_text.py": (["--samples", "256", "--epochs", "1"],
                             r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
                             r"held-out sequences$"),

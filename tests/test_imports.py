@@ -19,12 +19,15 @@ RULES = {
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.schedule": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.replicas": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.comm": ["tensorflow", "keras"],
     "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.heartbeat": ["tensorflow", "keras"],
     "hyparflow.calls": ["tensorflow", "keras"],
     "hyparflow.restart": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
 
 
@@ -55,7 +58,8 @@ PLANNING = {"planner", "measure", "probes", "profile", "costs"}
 ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
           "comm", "local", "partition", "graph", "topology", "schedule", "weights",
           "heartbeat", "calls", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
-          "layout", "settings", "clock", "_compat", "_env"}
+          "replicas", "sync", "layers",
+          "layout", "settings", "clock", "_compat", "_env", "normaliser", "customised"}
 
 
 def _imports(path, top_level_only=False):

@@ -175,3 +175,31 @@ def test_transposed_forced_on_is_not_timed(monkeypatch):
     layer = keras.layers.Dense(64)
     layer.build((None, 64))
     assert kernels.pays(layer.kernel, 32, 0)
+
+
+def _jit(build):
+    def built():
+        model = build()
+        model.jit_compile = True   # as model.compile(jit_compile=True) leaves it
+        return model
+    return built
+
+
+@pytest.mark.parametrize("build,data,config", [
+    (models.skip_cnn, models.skip_cnn_data, (2, 1, 2)),
+    (models.mlp, models.mlp_data, (1, 2, 2)),
+])
+def test_a_model_compiled_for_xla_runs_its_stages_under_xla(build, data, config, recwarn):
+    """`model.compile(jit_compile=True)`: the stage functions are XLA-compiled (no
+    fallback said) and train to the weights of `model.fit` with XLA."""
+    from hyparflow.stage import _XLAOrPlain
+
+    x, y = data()
+    start, expected, _ = reference(_jit(build), x, y, epochs=1)
+    s, r, m = config
+    before = _XLAOrPlain.runs
+    results = train_ranks(_jit(build), x, y, num_stages=s, num_replicas=r, num_microbatches=m,
+                          weights=start, batch_size=16, epochs=1, shuffle=False)
+    assert _XLAOrPlain.runs > before
+    assert not [w for w in recwarn if "XLA could not compile" in str(w.message)]
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5

@@ -47,8 +47,13 @@ class Steps:
 
     @staticmethod
     def _tensors(data):
-        return ([_tensor(a) for a in data.x], [_tensor(a) for a in data.y],
-                _tensor(data.sample_weight))
+        sw = data.sample_weight    # hyparflow.data keeps a list: one for all outputs here
+        if sw is not None:
+            if len(sw) != 1 or getattr(data, "per_output", False):
+                raise ValueError("hf.sweep takes one sample_weight array for all outputs; "
+                                 f"received {len(sw)} (one per output). Pass one array.")
+            sw = sw[0]
+        return ([_tensor(a) for a in data.x], [_tensor(a) for a in data.y], _tensor(sw))
 
     # inside the compiled functions -------------------------------------------------------
     def _contributions(self, data, idx, training, share, context):
