@@ -254,3 +254,33 @@ def test_loss_weights_per_member_on_two_outputs():
     configs = [dict(lr=0.05, reg_weight=0.5), dict(lr=0.1, reg_weight=2.0)]
     result = hf.sweep(build, configs, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
     check(result, [alone(build, c, x, y) for c in configs], configs)
+
+
+def test_a_member_stopped_within_an_epoch_ends_that_epoch_as_its_fit_does():
+    """A batch-level callback stops member 1 after its second batch: as in its own fit,
+    that epoch ends there (its logs and validation from those batches) and it trains no
+    more; the others go on, and every member's batch logs come each step."""
+
+    class StopAtBatch(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(round(logs["loss"], 4))
+            if batch == 1:
+                self.model.stop_training = True
+
+    x, y = sm.mlp_data()
+    vx, vy = x[:20], y[:20]
+    configs = sm.MLP_CONFIGS[:3]
+    stoppers = {1: StopAtBatch()}
+    result = hf.sweep(sm.mlp, configs, x, y, batch_size=BATCH, epochs=2, verbose=0,
+                      validation_data=(vx, vy),
+                      callbacks=lambda i, config: [stoppers[i]] if i in stoppers else [])
+    alone_stopper = StopAtBatch()
+    expected = [alone(sm.mlp, c, x, y, validation_data=(vx, vy),
+                      callbacks=[alone_stopper] if p == 1 else []) for p, c in enumerate(configs)]
+    assert [len(h.epoch) for h in result.histories] == [2, 1, 2]
+    assert stoppers[1].seen == alone_stopper.seen and len(alone_stopper.seen) == 2
+    check(result, expected, configs)
