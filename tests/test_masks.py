@@ -49,6 +49,22 @@ def attention_then_add():
     return model
 
 
+def attention_beside_dense():
+    """A Dense reads the embedding beside the attention: Keras's call order (deepest
+    first: the attention, which a Dense follows) gives it no mask; a stage's order
+    (by branch, the Add's first input first) runs it before the attention."""
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((6,), dtype="int32")
+    x = L.Embedding(20, 8, mask_zero=True)(ids)
+    a = L.Dense(8)(L.MultiHeadAttention(2, 4)(x, x))
+    b = L.Dense(8)(x)
+    h = L.LayerNormalization()(L.Add()([b, a]))
+    model = keras.Model(ids, L.Dense(3)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def test_the_record_is_keras_own_run():
     """What the record says, read off Keras's rules: the attention finds the mask,
     the Add after it finds its first input without one, and the loss no mask."""
