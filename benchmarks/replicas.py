@@ -2,12 +2,18 @@
 
     mpiexec -n 4 python benchmarks/replicas.py                 # R = 4 replicas, 1 stage
     mpiexec -n 4 python benchmarks/replicas.py --target 0.97 --max-epochs 20 --seed 1
+    mpiexec -n 4 python benchmarks/replicas.py --workload resnet --target 0.9 --max-epochs 12
 
-The digits CNN of examples/digits_resnet.py (BatchNorm included) on scikit-learn's
-digits, global batch 64 (16 per replica), Adam. Each method trains from the same
+Two workloads (`--workload`). `digits`: the digits CNN of examples/digits_resnet.py
+(BatchNorm included) on scikit-learn's digits, 360 of them held out. `resnet`: a
+CIFAR-shaped ResNet-8 (He et al.'s CIFAR ResNet with one basic block per group, 16/32/64
+filters, 78,330 weights) on CIFAR-shaped images made here (`cifar_like`: each of 10 classes
+a smooth random colour pattern, each image its class's pattern shifted, scaled, tinted and
+drowned in noise; `--samples` of them to train, 1,000 held out); nothing is downloaded.
+Global batch 64 (16 per replica), Adam. Each method trains from the same
 initial weights until the agreed model (allreduce: the model; LocalSGD: the replicas'
-mean; LeaderSGD: the global leader's) reaches `--target` accuracy on the 360 held-out
-digits, checked at every epoch end, or until `--max-epochs`. Printed per method (rank 0):
+mean; LeaderSGD: the global leader's) reaches `--target` accuracy on the held-out
+set, checked at every epoch end, or until `--max-epochs`. Printed per method (rank 0):
 epochs and steps to the target, wall seconds to it (training and the epoch-end check),
 and the bytes that came into a rank for the replicas to agree, per rank on average:
 allreduce 2 (R-1)/R of the gradients every step (a ring's share), LocalSGD the same of
@@ -58,6 +64,72 @@ class UntilTarget(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+L = keras.layers
+
+
+def _basic_block(x, filters, stride):
+    y = L.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
+    y = L.Activation("relu")(L.BatchNormalization(momentum=0.9)(y))
+    y = L.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+    y = L.BatchNormalization(momentum=0.9)(y)
+    if stride != 1 or x.shape[-1] != filters:
+        x = L.Conv2D(filters, 1, strides=stride, use_bias=False)(x)  # projection shortcut
+    return L.Activation("relu")(L.Add()([x, y]))
+
+
+def resnet_model(depth=8, width=16):
+    """He et al.'s CIFAR ResNet: 3 groups of (depth - 2) / 6 basic blocks with width, 2 x width
+    and 4 x width filters. BatchNorm momentum 0.9 (Keras's 0.99 leaves the held-out accuracy
+    of these short runs to moving statistics that lag the weights by epochs)."""
+    inputs = keras.Input((32, 32, 3), name="image")
+    x = L.Conv2D(width, 3, padding="same", use_bias=False)(inputs)
+    x = L.Activation("relu")(L.BatchNormalization(momentum=0.9)(x))
+    for group, filters in enumerate((width, 2 * width, 4 * width)):
+        for block in range((depth - 2) // 6):
+            x = _basic_block(x, filters, 2 if group and block == 0 else 1)
+    x = L.GlobalAveragePooling2D()(x)
+    outputs = L.Dense(10, activation="softmax", name="label")(x)
+    return keras.Model(inputs, outputs, name=f"resnet{depth}")
+
+
+def cifar_like(samples, seed, classes=10, noise=2.0, shift=8):
+    """`samples` CIFAR-shaped images (32x32x3 float32) and their labels (int32). The classes
+    are the same for every seed: each a smooth random colour pattern (8x8 normal values
+    blown up to 32x32 and blurred). An image is its class's pattern moved by up to `shift`
+    pixels either way (wrapping round), scaled by 0.5..1.5, tinted (a normal offset per
+    channel, sd 0.5) and given normal noise of sd `noise` per value: learnable by a small
+    ResNet in a few epochs (translation is what convolutions and pooling are for), not by
+    reading single pixels. `seed` draws the images."""
+    task = np.random.default_rng(2019)
+    patterns = np.kron(task.normal(size=(classes, 8, 8, 3)), np.ones((1, 4, 4, 1)))
+    for axis in (1, 2):
+        patterns = (patterns + np.roll(patterns, 1, axis) + np.roll(patterns, -1, axis)) / 3
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, samples)
+    dy, dx = rng.integers(-shift, shift + 1, (2, samples, 1, 1))
+    rows = (np.arange(32)[None, :, None] - dy) % 32
+    cols = (np.arange(32)[None, None, :] - dx) % 32
+    x = patterns[y[:, None, None], rows, cols]
+    x = x * rng.uniform(0.5, 1.5, (samples, 1, 1, 1)) + rng.normal(0, 0.5, (samples, 1, 1, 3))
+    x = x + rng.normal(0, noise, x.shape)
+    return x.astype("float32"), y.astype("int32")
+
+
+def workload(name, samples=4000):
+    """(label, model builder, (x_train, y_train, x_test, y_test)) of `--workload name`."""
+    if name == "digits":
+        digits = load_digits()
+        x = (digits.images / 16.0).astype("float32")[..., None]
+        x_train, x_test, y_train, y_test = train_test_split(
+            x, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+        return "digits CNN", digits_resnet.build_model, (x_train, y_train, x_test, y_test)
+    if name == "resnet":
+        x_train, y_train = cifar_like(samples, seed=1)
+        x_test, y_test = cifar_like(1000, seed=2)
+        return ("CIFAR-shaped ResNet-8", resnet_model, (x_train, y_train, x_test, y_test))
+    raise ValueError(f"--workload {name!r}: give 'digits' or 'resnet'")
+
+
 def methods(groups, every):
     where = f"{groups} groups" if groups else "a group per host"
     return {
@@ -70,10 +142,10 @@ def methods(groups, every):
     }
 
 
-def run(name, method, data, args):
+def run(name, method, build, data, args):
     x_train, y_train, x_test, y_test = data
     keras.utils.set_random_seed(args.seed)
-    model = digits_resnet.build_model()
+    model = build()
     model.compile(optimizer=keras.optimizers.Adam(2e-3),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
@@ -103,24 +175,24 @@ def main():
     parser.add_argument("--groups", type=int, default=0,
                         help="groups of the multi-leader run (default: one per host)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=("digits", "resnet"), default="digits")
+    parser.add_argument("--samples", type=int, default=4000,
+                        help="training images of --workload resnet (1,000 more are held out)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
-    data = (x_train, y_train, x_test, y_test)
+    label, build, data = workload(args.workload, args.samples)
+    x_train, y_train, x_test, y_test = data
     # Untimed: the process's first fit starts TensorFlow's kernels and thread pools,
     # which would be charged to whichever method came first.
-    warm = digits_resnet.build_model()
+    warm = build()
     warm.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     hf.fit(warm, x_train, y_train, batch_size=args.batch_size, epochs=1, steps_per_epoch=3,
            num_stages=1, validation_data=(x_test, y_test), verbose=0)
-    rows = [run(name, method, data, args)
+    rows = [run(name, method, build, data, args)
             for name, method in methods(args.groups, args.every).items()]
     if hf.is_main():
-        print(f"digits CNN, {hf.size()} replicas, batch {args.batch_size}, target held-out "
+        print(f"{label}, {hf.size()} replicas, batch {args.batch_size}, target held-out "
               f"accuracy {args.target} (max {args.max_epochs} epochs), seed {args.seed}")
         print(f"{'method':<48} {'epochs':>6} {'steps':>6} {'seconds':>8} {'MB/rank':>8} "
               f"{'accuracy':>8}")

@@ -5,6 +5,7 @@
 #   bash scripts/emulated-cluster.sh status           # the hosts; exit 0 when all answer
 #   bash scripts/emulated-cluster.sh env              # the exports that point mpiexec (and Slurm) at them
 #   bash scripts/emulated-cluster.sh cut HOST | heal HOST   # take a host's link down / up
+#   bash scripts/emulated-cluster.sh rate RATE|off    # limit every host's link to RATE (e.g. 100mbit) now
 #   bash scripts/emulated-cluster.sh exec HOST CMD... # run CMD on HOST (what mpiexec does)
 #   bash scripts/emulated-cluster.sh down             # remove everything `up` made
 #
@@ -332,6 +333,22 @@ status() {
     return $ok
 }
 
+set_rate() {   # every host's link, both ways, without taking anything down
+    local h
+    [ -n "${1:-}" ] || die "give a rate (e.g. 1gbit, 100mbit) or off"
+    [ -f "$HOSTS_FILE" ] || die "not up (no $HOSTS_FILE)"
+    for h in $(hosts); do
+        if [ "$1" = off ]; then
+            tc qdisc del dev "$(veth "$h")" root 2>/dev/null || true
+            ip netns exec "$h" tc qdisc del dev eth0 root 2>/dev/null || true
+        else
+            RATE="$1" limit_rate "$(veth "$h")"
+            RATE="$1" limit_rate eth0 ip netns exec "$h"
+        fi
+    done
+    say "links of $(hosts | xargs): ${1/off/unlimited}"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -341,7 +358,8 @@ case "$cmd" in
     env) print_env ;;
     cut) known "$1"; ip link set "$(veth "$1")" down; say "cut $1" ;;
     heal) known "$1"; ip link set "$(veth "$1")" up; say "healed $1" ;;
+    rate) set_rate "${1:-}" ;;
     exec) known "$1"; h="$1"; shift; exec nsenter --net="/run/netns/$h" unshare --uts sh -c "hostname $h && exec \"\$@\"" sh "$@" ;;
-    *) echo "usage: $0 up N [--slurm] | down | status | env | cut HOST | heal HOST | exec HOST CMD..." >&2
+    *) echo "usage: $0 up N [--slurm] | down | status | env | cut HOST | heal HOST | rate RATE|off | exec HOST CMD..." >&2
        exit 2 ;;
 esac
