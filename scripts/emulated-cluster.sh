@@ -99,6 +99,8 @@ net_up() {
     if [ -f "$HOSTS_FILE" ] && [ "$(hosts | wc -l)" -eq "$n" ] \
             && ip link show "$BRIDGE" >/dev/null 2>&1 && reachable; then
         say "network already up: $(hosts | xargs)"
+        # The rate asked for now, not the one of the first `up` (which would go unsaid).
+        if [ -n "$RATE" ]; then set_rate "$RATE"; fi
         return 0
     fi
     net_down

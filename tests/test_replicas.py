@@ -277,3 +277,35 @@ def test_pulls_average_batchnorm_statistics():
     for step in range(2):
         np.testing.assert_array_equal(seen[0].stats[step], seen[1].stats[step])
         assert max_diff([seen[0].kernels[step]], [seen[1].kernels[step]]) > 1e-6
+
+
+# -- the benchmark's CIFAR-shaped workload ---------------------------------------------
+
+def test_benchmark_resnet_workload_builds():
+    """benchmarks/replicas.py --workload resnet: CIFAR-shaped data and a ResNet-8 that takes
+    it; a class is the same pattern whatever the seed (the held-out set is the same task)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "replicas.py")
+    spec = importlib.util.spec_from_file_location("replicas_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    label, build, (x, y, x_test, y_test) = bench.workload("resnet", samples=32)
+    assert x.shape == (32, 32, 32, 3) and x.dtype == np.float32 and y.dtype == np.int32
+    assert x_test.shape == (1000, 32, 32, 3) and set(np.unique(y_test)) == set(range(10))
+    model = build()
+    assert model.count_params() == 78_330
+    assert model.predict(x[:2], verbose=0).shape == (2, 10)
+
+    # Without noise and shifts, images of one class from two seeds are one pattern (up to
+    # scale and tint); images of two classes are not.
+    a, ya = bench.cifar_like(200, seed=1, noise=0.0, shift=0)
+    b, yb = bench.cifar_like(200, seed=2, noise=0.0, shift=0)
+    flat = lambda v: (v - v.mean(axis=(0, 1))).ravel()  # noqa: E731 (the tint away)
+    same = [np.corrcoef(flat(a[i]), flat(b[np.flatnonzero(yb == ya[i])[0]]))[0, 1]
+            for i in range(20)]
+    other = [np.corrcoef(flat(a[i]), flat(b[np.flatnonzero(yb != ya[i])[0]]))[0, 1]
+             for i in range(20)]
+    assert min(same) > 0.99 and max(np.abs(other)) < 0.8, (same, other)
