@@ -116,7 +116,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     import numpy as np
 
     from .clock import timed
-    from .planner import Row
+    from .costmodel import Row
 
     n = len(graph.nodes)
     if n < 2:
@@ -198,7 +198,7 @@ class StageTimer:
                 self._cache[key] = [min(a, b, key=sum) for a, b in zip(known, found)]
 
     def __call__(self, counts, s, m, fused, num_tensor=1):
-        from .planner import interpolate
+        from .costmodel import interpolate
 
         key = self.key(counts, s, fused, num_tensor)
         if key not in self._cache:

@@ -36,8 +36,8 @@ import os
 import re
 import sys
 from dataclasses import replace
-from typing import NamedTuple
 
+from .costmodel import Across, Compute, Network, Row, crosses, interpolate, tensor_spans, work_and_wait
 from .layout import Layout, resolve
 from .schedule import CHUNKED
 
@@ -63,54 +63,6 @@ def parse_seconds(text):
     return float(match.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[match.group(2)]
 
 
-class Network:
-    """alpha (seconds per message) and beta (seconds per byte) within and across nodes.
-
-    `groups`: {g: (alpha, beta)} per round of a ring over g ranks, measured on this
-    node with every rank of the plan running (`measure.rings`). They replace the
-    two-rank figures for collectives of g ranks: with more ranks than cores, each
-    round waits for its peers to be scheduled, which a two-rank ping-pong never sees.
-    `wait`: seconds until a rank that waits for a message has it once it is sent,
-    the other ranks computing (`measure.rings`): on an oversubscribed node, every
-    pipeline receive that waits pays it."""
-
-    def __init__(self, alpha, beta, alpha_inter=None, beta_inter=None, groups=None,
-                 exchanges=None, wait=0.0):
-        self.alpha, self.beta, self.wait = alpha, beta, wait
-        self.alpha_inter = alpha if alpha_inter is None else alpha_inter
-        self.beta_inter = beta if beta_inter is None else beta_inter
-        self.groups = dict(groups or {})
-        self.exchanges = dict(exchanges or {})
-
-    def _terms(self, across, ranks=None):
-        if across:
-            return self.alpha_inter, self.beta_inter
-        return self.groups.get(ranks, (self.alpha, self.beta))
-
-    def message(self, nbytes, across=False, ranks=None):
-        """One message, between two of `ranks` ranks that run together (default two)."""
-        a, b = self._terms(across, ranks)
-        return a + nbytes * b
-
-    def exchange(self, nbytes, ranks, across=False):
-        """A split layer's exchange between `ranks` tensor ranks, each sending its
-        `nbytes` to every other: measured as hyparflow runs it (inside the compiled
-        stage, through a Python call) when known, else (ranks - 1) messages; `across`:
-        the tensor ranks span hosts, (ranks - 1) messages over the link between them."""
-        if across:
-            return (ranks - 1) * self.message(nbytes, across=True)
-        if ranks in self.exchanges:
-            a, b = self.exchanges[ranks]
-            return a + nbytes * b
-        return (ranks - 1) * self.message(nbytes, ranks=ranks)
-
-    def allreduce(self, nbytes, ranks, across=False):
-        if ranks <= 1:
-            return 0.0
-        a, b = self._terms(across, ranks)
-        return 2 * (ranks - 1) / ranks * nbytes * b + 2 * (ranks - 1) * a
-
-
 def measure_network(ranks=None):
     """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
     `ranks`, also each ring size's own alpha and beta (`measure.rings`)."""
@@ -121,76 +73,6 @@ def measure_network(ranks=None):
         return Network(alpha, beta)
     groups, exchanges, wait = measure.rings(ranks)
     return Network(alpha, beta, groups=groups, exchanges=exchanges, wait=wait)
-
-
-class Compute:
-    """The model's compiled step measured with the plan's ranks on this node
-    (`measure.compute`): `times` {n busy ranks: {batch: seconds}}, `optimizer` seconds
-    per parameter byte with every rank stepping at once.
-
-    With it, a plan's compute is what one of its ranks does alone (its threads, not
-    the profiling process's), slowed by how many ranks compute at the same moment:
-    on a shared node, ranks contend for memory bandwidth, and beyond the cores, for
-    the cores themselves."""
-
-    def __init__(self, times, optimizer=None):
-        self.times = {int(n): {int(b): float(t) for b, t in row.items()}
-                      for n, row in times.items()}
-        self.optimizer = optimizer
-        self.most = max(self.times)
-
-    def _at(self, busy, m):
-        """Seconds of the whole step on `m` samples with `busy` ranks computing:
-        affine in the batch between the two measured sizes."""
-        points = sorted(self.times[busy].items())
-        (b0, t0), (b1, t1) = points[0], points[-1]
-        slope = (t1 - t0) / (b1 - b0) if b1 != b0 else 0.0
-        return max(t0 + slope * (m - b0), 1e-9)
-
-    def alone(self, m):
-        return self._at(1, m)
-
-    def slowdown(self, m):
-        """busy ranks -> how many times longer each computation then takes."""
-        alone = self.alone(m)
-        factors = {n: max(1.0, self._at(n, m) / alone) for n in self.times}
-
-        def slow(busy):
-            busy = max(1, int(round(busy)))
-            if busy in factors:
-                return factors[busy]
-            return factors[self.most] * busy / self.most  # more ranks than measured
-        return slow
-
-
-def interpolate(points, values, x, beyond="flat"):
-    """`values` at `points` (two batch sizes) at `x`: linear in between; beyond them
-    "flat" (the nearer value: for ratios, which level off) or "extend" (the line
-    continued: for times, affine in the batch), never below a tenth of the nearer
-    value."""
-    (x0, x1), (y0, y1) = points, values
-    if x1 == x0:
-        return y0
-    fraction = (x - x0) / (x1 - x0)
-    if beyond == "flat":
-        fraction = min(max(fraction, 0.0), 1.0)
-    elif beyond != "extend":
-        raise ValueError(f"`beyond` must be 'flat' or 'extend'. Received: {beyond!r}")
-    y = y0 + (y1 - y0) * fraction
-    return max(y, 0.1 * (y0 if x < x0 else y1 if x > x1 else min(y0, y1)))
-
-
-def _work_and_wait(every, one, slowdown, ranks, num_tensor):
-    """(work, wait) of a computation that took `every` seconds with `ranks` ranks busy
-    and `one` with `num_tensor`: work * slowdown(busy) + wait through both points,
-    neither below zero (all work when nothing slows it)."""
-    if slowdown is None:
-        return every, 0.0
-    many, few = slowdown(ranks), slowdown(num_tensor)
-    if many <= few:
-        return every / many, 0.0
-    work = min(max((every - one) / (many - few), 0.0), every / many)
-    return work, max(every - work * many, 0.0)
 
 
 def _fused(s, stages, schedule, micro=2, chunks=1):
@@ -244,7 +126,7 @@ def _tensor_costs(graph, num_tensor, m, network, across=False):
     if num_tensor == 1:
         return {}
     out = {}
-    network = _Across(network) if across else network
+    network = Across(network) if across else network
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
@@ -266,46 +148,6 @@ def _tensor_costs(graph, num_tensor, m, network, across=False):
                     if split.kind in ("column", "filters") else 0.0)
         out[i] = (num_tensor, forward, backward)
     return out
-
-
-class Row(NamedTuple):
-    """One layer call's costs (`profile.fit_model`): seconds = fixed + per_sample x
-    batch; bytes of its weights, of their optimizer state, and of its activations per
-    sample."""
-    fixed: float
-    per_sample: float
-    param_bytes: float
-    optimizer_bytes: float
-    activation_bytes: float
-
-    def seconds(self, batch):
-        return self.fixed + self.per_sample * batch
-
-
-class _Across:
-    """A network whose exchanges all go over the link between hosts."""
-
-    def __init__(self, network):
-        self.network = network
-
-    def exchange(self, nbytes, ranks):
-        return self.network.exchange(nbytes, ranks, across=True)
-
-
-def _tensor_spans(num_tensor, ranks_per_node):
-    """Whether some stage's `num_tensor` consecutive ranks span hosts of
-    `ranks_per_node` ranks filled in order."""
-    return bool(ranks_per_node) and num_tensor > 1 and (
-        num_tensor > ranks_per_node or ranks_per_node % num_tensor != 0)
-
-
-def _crosses(src, dst, stages, replicas, num_tensor, ranks_per_node):
-    """Whether the boundary from stage `src` to `dst` crosses hosts in some replica, with
-    `ranks_per_node` ranks on each host filled in rank order (None: one host)."""
-    if not ranks_per_node:
-        return False
-    return any((r * stages + src) * num_tensor // ranks_per_node
-               != (r * stages + dst) * num_tensor // ranks_per_node for r in range(replicas))
 
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
@@ -343,7 +185,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
     split = _tensor_costs(graph, num_tensor, m, network,
-                          across=_tensor_spans(num_tensor, ranks_per_node))
+                          across=tensor_spans(num_tensor, ranks_per_node))
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at
@@ -366,7 +208,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # link between hosts. The network moves those while both stages compute
         # (non-blocking sends): the sender pays the latency, the message arrives
         # after the link carried it, each way ("act" forward, "grad" back).
-        if _crosses(e.src % ranks, e.dst % ranks, ranks, replicas, num_tensor, ranks_per_node):
+        if crosses(e.src % ranks, e.dst % ranks, ranks, replicas, num_tensor, ranks_per_node):
             moving = network.message(nbytes, across=True)
             send[e.src] += network.alpha_inter
             for key in (("act", e.src, e.dst), ("grad", e.dst, e.src)):
@@ -389,7 +231,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
             if fused:
                 f, b, f1, b1 = _thirds((f, b), (f1, b1))
-            parts = [_work_and_wait(every, one, slowdown, on_node, num_tensor)
+            parts = [work_and_wait(every, one, slowdown, on_node, num_tensor)
                      for every, one in ((f, f1), (b, b1))]
             (forward[s], wait_f), (backward[s], wait_b) = parts
             waits[s] = (wait_f, wait_b)

@@ -1,119 +1,18 @@
-"""Per-layer-call profiles on this machine: forward+backward time, parameter, optimizer
-and activation bytes; and a rank's speed, for heterogeneous balancing."""
-
-import statistics
-import time
-from dataclasses import asdict, dataclass
+"""The planner's profiles: the model's compiled step, the optimizer step, and per layer
+call a cost model `Row` fitted at two batch sizes (`fit_model`); the model a plan is
+made for, loaded from a file. The per-call profiles and a rank's calibrated speed
+that training's balance modes use live in `costs` (the training path must not load
+the planning wing); they are re-exported here."""
 
 import numpy as np
 import tensorflow as tf
 
-from . import _compat
-from . import settings
 from .clock import timed
-from .planner import Row
+from .costmodel import Row
+from .costs import LayerProfile, _dummy, calibrate, optimizer_slots, profile, slowdown
 
 __all__ = ["LayerProfile", "profile", "optimizer_slots", "calibrate", "slowdown", "fit_model",
            "model_step", "optimizer_step", "timed", "load_model"]
-
-
-@dataclass
-class LayerProfile:
-    name: str
-    seconds: float          # forward + backward of one call on `batch` samples
-    batch: int
-    param_bytes: int        # weights first used by this call (a shared layer counts once)
-    optimizer_bytes: int    # optimizer state for those weights
-    activation_bytes: int   # output bytes per sample (kept for the backward)
-
-    def to_dict(self):
-        return asdict(self)
-
-
-def slowdown():
-    """HYPARFLOW_SLOWDOWN=f makes this rank f times slower (a test stand-in for a slower
-    CPU: every stage computation and the calibration sleep (f-1) times their duration)."""
-    return settings.slowdown()
-
-
-def optimizer_slots(optimizer):
-    """How many per-weight state tensors `optimizer` keeps (SGD 0, momentum 1, Adam 2)."""
-    import keras
-
-    probe = optimizer.__class__.from_config(optimizer.get_config())
-    weight = keras.Variable(np.zeros((3,), "float32"), name="probe")
-    probe.build([weight])
-    return sum(1 for v in probe.variables if tuple(v.shape) == (3,))
-
-
-def _dummy(tensor, batch):
-    shape = (batch,) + tuple(d if d is not None else 8 for d in tensor.shape[1:])
-    if tensor.floating:
-        return tf.random.normal(shape, dtype=tf.as_dtype(tensor.dtype))
-    return tf.zeros(shape, dtype=tf.as_dtype(tensor.dtype))
-
-
-def profile(graph, model, batch=32, repeats=3):
-    """Measure every layer call of `graph` alone, eagerly, on random inputs of `batch`
-    samples (median of `repeats` after one warm-up)."""
-    slots = optimizer_slots(model.optimizer) if getattr(model, "optimizer", None) else 0
-    seen, out = set(), []
-    factor = slowdown()
-    for node in graph.nodes:
-        op = node.op
-        if graph.functional is None:
-            inputs = [_dummy(graph.tensors[t], batch) for t in node.inputs]
-            args, kwargs = ([inputs[0] if len(inputs) == 1 else inputs], {})
-            floats = inputs
-        else:
-            values = {id(graph.tensors[t].keras_tensor): _dummy(graph.tensors[t], batch)
-                      for t in node.inputs}
-            args, kwargs = _compat.fill_in(node.keras_node, values)
-            floats = [v for v in values.values() if v.dtype.is_floating]
-        variables = list(getattr(op, "trainable_weights", ()))
-
-        def run():
-            with tf.GradientTape() as tape:
-                tape.watch(floats)
-                out_ = _compat.call_operation(op, args, kwargs, True)
-                flat = [o for o in _compat.tree.flatten(out_) if o.dtype.is_floating]
-                target = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in flat]) if flat else None
-            if target is not None and (variables or floats):
-                tape.gradient(target, variables + floats)
-
-        run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - start) * factor)
-        weights = [v for v in getattr(op, "weights", ()) if id(v) not in seen]
-        seen.update(id(v) for v in weights)
-        params = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype) if v.dtype != "bfloat16" else "float16").itemsize
-                     for v in weights)
-        trainable = sum(int(np.prod(v.shape)) * 4 for v in weights if v.trainable)
-        acts = sum(int(np.prod([d or 1 for d in graph.tensors[t].shape[1:]])) *
-                   (2 if graph.tensors[t].dtype in ("bfloat16", "float16") else 4) for t in node.outputs)
-        out.append(LayerProfile(node.name, statistics.median(times), batch, params,
-                                trainable * slots, acts))
-    return out
-
-
-def calibrate(seconds=0.2):
-    """This rank's speed: matrix multiplies per second on its threads (relative units)."""
-    a = tf.random.normal((256, 256))
-    fn = tf.function(lambda x: tf.matmul(x, x))
-    fn(a).numpy()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn(a).numpy()
-        count += 1
-    elapsed = time.perf_counter() - start
-    factor = slowdown()
-    if factor > 1:
-        time.sleep((factor - 1) * elapsed)
-        elapsed *= factor
-    return count / elapsed
 
 
 def model_step(graph, model, batch):

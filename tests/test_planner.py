@@ -7,7 +7,7 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow import graph as G, measure, planner
+from hyparflow import costmodel, graph as G, measure, planner
 from hyparflow.local import run_ranks
 
 
@@ -195,8 +195,8 @@ def test_stages_with_split_layers_use_their_timings_exchanges_included():
     one = planner.predict(graph, rows, 0.0, slow, [5], 64, 1, 1, "1f1b", num_tensor=2,
                           ranks_per_node=4, compute=busy, stage_timer=Timer())
     assert one["step_s"] == pytest.approx(0.06)
-    assert planner._work_and_wait(0.09, 0.06, busy.slowdown(64), 4, 2) == pytest.approx((0.03, 0.03))
-    assert planner._work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
+    assert costmodel.work_and_wait(0.09, 0.06, busy.slowdown(64), 4, 2) == pytest.approx((0.03, 0.03))
+    assert costmodel.work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
 
 
 @pytest.mark.mpiexec
@@ -344,8 +344,8 @@ def test_pipeline_boundaries_that_cross_hosts_pay_the_link_between_hosts():
     # Only the gradient sums (a few hundred bytes) cross: the pipeline's own messages not.
     assert short_split["comm_s"] - short_near["comm_s"] < 0.05 * (long_split["comm_s"]
                                                                   - long_near["comm_s"])
-    assert planner._crosses(1, 2, 4, 1, 1, 2) and not planner._crosses(0, 1, 4, 1, 1, 2)
-    assert not planner._crosses(0, 1, 2, 2, 1, 2)
+    assert costmodel.crosses(1, 2, 4, 1, 1, 2) and not costmodel.crosses(0, 1, 4, 1, 1, 2)
+    assert not costmodel.crosses(0, 1, 2, 2, 1, 2)
     best = planner.search(graph, rows, 0.0, split, 4096, 4, microbatches=(4,),
                           schedules=("1f1b",), ranks_per_node=2, tensor=(1,))[0]
     assert best["stages"] <= 2, best     # no pipeline spans the two hosts
