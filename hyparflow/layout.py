@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 from . import settings
-from .schedule import CHUNKED, SCHEDULES, check_interleaved
+from .schedules import CHUNKED, SCHEDULES, check_interleaved
 
 __all__ = ["Layout", "resolve", "warn_overridden", "DEFAULT_SCHEDULE"]
 
@@ -228,11 +228,10 @@ def _user_level() -> int:
     import os
     import sys
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep  # its wings included
     frame: Any = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.dirname(os.path.abspath(
-            frame.f_code.co_filename)) == package:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
 

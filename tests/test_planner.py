@@ -7,8 +7,9 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow import costmodel, graph as G, measure, planner
-from hyparflow.local import run_ranks
+from hyparflow.planning import costmodel, measure, planner
+from hyparflow import graph as G
+from hyparflow.engine.local import run_ranks
 
 
 def test_units():
