@@ -21,7 +21,7 @@ __all__ = ["Executor", "split_batch", "AUTO"]
 
 # What schedule="auto" tries, each for two steps (the first traces), before keeping
 # the fastest by the slowest rank's time of its second step.
-AUTO = ("1f1b", "1f1b-w", "zb-h1", "zb-batched")
+AUTO = sched.AUTO  # what schedule="auto" tries, in order (the schedule table says)
 FILL_AT = 2  # microbatches a W filling a wait takes at least (`Executor._fill`)
 
 
@@ -101,23 +101,14 @@ class Executor:
         key = (m, training, self.schedule)
         if key not in self._lowered:
             if training:
-                # One stage: 1F1B's order (F0 B0 F1 B1 ...) sums the same gradients in
-                # the same order as GPipe's, and lets each backward fuse with its forward.
-                name = "1f1b" if self.topo.num_stages == 1 else self.schedule
-                if self.normaliser is not None:
-                    # The first backward waits for the global normaliser, known once
-                    # every forward has run: all forwards, then all backwards.
-                    compute = sched.gpipe(self.topo.num_stages, m, self.chunks)
-                elif self.chunks > 1 and m % self.topo.num_stages:
-                    # A short last batch's microbatches are not whole groups of S:
-                    # all chunks' forwards, then their backwards (same sums, same order).
-                    compute = sched.gpipe(self.topo.num_stages, m, self.chunks)
-                else:
-                    compute = sched.build(name, self.topo.num_stages, m, self.chunks)
-                # The last stage's forward and backward of a microbatch in one call
-                # where the schedule has them back to back (the planner reads the same).
-                if self.normaliser is None:
-                    compute = sched.fuse(compute, self._dests, self.stage.recompute)
+                # The step program the planner times too (`schedules.program`): with
+                # one stage 1F1B's order; all forwards first when the losses wait for
+                # a global count (the normaliser) or a short batch under model chunks;
+                # the last stage's forward and backward of a microbatch in one call
+                # where the schedule has them back to back.
+                compute = sched.program(self.schedule, self.topo.num_stages, m, self._dests,
+                                        self.chunks, self.stage.recompute,
+                                        gathered=self.normaliser is not None)
             else:
                 compute = sched.forward_only(self.topo.num_stages, m, self.chunks)
             lowered = sched.lower(compute, self._sources, self._dests)
@@ -352,14 +343,14 @@ class Executor:
         return total if training else (total, predictions)
 
     def _fill(self, reqs):
-        """Where the schedule fills waits with batched W (`schedule.FILLS`): before
+        """Where the schedule fills waits with batched W (the schedule table's `fills`): before
         waiting for a message that has not come, compute the weights of the
         microbatches waiting for them (at least `FILL_AT`, for products of at least
         that many microbatches' rows). The static schedule places W by unit times;
         this puts it where this run's stages actually wait. Which microbatches go
         into one call then varies with timing, so sums differ by round-off only."""
         stage = self.stage
-        if (self.schedule not in sched.FILLS or not stage.splitting
+        if (not sched.TABLE[self.schedule].fills or not stage.splitting
                 or len(stage.waiting) < FILL_AT):
             return
         if all(r is None or r.test() for r in reqs):

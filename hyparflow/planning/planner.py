@@ -39,7 +39,7 @@ from dataclasses import replace
 
 from .costmodel import Across, Compute, Network, Row, crosses, interpolate, tensor_spans, work_and_wait
 from ..layout import Layout, resolve
-from ..schedules import CHUNKED
+from ..schedules import CHUNKED, PLANNED
 
 __all__ = ["main", "Network", "Compute", "Row", "predict", "search", "measure_network", "parse_bytes",
            "interpolate", "as_layout"]
@@ -82,10 +82,9 @@ def _fused(s, stages, schedule, micro=2, chunks=1):
     and `s` count virtual stages (s on rank s % S, its chunk s // S)."""
     from .. import schedules as sched
 
-    name = "1f1b" if stages == 1 else schedule
     ranks = stages // chunks
     dests = [[k + 1] if k < stages - 1 else [] for k in range(stages)]
-    lists = sched.fuse(sched.build(name, ranks, micro, chunks), dests)
+    lists = sched.program(schedule, ranks, micro, dests, chunks)
     return any(a.kind == sched.FB and a.chunk == s // ranks for a in lists[s % ranks])
 
 
@@ -253,7 +252,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                 backward[s] += share * params[s] * stage_costs["add_s_per_byte"]
     weight = [0.0] * stages
     batched = [lambda k: float(k)] * stages
-    if schedule in sched.SPLIT:
+    if sched.TABLE[schedule].split:
         # B leaves the deferred kernels' weight gradients to W: its share of the backward.
         for s, (a, c) in enumerate(zip(starts, counts)):
             nodes = [i for i in range(a, a + c) if i not in split]
@@ -262,7 +261,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_stage_f = [c + s + x for c, s, x in zip(forward, send, exchange_f)]
     per_stage_b = [c + s + x for c, s, x in zip(backward, send, exchange_b)]
     dests = [p.dests for p in part.stages]
-    lowered = sched.lower(sched.fuse(sched.build(schedule, ranks, micro, chunks), dests),
+    # The step program the executor runs (`schedules.program`).
+    lowered = sched.lower(sched.program(schedule, ranks, micro, dests, chunks),
                           [p.sources for p in part.stages], dests)
     across = ranks_per_node is not None and ranks_per_node < ranks * replicas * num_tensor
     # A rank's chunks share one allreduce and one optimizer step.
@@ -288,11 +288,13 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             acts = sum(rows[i].activation_bytes for i in mine) / chunks
             memory.append(state + acts * m * sim.peak_activations[r])
     for s, (a, c) in enumerate(zip(starts, counts) if chunks == 1 else ()):
-        in_flight = micro if schedule == "gpipe" else min(stages - s, micro)
+        # Microbatches of activations alive at once: the played program's peak (M with
+        # GPipe, S - s with 1F1B, whatever a new schedule keeps).
+        in_flight = sim.peak_activations[s]
         memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / div(i)
                           for i in range(a, a + c)) +
                       sum(rows[i].activation_bytes for i in range(a, a + c)) * m * in_flight)
-        if schedule in sched.SPLIT:
+        if sched.TABLE[schedule].split:
             # Kept for W: each deferred call's input and output gradient, per microbatch.
             from ..engine import kernels
             kept = sum(4 * (_elements(graph, graph.nodes[i].inputs[0])
@@ -308,7 +310,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
-           microbatches=(1, 2, 4, 8, 16), schedules=("gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"),
+           microbatches=(1, 2, 4, 8, 16), schedules=PLANNED,
            ranks_per_node=None,
            cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None,
            chunks=(2,)):
@@ -459,8 +461,8 @@ def main(argv=None):
     parser.add_argument("--cores", type=int, default=os.cpu_count(),
                         help="cores per node (ranks beyond them share cores)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "1f1b-w", "zb-h1", "zb-batched"],
-                        choices=sorted(sched.SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", default=list(PLANNED),
+                        choices=sorted(sched.TABLE))
     parser.add_argument("--chunks", type=int, nargs="+", default=[2],
                         help="model chunks per rank to try with --schedules interleaved")
     parser.add_argument("--top", type=int, default=12,
