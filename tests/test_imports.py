@@ -70,8 +70,11 @@ LAYERS = {
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
         "timeline", "errors")},
-    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"},
-    "schedules": {"schedules"},
+    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"}
+    | {f"kinds.tensor.{m}" for m in ("split", "collectives", "shard", "registry", "dense", "conv",
+                                     "embedding", "attention")},
+    "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
+                                                             "lower", "simulate")},
     "base": {"_compat", "_env", "graph"},
     "pure": {"layout", "plan", "balance", "topology", "sync", "settings", "clock"},
 }

@@ -411,10 +411,9 @@ class Runtime:
                  for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
         if not every:
             raise ValueError(
-                f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none is a "
-                f"Dense, Conv2D, Embedding or MultiHeadAttention (or a layer holding "
-                f"MultiHeadAttention layers) with at least {_tensor.MIN_PARAMS} weights "
-                "that can be. Name the layers to split with tensor_layers=[...], or use "
+                f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none of "
+                f"its {_tensor.describe('or')} with at least {_tensor.MIN_PARAMS} weights "
+                "can be. Name the layers to split with tensor_layers=[...], or use "
                 "num_tensor=1.")
         mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
         return ({i: sp for i, sp in every.items() if i in mine},

@@ -129,23 +129,7 @@ def _tensor_costs(graph, num_tensor, m, network, across=False):
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
-        T = num_tensor
-        if split.kind in ("heads", "inner"):
-            # Attention by heads: a sum of the outputs forward, of the input's gradient
-            # backward; a block ("inner") also sums its feed-forward pair's, each way.
-            sums = 1 if split.kind == "heads" else 2
-            out[i] = (num_tensor, sums * network.exchange(out_bytes, T),
-                      sums * network.exchange(in_bytes, T))
-            continue
-        if split.kind in ("row", "rows"):
-            forward = network.exchange(out_bytes, T)            # a sum of whole outputs
-        elif split.gather:
-            forward = network.exchange(out_bytes / num_tensor, T)
-        else:
-            forward = 0.0                                       # its row partner sums
-        backward = (network.exchange(in_bytes, T)
-                    if split.kind in ("column", "filters") else 0.0)
-        out[i] = (num_tensor, forward, backward)
+        out[i] = (num_tensor, *T.exchange(split, out_bytes, in_bytes, num_tensor, network))
     return out
 
 
