@@ -69,7 +69,7 @@ LAYERS = {
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
-        "timeline", "errors")},
+        "timeline", "errors", "grads", "body", "compiled", "timing")},
     "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"}
     | {f"kinds.tensor.{m}" for m in ("split", "collectives", "shard", "registry", "dense", "conv",
                                      "embedding", "attention")},

@@ -193,7 +193,7 @@ def _jit(build):
 def test_a_model_compiled_for_xla_runs_its_stages_under_xla(build, data, config, recwarn):
     """`model.compile(jit_compile=True)`: the stage functions are XLA-compiled (no
     fallback said) and train to the weights of `model.fit` with XLA."""
-    from hyparflow.engine.stage import _XLAOrPlain
+    from hyparflow.engine.compiled import XLAOrPlain as _XLAOrPlain
 
     x, y = data()
     start, expected, _ = reference(_jit(build), x, y, epochs=1)

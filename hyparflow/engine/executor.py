@@ -146,7 +146,7 @@ class Executor:
         else:
             self._normalise_empty()
         if self.grad_scale != 1.0:
-            self.stage.scale_grads(self.grad_scale)
+            self.stage.grads.scale(self.grad_scale)
         self._allreduce_and_apply()
         self._record("step", "step", start, step=step_id)
         if self._trials:
@@ -371,10 +371,10 @@ class Executor:
             if mine:
                 exchanges.append(_sparse.Exchange(
                     comm, slices, {k: tuple(trainable[k].shape) for k in mine},
-                    dense_ok=_sparse.linear(self.optimizer), fixed=self.stage.fixed or ()))
+                    dense_ok=_sparse.linear(self.optimizer), fixed=self.stage.grads.fixed or ()))
         for k, (indices, values) in slices.items():
             if not any(kinds.get(k) == _sparse.SPARSE for kinds in self._kinds):
-                self.stage.densify(k, indices, values)
+                self.stage.grads.densify(k, indices, values)
         return exchanges
 
     def _agree(self, held):
@@ -418,16 +418,16 @@ class Executor:
         start = time.perf_counter()
         if not self.buckets.shared:
             self.position = "STEP"
-            sparse_now = {k for k, c in enumerate(self.stage.kinds()) if c == "s"}
-            self.stage.apply_local(self.optimizer)  # nothing to share: no buffers
+            sparse_now = {k for k, c in enumerate(self.stage.grads.kinds()) if c == "s"}
+            self.stage.grads.apply_local(self.optimizer)  # nothing to share: no buffers
             self._relay_sparse(sparse_now)
             self._record("optimizer", "optimizer", start)
             return
-        held = self.stage.kinds()
-        slices = self.stage.take_slices()
+        held = self.stage.grads.kinds()
+        slices = self.stage.grads.take_slices()
         exchanges = self._sparse_exchanges(slices, held)
         pending = self.buckets.finish()
-        self.stage.reset_grads()
+        self.stage.grads.reset()
         self._wait(pending + exchanges, timeout_seconds())
         self._record("allreduce", "allreduce", start, buckets=len(self.buckets.buckets),
                      inside=self.buckets.inside, early=self.buckets.early,
@@ -437,14 +437,14 @@ class Executor:
         reduced = {k: v for x in exchanges for k, v in x.result().items()}
         buckets = [bucket for _, bucket in self.buckets.buckets]
         if self.zero is not None:
-            self.zero.apply(self.stage.reduced(buckets), reduced)
+            self.zero.apply(self.stage.grads.reduced(buckets), reduced)
             self._record("optimizer", "optimizer", start, sharded=True)
             self.position = "ALLGATHER"
             start = time.perf_counter()
             self.zero.gather(lambda reqs: self._wait(reqs, timeout_seconds()))
             self._record("allgather", "allgather", start)
         else:
-            self.stage.apply(self.optimizer, buckets, reduced)
+            self.stage.grads.apply(self.optimizer, buckets, reduced)
             self._record("optimizer", "optimizer", start)
         self._relay_sparse({k for kinds in self._kinds for k, c in kinds.items()
                             if c == _sparse.SPARSE})

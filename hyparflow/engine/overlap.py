@@ -79,7 +79,7 @@ class Buckets:
         # fixed by the layout, so counted here rather than at every step.
         self.nbytes = sum(4 * int(np.prod(self.stage.trainable[k].shape))
                           for comm, bucket in self.buckets if _shares(comm) for k in bucket)
-        self.stage.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
+        self.stage.grads.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
 
     def exclude(self, positions):
         """Take sparse variables out of the buckets (between steps)."""
@@ -116,7 +116,7 @@ class Buckets:
 
     def _start(self, j):
         comm, bucket = self.buckets[j]
-        flat = self.stage.flat_grads(bucket)
+        flat = self.stage.grads.flat_grads(bucket)
         if not _shares(comm):
             self._requests[j] = None
         elif self.reduce is not None:

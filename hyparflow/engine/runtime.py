@@ -496,7 +496,7 @@ class Runtime:
         everyone = self.comm.allgather_obj((allowed, wants))
         if not all(a for a, _ in everyone) or not any(w for _, w in everyone):
             return None
-        zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage._eager)
+        zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage.grads.eager)
         # An optimizer an earlier fit built for whole variables keeps stepping them.
         known = not optimizer.built or _zero.knows(optimizer, zero.variables)
         if not all(self.comm.allgather_obj(known)):

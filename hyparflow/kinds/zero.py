@@ -192,7 +192,7 @@ class _Reduce:
         self.reqs = [comm.iallreduce(flat[len(flat) - n:])]  # one flag per variable
         self.sums = []  # (own rows, {rank: received rows})
         for k in bucket:
-            view = zero.stage.grad_view(k)
+            view = zero.stage.grads.view(k)
             if k not in zero.parts:  # stepped whole (a tensor-split part): summed whole
                 self.reqs.append(comm.iallreduce(view.reshape(-1)))
                 continue
@@ -303,7 +303,7 @@ class Zero:
         for k in self.whole:
             g = sparse.get(k)
             if isinstance(g, tuple):
-                g = self.stage.slices_of(k, g)
+                g = self.stage.grads.slices_of(k, g)
             grads.append(g if g is not None else reduced.get(k))
         if not self._apply(grads) and (reduced or sparse):
             # Nothing of this rank's got a gradient, but the step happened.
@@ -320,7 +320,7 @@ class Zero:
         sparse = tuple(j for j, g in enumerate(gs) if isinstance(g, tf.IndexedSlices))
         key = (present, sparse)
         if key not in self._functions:
-            from ..engine.stage import compiled_step
+            from ..engine.grads import compiled_step
 
             self._functions[key] = compiled_step(self.optimizer, variables, sparse, self.eager)
         self._functions[key]([g if isinstance(g, tf.IndexedSlices) else
@@ -338,7 +338,7 @@ class Zero:
         (a scatter) turns TensorFlow's copy-on-read on, which copies the whole table
         at every read. One buffer for all, so that one function call assigns every
         variable (a call with a tensor per variable took 5 ms for ResNet-110's 330)."""
-        from ..engine.stage import _aligned_empty
+        from ..engine.grads import aligned_empty
 
         if not hasattr(self, "_offsets"):
             self._offsets, end = {}, 0
@@ -346,7 +346,7 @@ class Zero:
                 for j in positions:
                     self._offsets[j] = end
                     end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
-            self._flat = [_aligned_empty(end), _aligned_empty(end)]
+            self._flat = [aligned_empty(end), aligned_empty(end)]
         var = self.stage.trainable[k]
         at = self._offsets[k]
         return self._flat[self._parity][at:at + int(np.prod(var.shape))].reshape(tuple(var.shape))
@@ -456,6 +456,6 @@ class Zero:
 
 
 def _tensor(array):
-    from ..engine.stage import _as_tensor
+    from ..engine.grads import as_tensor
 
-    return _as_tensor(array) if isinstance(array, np.ndarray) else array
+    return as_tensor(array) if isinstance(array, np.ndarray) else array

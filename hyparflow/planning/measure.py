@@ -4,7 +4,7 @@ rings of every size) and compute (the model's compiled step with 1, 2, ... of th
 ranks computing at once, the optimizer step with all of them, stages with split
 layers) are measured by `hyparflow.probes` under this venv's mpiexec, each result
 one JSON line; a stage without split layers is timed here, in this process, with
-`Stage.time`. The cost model that uses the numbers is `planner`'s.
+`engine.timing.time`. The cost model that uses the numbers is `planner`'s.
 """
 
 import json
@@ -116,6 +116,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
     import numpy as np
 
     from ..clock import timed
+    from ..engine import timing
     from .costmodel import Row
 
     n = len(graph.nodes)
@@ -129,7 +130,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
         # Those layers' share of the fused step: `rows` were fitted to the model's
         # compiled step at these very batch sizes (`profile.fit_model`).
         fused = sum(Row(*r).seconds(b) for r in rows[:-1])
-        ahead, behind = stage.time(b, repeats=repeats)
+        ahead, behind = timing.time(stage, b, repeats=repeats)
         whole = ahead + behind
         out["taped"].append(max(1.0, whole / max(fused, 1e-12)))
         out["forward"].append(min(0.9, ahead / whole))
@@ -139,7 +140,7 @@ def stage_costs(graph, model, rows, batches, repeats=5):
 class StageTimer:
     """Each stage of a plan timed as hyparflow runs it: its layers compiled into a
     `Stage`, forward kept on a tape and backward from it, or both in one call for a
-    last stage under 1F1B, the gradients summed into its buffers (`Stage.time`).
+    last stage under 1F1B, the gradients summed into its buffers (`engine.timing.time`).
     Layer profiles share the model's step out among its calls only roughly (one
     eager call at a time), and a stage pays more than its calls' share (its own
     compiled calls, the tape, the sums); this times the whole.
@@ -183,6 +184,8 @@ class StageTimer:
         slow spells last seconds, longer than a stage's nine calls: timed in one go,
         the same pipeline of 2 stages came out 0.058 to 0.084 s from one planner run
         to the next."""
+        from ..engine import timing
+
         keys = {self.key(c, s, f, t) for c, s, f, t in wanted}
         keys = sorted(k for k in keys if k not in self._cache)
         split = [k for k in keys if k[-1] > 1]
@@ -192,7 +195,7 @@ class StageTimer:
         stages = {k: stage_for(self.graph, self.model, k) for k in keys if k[-1] == 1}
         for _ in range(sweeps):
             for key, stage in stages.items():
-                found = [stage.time(b, fused=key[3], repeats=self.repeats, idle=IDLE)
+                found = [timing.time(stage, b, fused=key[3], repeats=self.repeats, idle=IDLE)
                          for b in self.batches]
                 known = self._cache.get(key, found)
                 self._cache[key] = [min(a, b, key=sum) for a, b in zip(known, found)]

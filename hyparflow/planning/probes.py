@@ -22,6 +22,7 @@ def tensor_stages(source, function, batches, keys, repeats):
     from .. import graph as G
     from . import profile
     from ..kinds import tensor as T
+    from ..engine import timing
     from ..engine.comm import MPICommunicator
     from .measure import stage_for
 
@@ -42,10 +43,10 @@ def tensor_stages(source, function, batches, keys, repeats):
             # Every group times its calls at the same time: each call exchanges with
             # the group, so all its ranks make the same number of them.
             _idle_barrier(world)
-            every = world.allgather(stage.time(b, fused=fused, repeats=repeats))
+            every = world.allgather(timing.time(stage, b, fused=fused, repeats=repeats))
             _idle_barrier(world)
             # Then group 0 alone, the other ranks waiting for it.
-            one = stage.time(b, fused=fused, repeats=repeats) if rank < num_tensor else None
+            one = timing.time(stage, b, fused=fused, repeats=repeats) if rank < num_tensor else None
             _waiting(world.Ibarrier())
             alone = [t for t in world.allgather(one) if t is not None]
             if rank == 0:
