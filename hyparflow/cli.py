@@ -273,9 +273,9 @@ def _add_plan(sub):
 
 
 def _plan(argv):
-    from .planning import planner
+    from .planning import command
 
-    return planner.main(argv)
+    return command.main(argv)
 
 
 def build_parser():

@@ -8,7 +8,7 @@ from . import inference, trainer
 from .. import layout as _layout
 from ..engine.errors import user_errors
 from ..engine.comm import wrap
-from ..engine.runtime import agree_on_error
+from ..engine.prepare import agree_on_error
 
 __all__ = ["fit", "evaluate", "predict", "rank", "size", "is_main"]
 

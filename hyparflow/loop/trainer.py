@@ -13,7 +13,8 @@ from .. import sync as _sync
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
-from ..engine.runtime import Runtime, agree_on_error, check_positive, fail, read_graph
+from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
+from ..engine.runtime import Runtime
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
 

@@ -26,7 +26,7 @@ from ..loop.api import _agree_bad_call
 from ..engine.comm import wrap
 from ..engine.errors import user_errors
 from ..loop.progress import resolve_verbose
-from ..engine.runtime import agree_on_error, check_positive, fail
+from ..engine.prepare import agree_on_error, check_positive, fail
 from . import fuse as _fuse
 from . import members as _members
 from . import optimizers as _optimizers
