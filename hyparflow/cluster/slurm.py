@@ -30,24 +30,24 @@ class JobSpec:
     script_args: list = field(default_factory=list)
     nodes: int = 1
     tasks_per_node: int = 1
-    stages: int = None             # None: the script's hf.fit decides (nothing exported)
-    microbatches: int = None
-    tensor: int = None             # tensor ranks per stage; None: the script's hf.fit decides
+    stages: int | None = None             # None: the script's hf.fit decides (nothing exported)
+    microbatches: int | None = None
+    tensor: int | None = None             # tensor ranks per stage; None: the script's hf.fit decides
     time: str = "01:00:00"
-    partition: str = None
-    account: str = None
-    cpus_per_task: int = None
-    job_name: str = None
-    template: str = None           # single | hybrid | array | a file path; None: by nodes / array
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_task: int | None = None
+    job_name: str | None = None
+    template: str | None = None           # single | hybrid | array | a file path; None: by nodes / array
     launcher: str = "srun"
-    array: str = None
-    log: str = None                # the job's output file (sbatch --output)
+    array: str | None = None
+    log: str | None = None                # the job's output file (sbatch --output)
     overcommit: bool = False
     sbatch_options: list = field(default_factory=list)
-    workdir: str = None
+    workdir: str | None = None
     rendered_by: str = ""
-    sweep: str = None              # a JSON file of configs: one job running hf.sweep
-    replicas: int = None           # with sweep: ranks per group (HYPARFLOW_NUM_REPLICAS)
+    sweep: str | None = None              # a JSON file of configs: one job running hf.sweep
+    replicas: int | None = None           # with sweep: ranks per group (HYPARFLOW_NUM_REPLICAS)
 
 
 def template_dir():

@@ -168,7 +168,7 @@ class Calls:
             pass
 
 
-_CALLS = {}
+_CALLS: dict = {}
 
 
 def calls_for(parent):

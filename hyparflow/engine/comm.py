@@ -94,7 +94,7 @@ class Communicator:
 
     rank: int
     size: int
-    spin = None  # seconds a wait may spin; None: the default for MPI processes
+    spin: float | None = None  # seconds a wait may spin; None: the default for MPI processes
 
     def isend(self, buf, dest, tag): raise NotImplementedError
     def irecv(self, buf, source, tag): raise NotImplementedError

@@ -50,7 +50,7 @@ def eligible(op, input_dtype):
             and input_dtype == "float32" and len(op.kernel.shape) == 2)
 
 
-_PAYS = {}  # (kernel shape, rows, products per step) -> whether W^T pays
+_PAYS: dict = {}  # (kernel shape, rows, products per step) -> whether W^T pays
 _MEASURING = threading.Lock()  # ranks run as threads (hyparflow.local) measure once
 _COLD_BYTES = 32 << 20  # more than a CPU's caches keep of what the step touched last
 

@@ -18,8 +18,8 @@ class Simulation:
     busy: list
     bubble: float
     peak_activations: list
-    finish: float = None  # with every stage's tail (None: no tails, the makespan)
-    peak_kept: list = None  # microbatches between B and W (split backward) at most
+    finish: float | None = None  # with every stage's tail (None: no tails, the makespan)
+    peak_kept: list | None = None  # microbatches between B and W (split backward) at most
 
     def __post_init__(self):
         if self.finish is None:

@@ -95,9 +95,9 @@ class Kind:
     """One layer of the N members, run once for all (see the module's docstring)."""
 
     fused = True                 # False: the members' own layers, once each (Loop)
-    classes = ()                 # the Keras classes this kind takes (exactly these)
-    varying = frozenset()        # config keys, besides COMMON_VARYING, members may differ in
-    rows = ()                    # weights stored by rows ([N x V, D], variables.Stacked)
+    classes: tuple = ()          # the Keras classes this kind takes (exactly these)
+    varying: frozenset = frozenset()  # config keys, besides COMMON_VARYING, members may differ in
+    rows: tuple = ()             # weights stored by rows ([N x V, D], variables.Stacked)
 
     def __init__(self, layers, slot):
         self.layers = list(layers)
