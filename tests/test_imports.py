@@ -61,7 +61,7 @@ LAYERS = {
             "sweeps.kinds", "sweeps.variables", "sweeps.optimizers", "sweeps.steps",
             "sweeps.members", "sweeps.table", "sweeps.attention", "sweeps.registry"},
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
-             "loop.logs", "loop.costs"},
+             "loop.logs", "loop.costs", "loop.options"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
                 "cluster.heartbeat", "cluster.restart"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",

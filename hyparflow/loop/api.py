@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from . import inference, trainer
+from .options import FitOptions
 from .. import layout as _layout
 from ..engine.errors import user_errors
 from ..engine.comm import wrap
@@ -32,6 +33,19 @@ def _agree_bad_call(call: str) -> Any:
         raise error   # pragma: no cover - agree_on_error raised it
 
     return agree
+
+
+def _call(call: str, comm: Any, arguments: dict[str, Any],
+          body: Callable[[Any, _layout.Layout], Any]) -> Any:
+    """What fit, evaluate and predict share: the communicator (the world, or `comm`),
+    the call's layout resolved on it, `body(communicator, layout)`, and the
+    communicator freed if this call made it."""
+    communicator, owned = wrap(comm, call)
+    try:
+        return body(communicator, _resolve(communicator, **arguments))
+    finally:
+        if owned:
+            communicator.free()
 
 
 def _resolve(communicator: Any, **arguments: Any) -> _layout.Layout:
@@ -174,27 +188,22 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         epoch, identical on every rank. When it returns, `model` holds all the
         trained weights on every rank.
     """
-    communicator, owned = wrap(comm, "hf.fit")
-    try:
-        layout = _resolve(
-            communicator, num_stages=num_stages, num_replicas=num_replicas,
-            num_microbatches=num_microbatches, num_tensor=num_tensor, schedule=schedule,
-            num_chunks=num_chunks, balance=balance, tensor_layers=tensor_layers,
-            tensor_shares=tensor_shares, plan=plan)
-        return trainer.train(
-            model, x, y, comm=communicator, layout=layout, batch_size=batch_size,
-            epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, callbacks=callbacks,
-            sample_weight=sample_weight, class_weight=class_weight, run_eagerly=run_eagerly,
-            recompute=recompute, trace=trace, validation_data=validation_data,
-            validation_split=validation_split, validation_freq=validation_freq,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_batch_size=validation_batch_size, validation_steps=validation_steps,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
-            resume=resume, check_finite=check_finite, speeds=speeds,
-            memory_limit=memory_limit, replica_sync=replica_sync)
-    finally:
-        if owned:
-            communicator.free()
+    options = FitOptions(
+        batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose,
+        callbacks=callbacks, sample_weight=sample_weight, class_weight=class_weight,
+        run_eagerly=run_eagerly, recompute=recompute, trace=trace,
+        validation_data=validation_data, validation_split=validation_split,
+        validation_freq=validation_freq, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size,
+        validation_steps=validation_steps, checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every, keep=keep, resume=resume, check_finite=check_finite,
+        speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync)
+    layout_arguments = dict(
+        num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
+        num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,
+        tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
+    return _call("hf.fit", comm, layout_arguments, lambda communicator, layout: trainer.train(
+        model, x, y, comm=communicator, layout=layout, options=options))
 
 
 @user_errors("hf.evaluate", _agree_bad_call("hf.evaluate"))
@@ -216,19 +225,15 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
     callbacks get `on_test_begin` / `on_test_batch_end` / `on_test_end` with the
     global logs (those that print or write files on rank 0 only, as in `fit`). The
     layout arguments (`plan` included) are `fit`'s."""
-    communicator, owned = wrap(comm, "hf.evaluate")
-    try:
-        layout = _resolve(
-            communicator, num_stages=num_stages, num_replicas=num_replicas,
-            num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
-            tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
-        return inference.evaluate(
-            model, x, y, comm=communicator, layout=layout, batch_size=batch_size,
-            sample_weight=sample_weight, steps=steps, return_dict=return_dict,
-            verbose=verbose, callbacks=callbacks)
-    finally:
-        if owned:
-            communicator.free()
+    layout_arguments = dict(
+        num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
+        num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
+        tensor_shares=tensor_shares, plan=plan)
+    return _call("hf.evaluate", comm, layout_arguments, lambda communicator, layout:
+                 inference.evaluate(model, x, y, comm=communicator, layout=layout,
+                                    batch_size=batch_size, sample_weight=sample_weight,
+                                    steps=steps, return_dict=return_dict, verbose=verbose,
+                                    callbacks=callbacks))
 
 
 @user_errors("hf.predict", _agree_bad_call("hf.predict"))
@@ -246,18 +251,14 @@ def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str
     Takes `model.predict`'s arguments (`batch_size`, `verbose`, `steps`, `callbacks`),
     which behave as in `evaluate`; callbacks get `on_predict_*`, with each batch's
     predictions as `logs["outputs"]`."""
-    communicator, owned = wrap(comm, "hf.predict")
-    try:
-        layout = _resolve(
-            communicator, num_stages=num_stages, num_replicas=num_replicas,
-            num_microbatches=num_microbatches, num_tensor=num_tensor, balance=balance,
-            tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
-        return inference.predict(
-            model, x, comm=communicator, layout=layout, batch_size=batch_size, steps=steps,
-            gather=gather, verbose=verbose, callbacks=callbacks)
-    finally:
-        if owned:
-            communicator.free()
+    layout_arguments = dict(
+        num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
+        num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
+        tensor_shares=tensor_shares, plan=plan)
+    return _call("hf.predict", comm, layout_arguments, lambda communicator, layout:
+                 inference.predict(model, x, comm=communicator, layout=layout,
+                                   batch_size=batch_size, steps=steps, gather=gather,
+                                   verbose=verbose, callbacks=callbacks))
 
 
 def _world() -> Any:

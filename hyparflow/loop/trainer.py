@@ -27,42 +27,42 @@ def _validation_epochs(freq, epochs):
     return {int(e) - 1 for e in freq}  # a list of 1-based epochs, as in Keras
 
 
-def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbose, callbacks,
-          sample_weight=None, class_weight=None, run_eagerly=None, recompute=False, trace=None,
-          validation_data=None, validation_split=0.0, validation_freq=1, initial_epoch=0,
-          steps_per_epoch=None, validation_batch_size=None, validation_steps=None,
-          checkpoint_dir=None, checkpoint_every="epoch", keep=3, resume=False,
-          check_finite=True, speeds=None, memory_limit=None, replica_sync=None):
+def train(model, x, y, *, comm, layout, options):
     """The body of `hyparflow.fit` for one rank (see its docstring), with its
-    resolved `layout` (hyparflow.layout)."""
+    resolved `layout` (hyparflow.layout) and its other arguments, `options`
+    (`options.FitOptions`)."""
     error, runtime, state = None, None, {}
+    sample_weight, validation_data = options.sample_weight, options.validation_data
+    replica_sync = options.replica_sync
     try:
-        check_positive(batch_size=batch_size, epochs=epochs)
-        replica_sync = _sync.resolve(replica_sync)
+        check_positive(batch_size=options.batch_size, epochs=options.epochs)
+        replica_sync = _sync.resolve(options.replica_sync)
         _sync.check(replica_sync, layout.num_replicas)
-        if resume and not checkpoint_dir:
+        if options.resume and not options.checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
-        if checkpoint_dir:
-            state["checkpointer"] = _ckpt.Checkpointer(checkpoint_dir, checkpoint_every, keep)
-        state["verbose"] = resolve_verbose(verbose)
+        if options.checkpoint_dir:
+            state["checkpointer"] = _ckpt.Checkpointer(
+                options.checkpoint_dir, options.checkpoint_every, options.keep)
+        state["verbose"] = resolve_verbose(options.verbose)
         refuse_steps(model, ("train_step", "test_step") if (
-            validation_data is not None or validation_split) else ("train_step",))
-        state["batch_size"] = batch_size
-        if validation_split and validation_data is None:
+            validation_data is not None or options.validation_split) else ("train_step",))
+        state["batch_size"] = options.batch_size
+        if options.validation_split and validation_data is None:
             if _data.is_dataset(x):
                 raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
                                  "pass `validation_data`.")
             (x, y, sample_weight), validation_data = _data.validation_split(
-                x, y, sample_weight, validation_split)
-        graph = read_graph(model, layout.num_stages, x, batch_size)
+                x, y, sample_weight, options.validation_split)
+        graph = read_graph(model, layout.num_stages, x, options.batch_size)
         cut = layout.stage_counts(graph)
-        source, sample = _data.source(graph, x, y, batch_size=batch_size,
-                                      sample_weight=sample_weight, class_weight=class_weight,
-                                      shuffle=shuffle, seed=0, steps_per_epoch=steps_per_epoch)
-        if check_finite and isinstance(source, _data.ArraySource):
+        source, sample = _data.source(graph, x, y, batch_size=options.batch_size,
+                                      sample_weight=sample_weight,
+                                      class_weight=options.class_weight, shuffle=options.shuffle,
+                                      seed=0, steps_per_epoch=options.steps_per_epoch)
+        if options.check_finite and isinstance(source, _data.ArraySource):
             _data.check_finite(source.data)
         replicas, microbatches = layout.num_replicas, layout.num_microbatches
-        effective = len(sample) if _data.is_dataset(x) else batch_size
+        effective = len(sample) if _data.is_dataset(x) else options.batch_size
         if effective < replicas * microbatches:
             raise ValueError(
                 f"batch_size={effective} is smaller than num_replicas x num_microbatches = "
@@ -73,24 +73,25 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)
             state["validation"] = _data.source(
-                graph, vx, vy, batch_size=validation_batch_size or batch_size, sample_weight=vsw,
-                steps_per_epoch=validation_steps)[0]
-        state["validation_epochs"] = _validation_epochs(validation_freq, epochs)
+                graph, vx, vy, batch_size=options.validation_batch_size or options.batch_size,
+                sample_weight=vsw, steps_per_epoch=options.validation_steps)[0]
+        state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(comm, error)
     try:
         # Collective (profiling, calibration): every rank reaches it, or none does.
-        cut = _costs.resolve(graph, model, comm, cut, layout, speeds=speeds,
-                             memory_limit=memory_limit,
-                             microbatch=max(1, batch_size // (replicas * microbatches)))
+        cut = _costs.resolve(graph, model, comm, cut, layout, speeds=options.speeds,
+                             memory_limit=options.memory_limit,
+                             microbatch=max(1, options.batch_size // (replicas * microbatches)))
         if layout.tensor_shares == "measure" and layout.num_tensor > 1:
             layout = dataclasses.replace(
                 layout, tensor_shares=tuple(_costs.measured_shares(comm, layout)))
         runtime = Runtime(model, comm, layout, graph=graph, sample=sample, cut=cut,
-                          run_eagerly=run_eagerly, recompute=recompute, trace=trace,
+                          run_eagerly=options.run_eagerly, recompute=options.recompute,
+                          trace=options.trace,
                           facts={"samples": len(sample), "steps": source.steps,
-                                 "batch_size": batch_size, "epochs": epochs},
+                                 "batch_size": options.batch_size, "epochs": options.epochs},
                           batch_rows=min(effective, len(sample)), replica_sync=replica_sync)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
@@ -100,19 +101,19 @@ def train(model, x, y, *, comm, layout, batch_size, epochs, shuffle, seed, verbo
     # shuffling when it is given. None: rank 0 draws it from Keras's global generator,
     # and the data comes in model.fit's order, so keras.utils.set_random_seed repeats
     # a run as it repeats model.fit.
-    state["seed"] = seed if seed is not None else comm.bcast_obj(
+    state["seed"] = options.seed if options.seed is not None else comm.bcast_obj(
         int(keras.random.randint((), 0, 2 ** 31 - 1)) if comm.rank == 0 else None, 0)
-    state["start"] = (initial_epoch, 0, initial_epoch * (source.steps or 0))
-    if resume:
+    state["start"] = (options.initial_epoch, 0, options.initial_epoch * (source.steps or 0))
+    if options.resume:
         _resume(runtime, state)
     if isinstance(source, _data.ArraySource):
         source.seed = state["seed"]
-        if seed is None:
+        if options.seed is None:
             source.order = lambda epoch: _data.fit_order(comm, len(source.data))
-    stop_flag = _ckpt.StopFlag() if checkpoint_dir else None
+    stop_flag = _ckpt.StopFlag() if options.checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:
-        history = _loop(model, runtime, source, state, epochs, callbacks)
+        history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
         if runtime.replicas is not None:
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history
