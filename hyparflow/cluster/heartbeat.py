@@ -148,11 +148,11 @@ class Heartbeat:
     def __init__(self, comm, hosts, interval=None, limit=None, describe=None):
         from mpi4py import MPI
 
-        from ..engine.comm import _poll, timeout_seconds
+        from ..engine.comm import poll, timeout_seconds
 
         self._MPI = MPI
         new, req = comm.Idup()
-        _poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
+        poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
         self.comm = new
         # An error about a dead peer (a reset connection) is ours to report, not fatal here.
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -170,7 +170,7 @@ class Heartbeat:
         mine = np.array(machine() + [_next_generation], np.int64)
         gathered = np.zeros((self.size, len(mine)), np.int64)
         req = new.Iallgather(mine, gathered)
-        _poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
+        poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
         self.machines = gathered[:, :-1]
         # One generation for all: the ranks may have started different numbers before.
         generation = int(gathered[:, -1].max())

@@ -13,7 +13,7 @@ import numpy as np
 from .. import settings
 
 __all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds",
-           "sum_in_order"]
+           "sum_in_order", "poll"]
 
 
 class CommTimeout(RuntimeError):
@@ -44,7 +44,7 @@ def _spin_seconds():
 _SPIN = None
 
 
-def _poll(test, timeout, what, spin=None):
+def poll(test, timeout, what, spin=None):
     """Wait until `test()` is true: spin for a while (`spin` seconds, default from
     `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
     waiting rank leaves its core to others."""
@@ -78,7 +78,7 @@ def wait_all(requests, timeout=None, what="messages", spin=None):
         pending[:] = [r for r in pending if not r.test()]
         return not pending
 
-    _poll(test, timeout, what, spin)
+    poll(test, timeout, what, spin)
 
 
 def sum_in_order(values):
@@ -217,7 +217,7 @@ class MPICommunicator(Communicator):
             timeout = timeout_seconds()
             test = req.Test if calls is None else (
                 lambda: req.Test() or calls.check(number, call, timeout))
-            _poll(test, timeout, f"the other ranks to enter {call or 'the same hyparflow call'}"
+            poll(test, timeout, f"the other ranks to enter {call or 'the same hyparflow call'}"
                   " (fit, evaluate and predict are collective: every rank must call them)")
             comm = new
         elif dup:
@@ -230,7 +230,7 @@ class MPICommunicator(Communicator):
         if calls is not None:
             try:
                 calls.open(self.comm)
-                _poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
+                poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
                 calls.agree(self, number, call)
             except BaseException:
                 self.free()
@@ -247,7 +247,7 @@ class MPICommunicator(Communicator):
         # One implementation: the blocking sum is the non-blocking one, waited for
         # under the watchdog (large sums take the ring too).
         req = self.iallreduce(buf)
-        _poll(req.test, timeout or timeout_seconds(), f"an allreduce of {buf.size} values",
+        poll(req.test, timeout or timeout_seconds(), f"an allreduce of {buf.size} values",
               self.spin)
         return buf
 
@@ -269,14 +269,14 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             return buf
         req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
-        _poll(req.Test, timeout or timeout_seconds(),
+        poll(req.Test, timeout or timeout_seconds(),
               f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
         return buf
 
     # Small metadata travels pickled (between our own ranks only), through
     # non-blocking buffer collectives so the watchdog covers these waits too.
     def _wait(self, req, what):
-        _poll(req.Test, timeout_seconds(), what, self.spin)
+        poll(req.Test, timeout_seconds(), what, self.spin)
 
     def bcast_obj(self, obj, root):
         if self.size == 1:

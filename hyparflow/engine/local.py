@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .comm import Communicator, _poll, sum_in_order, timeout_seconds
+from .comm import Communicator, poll, sum_in_order, timeout_seconds
 
 __all__ = ["LocalWorld", "LocalCommunicator", "PeerFailure", "run_ranks"]
 
@@ -129,7 +129,7 @@ class LocalCommunicator(Communicator):
     def _exchange(self, value):
         """Every member deposits `value`; each gets the list of all, in rank order."""
         ready = self._deposit(value)
-        _poll(ready, timeout_seconds(), f"collective #{ready.seq} on group {self.group.gid}",
+        poll(ready, timeout_seconds(), f"collective #{ready.seq} on group {self.group.gid}",
               spin=0.0)
         return self._take(ready.seq)
 

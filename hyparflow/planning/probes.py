@@ -66,14 +66,14 @@ def _idle_barrier(world):
 
 def _waiting(done, stretch=0.02):
     """Wait for request `done` as a pipeline stage waits for its next message: polls
-    that back off to 1 ms sleeps (`comm._poll`), starting over every `stretch`
+    that back off to 1 ms sleeps (`comm.poll`), starting over every `stretch`
     seconds as a stage's waits do, each of whose wake-ups takes a core for a moment
     from the ranks that compute."""
-    from ..engine.comm import _poll
+    from ..engine.comm import poll
 
     while not done.Test():
         until = time.monotonic() + stretch
-        _poll(lambda: done.Test() or time.monotonic() > until, None, "a measurement", 0.0)
+        poll(lambda: done.Test() or time.monotonic() > until, None, "a measurement", 0.0)
 
 
 def _together(world, busy, fn, repeats=5, window=0.3):
