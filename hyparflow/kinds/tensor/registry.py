@@ -19,6 +19,7 @@ __all__ = ["KINDS", "BY_NAME", "kind_of", "describe", "why_not", "choose", "shar
 # splits it; a layer holding attention layers is claimed last).
 KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Inner())
 BY_NAME = {kind.name: kind for kind in KINDS}
+Shard.kinds.update(BY_NAME)
 
 
 def kind_of(op):

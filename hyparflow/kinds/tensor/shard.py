@@ -20,13 +20,17 @@ class Shard:
     What is cut and how the part computes are its kind's (`SplitKind`); "inner" has a
     part of its own (`attention.Nested`)."""
 
+    # Kind name -> SplitKind, filled in by `registry` (which imports this module): a
+    # part made without a kind takes its split's.
+    kinds: dict = {}
+
     def __init__(self, op, split, rank, shares, collectives, site=0, kind=None):
         """`site`: a number of this part's own among the model's split layers, the
         same on every rank (its collectives' tags, `site_tag`); `kind`: the split's
         `SplitKind` (the registry's)."""
         self.op, self.split, self.rank, self.site = op, split, rank, site
         self.coll = collectives
-        self.kind = kind
+        self.kind = kind = kind if kind is not None else Shard.kinds[split.kind]
         self.sizes = split_sizes(kind.size(op), shares)
         self.start = sum(self.sizes[:rank])
         # (layer variable, axis it is cut on, or None when every rank keeps all of it)
