@@ -127,7 +127,6 @@ class Inner(SplitKind):
                 2 * network.exchange(in_bytes, num_tensor))
 
 
-
 def _attention_cuts(shard):
     """MultiHeadAttention: the query/key/value (and gate) projections' kernels
     (dim, heads, size) and biases (heads, size) cut on their heads axis, the

@@ -31,7 +31,6 @@ def site_tag(site, role):
     return _SITE_BASE + site * _ROLES + role
 
 
-
 class Collectives:
     """Sums and gathers over the T ranks of a stage, as TensorFlow operations with
     gradients (for use inside the compiled stage functions)."""
