@@ -21,7 +21,7 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.path
 
 def worker(mode, steps):
     import hyparflow as hf
-    from hyparflow import timeline
+    from hyparflow.engine import timeline
 
     sys.path.insert(0, HERE)
     import workloads

@@ -47,7 +47,7 @@ def baseline(workload, batch, steps):
 
 
 def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
-    from hyparflow import timeline
+    from hyparflow.engine import timeline
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
     # "interleaved:2": the schedule and its model chunks per rank.
@@ -98,7 +98,7 @@ def _stage_vars(model):
 def transfer():
     from mpi4py import MPI
 
-    from hyparflow.comm import MPICommunicator, wait_all
+    from hyparflow.engine.comm import MPICommunicator, wait_all
 
     world = MPI.COMM_WORLD
     hfc = MPICommunicator(world)

@@ -5,7 +5,7 @@ import os
 import shlex
 import sys
 
-from . import launch
+from .cluster import launch
 
 __all__ = ["main", "build_parser"]
 
@@ -59,7 +59,7 @@ def _add_run(sub):
 def _run(args):
     hosts = None
     if args.hosts is not None or args.hostfile is not None:
-        from . import hosts as _hosts
+        from .cluster import hosts as _hosts
 
         try:
             hosts = (_hosts.parse_hosts(args.hosts) if args.hosts is not None
@@ -81,8 +81,8 @@ def _run(args):
 
 def _run_restarting(args, first, hosts):
     """`hyparflow run --restarts K`: the run under restart.run (its first plan `first`)."""
-    from . import hosts as _hosts
-    from . import restart
+    from .cluster import hosts as _hosts
+    from .cluster import restart
 
     if args.restarts < 0:
         raise launch.LaunchError(f"--restarts must be 0 or more. Received: {args.restarts}")
@@ -130,7 +130,7 @@ def _info(args):
 
 
 def _add_slurm(sub):
-    from . import slurm
+    from .cluster import slurm
     p = sub.add_parser(
         "slurm", help="write an sbatch script for a training script (or submit it)",
         description="Render an sbatch script from hyparflow's slurm/ templates: print it, "
@@ -180,7 +180,7 @@ def _add_slurm(sub):
 
 
 def _slurm(args):
-    from . import slurm
+    from .cluster import slurm
     spec = slurm.JobSpec(
         script=args.script, script_args=list(args.args), nodes=args.nodes,
         tasks_per_node=args.tasks_per_node, stages=args.stages, microbatches=args.microbatches,
@@ -219,7 +219,7 @@ def _add_export(sub):
 
 
 def _export(args):
-    from . import checkpoint
+    from .engine import checkpoint
 
     try:
         used = checkpoint.export(args.checkpoint_dir, args.output)
@@ -243,7 +243,7 @@ def _add_trace(sub):
 
 
 def _trace(args):
-    from . import timeline
+    from .engine import timeline
 
     try:
         data = timeline.load(args.trace)
@@ -273,9 +273,9 @@ def _add_plan(sub):
 
 
 def _plan(argv):
-    from . import planner
+    from .planning import command
 
-    return planner.main(argv)
+    return command.main(argv)
 
 
 def build_parser():

@@ -20,7 +20,7 @@ class Tensor:
     producer: object = None
     input_position: object = None
     keras_tensor: object = field(default=None, repr=False)
-    mask: tuple = None  # shape of its Keras mask (e.g. padding), batch first; None: no mask
+    mask: tuple | None = None  # shape of its Keras mask (e.g. padding), batch first; None: no mask
 
     @property
     def dynamic(self):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 from . import settings
-from .schedule import CHUNKED, SCHEDULES, check_interleaved
+from .schedules import CHUNKED, TABLE, check_interleaved
 
 __all__ = ["Layout", "resolve", "warn_overridden", "DEFAULT_SCHEDULE"]
 
@@ -56,9 +56,9 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
-        if self.schedule not in SCHEDULES and self.schedule != "auto":
+        if self.schedule not in TABLE and self.schedule != "auto":
             raise ValueError(f"Unknown schedule {self.schedule!r}; choose one of "
-                             f"{sorted(SCHEDULES) + ['auto']}. "
+                             f"{sorted(TABLE) + ['auto']}. "
                              f"Received: schedule={self.schedule!r}")
         self._check_chunks()
 
@@ -228,11 +228,10 @@ def _user_level() -> int:
     import os
     import sys
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep  # its wings included
     frame: Any = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.dirname(os.path.abspath(
-            frame.f_code.co_filename)) == package:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -266,7 +265,7 @@ def _after_restart(world_size: int, values: dict[str, Any], origin: dict[str, st
         values["num_stages"], values["num_replicas"] = world_size // tensor, 1
         origin["num_stages"] = f"{source}, fewer stages after a restart"
         origin["num_replicas"] = origin["num_stages"]
-        if values.pop("num_chunks", 1) != 1 or values.get("schedule") == "interleaved":
+        if values.pop("num_chunks", 1) != 1 or values.get("schedule") in CHUNKED:
             values["schedule"] = DEFAULT_SCHEDULE  # its chunks were cut for the old stages
         warnings.warn(f"{source} was made for {stages * tensor * replicas} ranks; restarted on "
                       f"{world_size}, it runs with num_stages={values['num_stages']}, one "

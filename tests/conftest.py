@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from hyparflow.local import run_ranks  # noqa: E402
+from hyparflow.engine.local import run_ranks  # noqa: E402
 
 # Each thread-rank traces its own stage function; TF counts them all as retraces.
 tf.get_logger().setLevel("ERROR")

@@ -10,7 +10,7 @@ import pytest
 
 import hyparflow as hf
 from conftest import max_diff, reference, train_ranks
-from hyparflow import tensor as hft
+from hyparflow.kinds import tensor as hft
 from hyparflow.graph import from_model
 
 L = keras.layers
@@ -135,7 +135,7 @@ def test_keras_masks_from_mask_zero():
 def test_evaluate_and_predict_with_heads_split():
     """Inference (no dropout, training=False) through the split layer, 2 stages x 2
     tensor ranks, 1:3: Keras's loss and predictions."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     x, y = sequence_data()
     build = lambda: encoder_model(dropout=0.3, causal=True)  # noqa: E731
@@ -180,7 +180,7 @@ def test_the_heads_are_split_and_summed_once_each_way(monkeypatch):
     """Each rank holds its heads' slices (2 of 4; 3 and 1 with shares 3:1), and an
     attention layer exchanges one activation forward (the sum) and one backward (the
     input gradient's sum) per microbatch, whatever the shares."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     x, y = sequence_data()
     seen = []
@@ -255,7 +255,7 @@ def test_checkpoint_reshapes_the_heads(tmp_path):
     """A checkpoint written with T=2 (heads 3:1) resumes with T=1 (2 stages), then with
     T=2 (even): Adam's state of the heads is saved whole and cut again, and the
     result is one-process Keras's."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     build = lambda: encoder_model(keras.optimizers.Adam(0.01), dense_input=True)  # noqa: E731
     x, y = sequence_data(dense_input=True)
@@ -329,7 +329,7 @@ def test_attention_that_cannot_be_split_says_why():
                 return
             raise AssertionError("no error")
 
-        from hyparflow.local import run_ranks
+        from hyparflow.engine.local import run_ranks
         run_ranks(2, body, timeout=120)
         assert len(errors) == 2 and "Layer 'attn' is in tensor_layers but cannot be split" in errors[0]
         return errors[0]
@@ -401,7 +401,7 @@ def test_keras_hub_block_parts_and_sums(kind, monkeypatch):
     """Inside the block: the attention layer's heads (3 and 1 of 4) and the feed-forward
     Dense pair's hidden units (24 and 8 of 32) are split; per microbatch the attention
     and the pair each sum one activation forward and one backward."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     keras_hub_or_skip()
     x, y = sequence_data()
@@ -463,7 +463,7 @@ def test_gated_attention_over_two_axes():
 def test_planner_costs_one_sum_each_way_for_attention():
     """The cost model charges an attention layer split by heads one sum of its output
     forward and one of its input's gradient backward (not a gather of a part)."""
-    from hyparflow import planner
+    from hyparflow.planning import planner
 
     inp = keras.Input((SEQ, 128))
     out = L.MultiHeadAttention(8, 32, name="attn")(inp, inp)  # 132k weights: chosen by size
@@ -478,7 +478,7 @@ def test_planner_costs_one_sum_each_way_for_attention():
 def test_keras_hub_block_checkpoint_reshapes(tmp_path):
     """A Keras Hub block's parts (attention heads, feed-forward pair) and their momentum
     are saved whole at T=2 (3:1) and resume at T=1 with 2 stages: Keras's weights."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     keras_hub_or_skip()
     build = lambda: hub_model("encoder", keras.optimizers.SGD(0.05, momentum=0.9))  # noqa: E731

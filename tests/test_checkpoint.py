@@ -10,8 +10,8 @@ import pytest
 import hyparflow as hf
 import models
 from conftest import max_diff
-from hyparflow import checkpoint as C
-from hyparflow.local import run_ranks
+from hyparflow.engine import checkpoint as C
+from hyparflow.engine.local import run_ranks
 
 
 def fit_ranks(stages, replicas, start, x, y, **kwargs):
@@ -54,7 +54,7 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, setting):
 def test_resume_runs_the_products_the_run_chose(tmp_path, setting, monkeypatch):
     """Which Dense layers keep W^T is timed, and the two products round differently:
     a resume whose own timing would choose otherwise still trains to the same bits."""
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
     start, x, y = setting
     monkeypatch.setattr(kernels, "_PAYS", {})
     monkeypatch.setattr(kernels, "_measure", lambda kernel, rows, uses: True)
@@ -91,7 +91,7 @@ def _products_round_apart(weights, rows):
 
 
 def test_resume_keeps_the_schedule_auto_chose(tmp_path, setting, monkeypatch):
-    from hyparflow import executor as ex
+    from hyparflow.engine import executor as ex
     start, x, y = setting
     d = str(tmp_path)
     fit_ranks(2, 1, start, x, y, epochs=2, num_microbatches=2, schedule="auto", checkpoint_dir=d)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from hyparflow import cli, launch, slurm
+from hyparflow import cli
+from hyparflow.cluster import launch, slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "digits_resnet.py")
@@ -175,7 +176,7 @@ def test_launch_and_slurm_modules_do_not_import_tensorflow():
         "spec = importlib.util.find_spec('hyparflow')\n"
         "pkg = types.ModuleType('hyparflow'); pkg.__path__ = [os.path.dirname(spec.origin)]\n"
         "sys.modules['hyparflow'] = pkg\n"
-        "import hyparflow.launch, hyparflow.slurm\n"
+        "import hyparflow.cluster.launch, hyparflow.cluster.slurm\n"
         "print(sorted(m for m in ('tensorflow', 'keras', 'mpi4py') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -362,7 +363,7 @@ def test_export_writes_the_newest_checkpoint(tmp_path, capsys):
     import numpy as np
 
     import models
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     x, y = models.mlp_data(32)
     directory = str(tmp_path / "ckpt")

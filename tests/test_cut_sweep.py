@@ -16,7 +16,7 @@ import hyparflow as hf
 import zoo
 from conftest import max_diff
 from hyparflow import graph as G
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 from test_masks import VALID, attention_beside_dense, attention_then_add, tokens
 
 BATCH = 8

@@ -28,9 +28,9 @@ def test_docs_build_strict(tmp_path):
                  "troubleshooting/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
-    for name in ("hyparflow.api.fit", "hyparflow.api.is_main", "hyparflow.checkpoint.export",
-                 "hyparflow.checkpoint.Preempted", "hyparflow.schedule.one_f_one_b",
-                 "hyparflow.timeline.bubble", "hyparflow.plan.read"):
+    for name in ("hyparflow.loop.api.fit", "hyparflow.loop.api.is_main", "hyparflow.engine.checkpoint.export",
+                 "hyparflow.engine.checkpoint.Preempted", "hyparflow.schedules.one_f_one_b",
+                 "hyparflow.engine.timeline.bubble", "hyparflow.plan.read"):
         assert f'id="{name}"' in reference, f"{name} missing from the API reference"
 
 

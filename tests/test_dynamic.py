@@ -84,7 +84,7 @@ def test_the_mask_crosses_with_its_tensor():
     model = encoder()
     start = model.get_weights()
     expected = model.evaluate(dataset(data), verbose=0)
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     def body(comm):
         import hyparflow as hf
@@ -99,7 +99,7 @@ def test_the_mask_crosses_with_its_tensor():
 
 def test_one_compiled_function_for_every_length():
     """A new length does not trace the stage again (shape-polymorphic signature)."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     data = batches(6)
     start = encoder().get_weights()
@@ -121,7 +121,7 @@ def tracing_count(model):
     """How many times hyparflow traced this rank's stage functions (`Stage._functions`)."""
     import gc
 
-    from hyparflow.stage import Stage
+    from hyparflow.engine.stage import Stage
 
     stages = [o for o in gc.get_objects() if isinstance(o, Stage) and o.model is model]
     return max(f.experimental_get_tracing_count() for s in stages for k, f in s._functions.items()

@@ -6,7 +6,7 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 
 
 def fit_on(size, build, x, y, **kwargs):

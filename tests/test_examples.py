@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hyparflow import launch
+from hyparflow.cluster import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

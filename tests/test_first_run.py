@@ -70,7 +70,7 @@ def test_the_first_step_says_it_compiles(capsys):
         model = models.mlp()
         hf.fit(model, x, y, batch_size=16, epochs=2, num_stages=2, comm=comm, verbose=2)
 
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     run_ranks(2, body, timeout=120)
     out = capsys.readouterr().out

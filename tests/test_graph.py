@@ -4,7 +4,7 @@ import keras
 
 import models
 from hyparflow import graph as G
-from hyparflow.partition import partition
+from hyparflow.engine.partition import partition
 
 
 def test_skip_tensor_goes_straight_to_its_consumer():

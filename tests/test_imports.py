@@ -1,6 +1,7 @@
-"""The layering rules (docs/architecture.md): pure modules import neither TF nor MPI,
-the engine imports nothing of the planning wing, imports point down (no cycles), and
-only `hyparflow.settings` reads HYPARFLOW_* variables."""
+"""The layering rules (docs/architecture.md): every module sits in one layer; pure
+modules import neither TF nor MPI; the training path imports nothing of the planning
+wing, by any import, and a training process never loads it; imports have no cycle,
+function-level ones included; only `hyparflow.settings` reads HYPARFLOW_* variables."""
 
 import ast
 import pathlib
@@ -15,19 +16,20 @@ RULES = {
     "hyparflow.settings": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.layout": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.plan": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.planner": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.planning.planner": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.planning.costmodel": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.schedule": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.schedules": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.replicas": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.kinds.replicas": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.comm": ["tensorflow", "keras"],
-    "hyparflow.hosts": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.heartbeat": ["tensorflow", "keras"],
-    "hyparflow.calls": ["tensorflow", "keras"],
-    "hyparflow.restart": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.normaliser": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.engine.comm": ["tensorflow", "keras"],
+    "hyparflow.cluster.hosts": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.cluster.heartbeat": ["tensorflow", "keras"],
+    "hyparflow.engine.calls": ["tensorflow", "keras"],
+    "hyparflow.cluster.restart": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.engine.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
 
 
@@ -48,42 +50,97 @@ def test_module_imports_point_down(module, forbidden):
 
 
 def test_stage_does_not_import_mpi():
-    source = open(__import__("hyparflow.stage", fromlist=["x"]).__file__).read()
+    source = open(__import__("hyparflow.engine.stage", fromlist=["x"]).__file__).read()
     assert "mpi4py" not in source
 
 
-# The planning wing measures and models; the engine trains. The engine must run
-# without it (and a change there must not reach a training run).
-PLANNING = {"planner", "measure", "probes", "profile", "costs"}
-ENGINE = {"stage", "executor", "runtime", "overlap", "sparse", "boundary", "kernels", "tensor",
-          "comm", "local", "partition", "graph", "topology", "schedule", "weights",
-          "heartbeat", "calls", "data", "logs", "errors", "checkpoint", "timeline", "inference", "zero",
-          "replicas", "sync", "layers",
-          "layout", "settings", "clock", "_compat", "_env", "normaliser", "customised"}
+# Every module of the package, in exactly one layer (docs/architecture.md). Names are
+# dotted below `hyparflow` ("" is the package itself).
+LAYERS = {
+    "top": {"", "__main__", "cli", "layers", "sweeps", "sweeps.run", "sweeps.fuse",
+            "sweeps.kinds", "sweeps.variables", "sweeps.optimizers", "sweeps.steps",
+            "sweeps.members", "sweeps.table", "sweeps.attention", "sweeps.registry"},
+    "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
+             "loop.logs", "loop.costs", "loop.options"},
+    "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
+                "cluster.heartbeat", "cluster.restart"},
+    "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
+                 "planning.profile", "planning.costmodel", "planning.command"},
+    "engine": {"engine"} | {f"engine.{m}" for m in (
+        "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
+        "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
+        "timeline", "errors", "grads", "body", "compiled", "timing", "prepare")},
+    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"}
+    | {f"kinds.tensor.{m}" for m in ("split", "collectives", "shard", "registry", "dense", "conv",
+                                     "embedding", "attention")},
+    "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
+                                                             "lower", "simulate")},
+    "base": {"_compat", "_env", "graph"},
+    "pure": {"layout", "plan", "balance", "topology", "sync", "settings", "clock"},
+}
+# What a training process runs: it must not reach the planning wing, by any import.
+TRAINING = {"layers"} | LAYERS["loop"] | LAYERS["engine"] | LAYERS["kinds"] \
+    | LAYERS["schedules"] | LAYERS["base"] | LAYERS["pure"]
 
 
-def _imports(path, top_level_only=False):
-    """Sibling modules `path` imports (`from . import x`, `from .x import y`)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+def _modules():
+    """{dotted name below hyparflow: path} of every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name, path, modules):
+    """The package's modules `name` imports, at any depth of its code (functions too):
+    `from . import x`, `from ..x import y`, `import hyparflow.x`, `from hyparflow.x import y`."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = [p for p in package if p]
     found = set()
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, []) for a in node.names if a.name.split(".")[0] == "hyparflow"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] if node.level > 1 else package
+                module = ".".join(["hyparflow"] + base + ([node.module] if node.module else []))
+            elif (node.module or "").split(".")[0] == "hyparflow":
+                module = node.module
             else:
-                found.update(a.name for a in node.names)
-    return found
+                continue
+            targets = [(module, [a.name for a in node.names])]
+        else:
+            continue
+        for module, names in targets:
+            dotted = module.split(".", 1)[1] if "." in module else ""
+            subs = [f"{dotted}.{n}".lstrip(".") for n in names]
+            hits = [s for s in subs if s in modules]
+            found.update(hits or [dotted])
+    found.discard(name)
+    return {m for m in found if m in modules}
 
 
-def test_the_engine_imports_nothing_of_the_planning_wing():
-    assert ENGINE | PLANNING <= {p.stem for p in PACKAGE.glob("*.py")}
-    offending = {m: sorted(_imports(PACKAGE / f"{m}.py") & PLANNING) for m in sorted(ENGINE)}
-    assert not {m: v for m, v in offending.items() if v}, offending
+def _graph():
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def test_module_level_imports_have_no_cycle():
-    graph = {p.stem: _imports(p, top_level_only=True) for p in PACKAGE.glob("*.py")}
+def test_every_module_is_in_exactly_one_layer():
+    names = set(_modules())
+    placed = [m for layer in LAYERS.values() for m in layer]
+    twice = sorted({m for m in placed if placed.count(m) > 1})
+    assert not twice, f"modules in two layers: {twice}"
+    assert not names - set(placed), f"modules in no layer: {sorted(names - set(placed))}"
+    assert not set(placed) - names, f"layers name missing modules: {sorted(set(placed) - names)}"
+
+
+def test_imports_have_no_cycle_counting_function_level_ones():
+    graph = _graph()
+    # ... and the parser sees imports inside functions (`hyparflow plan` imports measure there).
+    assert "planning.measure" in graph["planning.command"]
     state = {}
 
     def visit(module, path):
@@ -91,12 +148,43 @@ def test_module_level_imports_have_no_cycle():
             return
         assert state.get(module) != "open", f"import cycle: {' -> '.join(path + [module])}"
         state[module] = "open"
-        for other in sorted(graph.get(module, ())):
+        for other in sorted(graph[module]):
             visit(other, path + [module])
         state[module] = "done"
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_training_path_reaches_nothing_of_the_planning_wing():
+    graph = _graph()
+    reached, todo = {}, [(m, m) for m in sorted(TRAINING)]
+    while todo:
+        module, via = todo.pop()
+        for other in graph[module]:
+            if other not in reached:
+                reached[other] = via
+                todo.append((other, via))
+    bad = {m: f"from {reached[m]}" for m in sorted(set(reached) & LAYERS["planning"])}
+    assert not bad, bad
+
+
+def test_a_training_process_never_loads_the_planning_wing():
+    code = (
+        "import sys, numpy as np\n"
+        "import hyparflow as hf, keras\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])\n"
+        "model.compile('sgd', 'mse')\n"
+        "x = np.ones((8, 4), 'float32'); y = np.ones((8, 1), 'float32')\n"
+        "hf.fit(model, x, y, batch_size=8, epochs=1, verbose=0)\n"
+        "hf.evaluate(model, x, y, batch_size=8, verbose=0)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hyparflow')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = {m.split(".", 1)[1] if "." in m else "" for m in eval(out.stdout.strip().splitlines()[-1])}
+    assert "loop.trainer" in loaded  # the check sees the loop
+    assert not loaded & LAYERS["planning"], sorted(loaded & LAYERS["planning"])
 
 
 def _reads_setting(node):
@@ -119,8 +207,19 @@ def _reads_setting(node):
 
 def test_only_settings_reads_hyparflow_variables():
     readers = {p.name: [n.lineno for n in ast.walk(ast.parse(p.read_text())) if _reads_setting(n)]
-               for p in PACKAGE.glob("*.py") if p.name != "settings.py"}
+               for p in PACKAGE.rglob("*.py") if p.name != "settings.py"}
     assert not {name: lines for name, lines in readers.items() if lines}, readers
     # ... and the check itself sees a read.
     assert _reads_setting(ast.parse('os.environ.get("HYPARFLOW_X", "1")').body[0].value)
     assert _reads_setting(ast.parse('env[f"HYPARFLOW_{n}"]').body[0].value)
+
+
+def test_the_names_before_the_wings_are_the_wings_modules():
+    code = ("import importlib, hyparflow.local, hyparflow.checkpoint\n"
+            "from hyparflow.schedule import gpipe\n"
+            "import hyparflow as hf\n"
+            "assert hf.local is importlib.import_module('hyparflow.engine.local')\n"
+            "assert hf.checkpoint.__spec__.name == 'hyparflow.engine.checkpoint'\n"
+            "assert gpipe is importlib.import_module('hyparflow.schedules').gpipe\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -4,7 +4,7 @@ against plain Keras `model.fit`."""
 
 import pytest
 
-from hyparflow import schedule as sched
+from hyparflow import schedules as sched
 from hyparflow.layout import Layout
 
 
@@ -125,7 +125,8 @@ def test_planner_models_the_smaller_bubble():
     """Four equal layer calls and a free one, a free network: 1F1B's bubble at S=2, M=4 is
     (S-1)/(M+S-1) = 1/5; interleaved with v=2 cuts 4 virtual stages, 1/(vM+S-1) = 1/9."""
     import models
-    from hyparflow import graph as G, planner
+    from hyparflow import graph as G
+    from hyparflow.planning import planner
 
     graph = G.from_model(models.mlp())
     rows = [(0.0, 1e-3, 1000, 0, 100)] * 4 + [(0.0, 0.0, 0, 0, 0)]

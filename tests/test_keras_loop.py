@@ -13,7 +13,7 @@ import hyparflow as hf
 import models
 import zoo
 from conftest import max_diff
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 
 
 def run(size, build, start, fn):

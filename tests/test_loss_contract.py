@@ -17,7 +17,7 @@ from keras import ops
 
 import hyparflow
 from conftest import max_diff, train_ranks
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 
 SEQ, VOCAB, CLASSES = 8, 20, 5
 

@@ -16,8 +16,8 @@ import tensorflow as tf
 import hyparflow as hf
 from conftest import max_diff, reference, train_ranks
 from hyparflow import graph as G
-from hyparflow import masks
-from hyparflow.local import run_ranks
+from hyparflow.engine import masks
+from hyparflow.engine.local import run_ranks
 
 L = keras.layers
 BATCH = 8
@@ -208,7 +208,7 @@ def test_independent_split_branches_pair_their_own_collectives(monkeypatch):
     reaches the left branch's sums later than the right's, rank 1 the reverse (a
     delay). Each exchange still pairs with the same branch's on the other rank (one
     tag for all swapped the branches' equal-shaped parts: 2.3e-2 apart)."""
-    from hyparflow import tensor as hft
+    from hyparflow.kinds import tensor as hft
 
     rng = np.random.default_rng(5)
     x = [rng.normal(size=(16, 6)).astype("float32") for _ in range(2)]

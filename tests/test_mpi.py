@@ -324,7 +324,7 @@ def test_heartbeat_neighbours_name_a_lost_host_on_every_rank(tmp_path):
     also those that watch neither (0 and 5), names both its ranks and ends with 75."""
     import signal
 
-    from hyparflow.heartbeat import neighbours
+    from hyparflow.cluster.heartbeat import neighbours
 
     script = os.path.join(HERE, "mpi", "heartbeat_script.py")
     env = dict(os.environ, HYPARFLOW_PEER_TIMEOUT="2", HYPARFLOW_HEARTBEAT_SECONDS="0.3",

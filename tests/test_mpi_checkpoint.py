@@ -82,7 +82,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_loses_little(tmp_path):
     both = stdout + stderr
     # mpiexec reports the dead process and the signal, and ends the others.
     assert "BAD TERMINATION" in both and "signal 9" in both, both[-2000:]
-    from hyparflow import checkpoint as C
+    from hyparflow.engine import checkpoint as C
 
     _, manifest = C.latest_valid(str(tmp_path / "ckpt"))
     steps = [int(open(f).read()) for f in glob.glob(str(tmp_path / "progress-k" / "step-*"))]

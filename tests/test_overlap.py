@@ -11,7 +11,7 @@ from keras import layers as L
 
 import models
 from conftest import max_diff, reference, train_ranks
-from hyparflow import overlap
+from hyparflow.engine import overlap
 
 
 @pytest.fixture
@@ -150,8 +150,8 @@ def test_off_by_default_on_one_node(monkeypatch, tmp_path):
 def test_waiting_tests_every_request_each_round():
     """A ring allreduce posts its next round only inside its own test(): waiting on
     several must test all of them, not stop at the first unfinished one."""
-    from hyparflow.comm import wait_all
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.comm import wait_all
+    from hyparflow.engine.local import run_ranks
 
     def body(comm):
         bufs = [np.full(1000, comm.rank + k, np.float32) for k in range(3)]

@@ -7,16 +7,17 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow import graph as G, measure, planner
-from hyparflow.local import run_ranks
+from hyparflow.planning import command, costmodel, measure, planner
+from hyparflow import graph as G
+from hyparflow.engine.local import run_ranks
 
 
 def test_units():
-    assert planner.parse_bytes("12.5GB/s") == 12.5e9
-    assert planner.parse_bytes("4GiB") == 4 * 2 ** 30
-    assert planner.parse_seconds("2us") == pytest.approx(2e-6)
+    assert command.parse_bytes("12.5GB/s") == 12.5e9
+    assert command.parse_bytes("4GiB") == 4 * 2 ** 30
+    assert command.parse_seconds("2us") == pytest.approx(2e-6)
     with pytest.raises(ValueError, match="Cannot read"):
-        planner.parse_bytes("lots")
+        command.parse_bytes("lots")
 
 
 def test_cost_model_behaves_like_a_pipeline():
@@ -195,8 +196,8 @@ def test_stages_with_split_layers_use_their_timings_exchanges_included():
     one = planner.predict(graph, rows, 0.0, slow, [5], 64, 1, 1, "1f1b", num_tensor=2,
                           ranks_per_node=4, compute=busy, stage_timer=Timer())
     assert one["step_s"] == pytest.approx(0.06)
-    assert planner._work_and_wait(0.09, 0.06, busy.slowdown(64), 4, 2) == pytest.approx((0.03, 0.03))
-    assert planner._work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
+    assert costmodel.work_and_wait(0.09, 0.06, busy.slowdown(64), 4, 2) == pytest.approx((0.03, 0.03))
+    assert costmodel.work_and_wait(0.05, 0.06, busy.slowdown(64), 4, 2) == (0.0, 0.05)  # noise
 
 
 @pytest.mark.mpiexec
@@ -204,7 +205,7 @@ def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
     out = tmp_path / "plan.json"
-    assert planner.main([str(source), "--batch-size", "32", "--ranks", "2", "--latency", "5us",
+    assert command.main([str(source), "--batch-size", "32", "--ranks", "2", "--latency", "5us",
                          "--bandwidth", "5GB/s", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "samples/s" in text and "wrote" in text
@@ -223,7 +224,7 @@ def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
 def test_plan_quick_mode_measures_only_a_ping_pong(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
-    assert planner.main([str(source), "--batch-size", "32", "--ranks", "2", "--quick",
+    assert command.main([str(source), "--batch-size", "32", "--ranks", "2", "--quick",
                          "--microbatches", "1", "2", "--top", "2"]) == 0
     text = capsys.readouterr().out
     assert "measuring the network: a ping-pong of 2 ranks under mpiexec ...\n  done in" in text
@@ -236,7 +237,7 @@ def test_plan_quick_mode_measures_only_a_ping_pong(tmp_path, capsys):
 def test_projection_to_a_cluster(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text("import models\n\ndef build_model():\n    return models.mlp()\n")
-    assert planner.main([str(source), "--batch-size", "1024", "--nodes", "4", "--ranks-per-node", "2",
+    assert command.main([str(source), "--batch-size", "1024", "--nodes", "4", "--ranks-per-node", "2",
                          "--latency", "2us", "--bandwidth", "12.5GB/s", "--top", "3"]) == 0
     assert "(8 ranks)" in capsys.readouterr().out
 
@@ -276,10 +277,10 @@ def test_cost_model_knows_the_tensor_axis():
 
 def test_profiles_are_taken_at_batches_that_fit_in_memory():
     # The plans' smallest and largest microbatch ...
-    assert planner.profile_batches(256, 4, [1, 4]) == (16, 256)
+    assert command.profile_batches(256, 4, [1, 4]) == (16, 256)
     # ... but no larger than an eighth of the memory holds in activations
     # (ResNet-1001 at batch 64 needs more than this machine's 24 GB).
-    lo, hi = planner.profile_batches(64, 4, [1, 8], per_sample=200e6, memory=24e9)
+    lo, hi = command.profile_batches(64, 4, [1, 8], per_sample=200e6, memory=24e9)
     assert hi == 15 and 1 <= lo < hi
 
 
@@ -344,8 +345,8 @@ def test_pipeline_boundaries_that_cross_hosts_pay_the_link_between_hosts():
     # Only the gradient sums (a few hundred bytes) cross: the pipeline's own messages not.
     assert short_split["comm_s"] - short_near["comm_s"] < 0.05 * (long_split["comm_s"]
                                                                   - long_near["comm_s"])
-    assert planner._crosses(1, 2, 4, 1, 1, 2) and not planner._crosses(0, 1, 4, 1, 1, 2)
-    assert not planner._crosses(0, 1, 2, 2, 1, 2)
+    assert costmodel.crosses(1, 2, 4, 1, 1, 2) and not costmodel.crosses(0, 1, 4, 1, 1, 2)
+    assert not costmodel.crosses(0, 1, 2, 2, 1, 2)
     best = planner.search(graph, rows, 0.0, split, 4096, 4, microbatches=(4,),
                           schedules=("1f1b",), ranks_per_node=2, tensor=(1,))[0]
     assert best["stages"] <= 2, best     # no pipeline spans the two hosts

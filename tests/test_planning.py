@@ -7,10 +7,11 @@ import pytest
 import hyparflow as hf
 import models
 from conftest import max_diff, train_ranks
-from hyparflow import costs, graph as G, plan as P
+from hyparflow.loop import costs
+from hyparflow import graph as G, plan as P
 from hyparflow.layout import Layout
-from hyparflow.local import run_ranks
-from hyparflow.profile import optimizer_slots, profile
+from hyparflow.engine.local import run_ranks
+from hyparflow.planning.profile import optimizer_slots, profile
 
 
 def test_profile_measures_every_layer_call():
@@ -41,7 +42,7 @@ def test_speeds_and_memory_limit_shape_the_cut():
     model = models.mlp()
     g = G.from_model(model)
     resolved = run_ranks(1, lambda comm: costs.resolve(g, model, comm, "params", Layout(num_stages=2), speeds=[3.0, 1.0]))[0]
-    from hyparflow.partition import partition
+    from hyparflow.engine.partition import partition
 
     fast_first = partition(g, 2, resolved).counts
     even = partition(g, 2, costs.resolve(g, model, None, "params", Layout(num_stages=2))).counts

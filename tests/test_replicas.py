@@ -10,7 +10,7 @@ import pytest
 import hyparflow as hf
 import models
 from conftest import max_diff, reference, train_ranks
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -180,7 +180,7 @@ def test_resume_goes_on_from_each_replicas_own_weights(tmp_path):
 
         return run_ranks(4, body, timeout=300)
 
-    from hyparflow import checkpoint
+    from hyparflow.engine import checkpoint
 
     straight = run(2)
     first = run(1, checkpoint_dir=str(tmp_path))

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hyparflow import launch
-from hyparflow.restart import RestartError, Shape, describe_shape, reshape, restartable
+from hyparflow.cluster import launch
+from hyparflow.cluster.restart import RestartError, Shape, describe_shape, reshape, restartable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +100,7 @@ def test_a_plan_file_follows_a_restart_on_fewer_ranks(tmp_path):
 
 
 def test_the_restart_after_a_lost_host_marks_the_run_reshaped(monkeypatch):
-    from hyparflow import restart
+    from hyparflow.cluster import restart
 
     monkeypatch.setattr(restart, "probe", lambda hosts, *a, **k: {h: h != "b" for h in hosts})
     plans, codes = [], iter([75, 0])
@@ -194,7 +194,7 @@ def test_heartbeat_neighbours_few_symmetric_and_see_any_lost_host(size):
     """At most 4 neighbours a rank; symmetric (who beats to whom is who watches whom);
     and whatever block of consecutive ranks (a host) is lost, some rank that remains
     watches one of them."""
-    from hyparflow.heartbeat import neighbours
+    from hyparflow.cluster.heartbeat import neighbours
 
     table = {r: neighbours(r, size) for r in range(size)}
     for r, peers in table.items():

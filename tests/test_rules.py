@@ -116,7 +116,7 @@ def test_mixed_bfloat16_trains_with_bfloat16_boundaries():
         assert all(w.dtype == np.float32 for w in start)  # variables stay float32
         reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         from hyparflow.graph import from_model
-        from hyparflow.partition import partition
+        from hyparflow.engine.partition import partition
         g = from_model(reference)
         part = partition(g, 3)
         assert {g.tensors[e.tensor].dtype for e in part.edges} == {"bfloat16"}

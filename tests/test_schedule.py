@@ -2,7 +2,7 @@
 
 import pytest
 
-from hyparflow import schedule as sched
+from hyparflow import schedules as sched
 
 
 def test_gpipe_reads_like_the_paper():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import max_diff, train_ranks
-from hyparflow import sparse
+from hyparflow.kinds import sparse
 
 VOCAB, SEQ = 50, 6
 
@@ -86,7 +86,7 @@ def test_untouched_rows_keep_their_values():
 
 def test_exchange_bytes_scale_with_rows_touched():
     """The pairs gathered for a huge table cost the rows a batch touched, not the table."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     shape = (200_000, 16)
 
@@ -95,7 +95,7 @@ def test_exchange_bytes_scale_with_rows_touched():
         indices = rng.integers(0, 1000, 40)
         values = rng.normal(size=(40, 16)).astype("float32")
         x = sparse.Exchange(comm, {0: (indices, values)}, {0: shape})
-        from hyparflow.comm import wait_all
+        from hyparflow.engine.comm import wait_all
         wait_all([x], 30)
         return x.bytes, x.result()[0], (indices, values)
 
@@ -109,8 +109,8 @@ def test_exchange_bytes_scale_with_rows_touched():
 
 
 def test_linear_optimizer_reduces_densely_when_the_table_is_smaller():
-    from hyparflow.comm import wait_all
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.comm import wait_all
+    from hyparflow.engine.local import run_ranks
 
     def body(comm):
         indices = np.array([1, 2, 1, 3] * 10)

@@ -6,7 +6,7 @@ import pytest
 
 import models
 from conftest import max_diff, reference, train_ranks
-from hyparflow import timeline as T
+from hyparflow.engine import timeline as T
 from test_rules import bn_data, bn_model
 
 
@@ -95,10 +95,11 @@ def test_dense_backward_uses_the_kept_transpose():
     import numpy as np
     import tensorflow as tf
 
-    from hyparflow import _compat, kernels
+    from hyparflow import _compat
+    from hyparflow.engine import kernels
     from hyparflow.graph import from_model
-    from hyparflow.partition import partition
-    from hyparflow.stage import Stage
+    from hyparflow.engine.partition import partition
+    from hyparflow.engine.stage import Stage
 
     model = models.mlp()
     graph = from_model(model)
@@ -131,7 +132,7 @@ def test_dense_backward_uses_the_kept_transpose():
 def test_the_first_step_keeps_each_transpose_only_where_it_pays(keep, monkeypatch):
     """`kernels.pays` decides per kernel at the first step, before the training
     functions are traced: kept or not, training gives model.fit's weights (Adam)."""
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
 
     asked = []
 
@@ -154,7 +155,7 @@ def test_the_first_step_keeps_each_transpose_only_where_it_pays(keep, monkeypatc
 def test_a_transpose_never_pays_without_products():
     import keras
 
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
 
     layer = keras.layers.Dense(64)
     layer.build((None, 64))
@@ -164,7 +165,7 @@ def test_a_transpose_never_pays_without_products():
 def test_transposed_forced_on_is_not_timed(monkeypatch):
     import keras
 
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
 
     def timed(*args):
         raise AssertionError("HYPARFLOW_TRANSPOSED=1 keeps W^T without timing")
@@ -192,7 +193,7 @@ def _jit(build):
 def test_a_model_compiled_for_xla_runs_its_stages_under_xla(build, data, config, recwarn):
     """`model.compile(jit_compile=True)`: the stage functions are XLA-compiled (no
     fallback said) and train to the weights of `model.fit` with XLA."""
-    from hyparflow.stage import _XLAOrPlain
+    from hyparflow.engine.compiled import XLAOrPlain as _XLAOrPlain
 
     x, y = data()
     start, expected, _ = reference(_jit(build), x, y, epochs=1)

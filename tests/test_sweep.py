@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from hyparflow.local import run_ranks
+from hyparflow.engine.local import run_ranks
 from hyparflow.sweeps.fuse import MismatchError
 
 import sweep_models as sm

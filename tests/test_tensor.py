@@ -7,7 +7,7 @@ import pytest
 
 import hyparflow as hf
 from conftest import max_diff, reference, train_ranks
-from hyparflow import tensor as hft
+from hyparflow.kinds import tensor as hft
 from hyparflow.graph import from_model
 
 L = keras.layers
@@ -147,7 +147,7 @@ def run_error(build, ranks=2, **kwargs):
             return
         raise AssertionError("no error")
 
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
     run_ranks(ranks, body, timeout=120)
     assert len(errors) == ranks and len(set(errors)) == 1
     return errors[0]
@@ -196,8 +196,8 @@ def test_checkpoints_gather_the_parts_and_reshape(tmp_path):
     """Adam's state of the split layers is saved whole: a checkpoint written with T=2
     (uneven 3:1) resumes as S=2, T=1 and then as T=2 with even shares, and the
     result is one-process Keras's; a crash-and-resume at T=2 is bit-exact."""
-    from hyparflow import checkpoint as C
-    from hyparflow.local import run_ranks
+    from hyparflow.engine import checkpoint as C
+    from hyparflow.engine.local import run_ranks
 
     build = lambda: dense_model(keras.optimizers.Adam(0.01))  # noqa: E731
     x, y = dense_data(96)

@@ -46,7 +46,7 @@ def test_tied_embeddings_across_stages(stages):
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     expected = model.get_weights()
     copies = [Copies() for _ in range(stages)]
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     import hyparflow as hf
 
@@ -83,7 +83,7 @@ def test_sequences_of_any_length_share_one_model():
 def test_a_tied_embedding_is_not_split():
     """Its matrix is also the output projection's: splitting it by rows would leave the
     projection without the whole matrix, so it is refused with the reason."""
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
 
     import hyparflow as hf
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import max_diff, reference, train_ranks
-from hyparflow import checkpoint as C
-from hyparflow import zero
-from hyparflow.local import run_ranks
+from hyparflow.engine import checkpoint as C
+from hyparflow.kinds import zero
+from hyparflow.engine.local import run_ranks
 import hyparflow
 import hyparflow.graph
 

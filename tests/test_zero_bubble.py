@@ -106,7 +106,7 @@ def test_tied_embeddings(schedule, stages):
 
 
 def test_deferred_kernels_are_the_plain_dense_calls_read_once():
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
     from hyparflow.graph import from_model
 
     graph = from_model(build())
@@ -134,7 +134,7 @@ def einsum_model():
 
 @pytest.mark.parametrize("schedule,stages", [("zb-batched", 2), ("1f1b-w", 3)])
 def test_deferred_einsum_dense(schedule, stages):
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
     from hyparflow.graph import from_model
 
     graph = from_model(einsum_model())
@@ -152,7 +152,7 @@ def test_deferred_einsum_dense(schedule, stages):
 
 
 def test_auto_tries_each_schedule_then_keeps_the_fastest(monkeypatch):
-    from hyparflow import executor as ex
+    from hyparflow.engine import executor as ex
 
     chosen = []
     tried = []
@@ -211,7 +211,7 @@ def test_deferred_convolutions(schedule, monkeypatch):
     import models
 
     monkeypatch.setenv("HYPARFLOW_DEFER_CONV", "1")
-    from hyparflow import kernels
+    from hyparflow.engine import kernels
     from hyparflow.graph import from_model
 
     graph = from_model(models.skip_cnn())

@@ -5,7 +5,7 @@ import pytest
 import zoo
 from conftest import max_diff, train_ranks
 from hyparflow import graph as G
-from hyparflow.partition import partition
+from hyparflow.engine.partition import partition
 
 CONFIGS = [(3, 1, 3), (4, 1, 2), (2, 2, 2)]
 
@@ -42,7 +42,7 @@ def test_tied_copies_stay_identical_after_every_step():
     import keras
     import numpy as np
 
-    from hyparflow.local import run_ranks
+    from hyparflow.engine.local import run_ranks
     import hyparflow as hf
 
     model, (x, y) = zoo.tied()

@@ -2,7 +2,7 @@
 
 `read(models, describe)` reads every member's layer graph (hyparflow.graph), checks that
 they are one graph (same layers, calls, shapes; only hyper-parameters that keep the
-shapes differ) and picks a kind for each layer (kinds.choose). `Array(plan, positions)`
+shapes differ) and picks a kind for each layer (registry.choose). `Array(plan, positions)`
 is the fused model of some of the members: their weights stacked (variables.Stacked, or
 the members' own for layers run once per member), one forward for all of them.
 """
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from .. import _compat
 from .. import graph as _graph
-from . import kinds as _kinds
+from . import registry as _kinds
 from .variables import Owned, Stacked
 
 __all__ = ["Plan", "read", "Array", "MismatchError"]

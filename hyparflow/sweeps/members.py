@@ -9,8 +9,8 @@ import keras
 import numpy as np
 
 from .. import _compat
-from .. import weights as _weights
-from ..progress import MAIN_ONLY_CALLBACKS
+from ..engine import weights as _weights
+from ..loop.progress import MAIN_ONLY_CALLBACKS
 
 __all__ = ["Config", "job_configs", "read_configs", "build_members", "describe", "prepare",
            "callback_list", "needs_batch_hooks", "MemberLogs", "gather_results"]

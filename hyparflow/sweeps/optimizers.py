@@ -54,8 +54,8 @@ class Fused:
     """The optimizers of the array's members (by position) stepping the array's trainable
     variables (`entries`: variables.Stacked / Owned) at once."""
 
-    keras_classes = ()
-    slots = ()            # (state name, attribute of the Keras optimizer holding it)
+    keras_classes: tuple = ()
+    slots: tuple = ()     # (state name, attribute of the Keras optimizer holding it)
 
     def __init__(self, optimizers, entries, describe):
         self.optimizers = list(optimizers)

@@ -20,13 +20,13 @@ import keras
 import numpy as np
 
 from .. import _compat, settings
-from .. import data as _data
-from .. import weights as _weights
-from ..api import _agree_bad_call
-from ..comm import wrap
-from ..errors import user_errors
-from ..progress import resolve_verbose
-from ..runtime import agree_on_error, check_positive, fail
+from ..loop import data as _data
+from ..engine import weights as _weights
+from ..loop.api import _agree_bad_call
+from ..engine.comm import wrap
+from ..engine.errors import user_errors
+from ..loop.progress import resolve_verbose
+from ..engine.prepare import agree_on_error, check_positive, fail
 from . import fuse as _fuse
 from . import members as _members
 from . import optimizers as _optimizers

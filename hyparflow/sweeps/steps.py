@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _compat
-from ..comm import timeout_seconds
+from ..engine.comm import timeout_seconds
 from .fuse import Context
 
 __all__ = ["Steps"]

@@ -19,7 +19,7 @@ sys.modules["hyparflow"] = package
 
 from mpi4py import MPI  # noqa: E402
 
-from hyparflow import heartbeat  # noqa: E402
+from hyparflow.cluster import heartbeat  # noqa: E402
 
 out = sys.argv[1]
 comm = MPI.COMM_WORLD

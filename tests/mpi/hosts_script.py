@@ -22,7 +22,8 @@ import hyparflow as hf  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from hyparflow import _env, overlap  # noqa: E402
+from hyparflow import _env
+from hyparflow.engine import overlap  # noqa: E402
 
 import models  # noqa: E402
 
@@ -135,7 +136,7 @@ def resumable():
     continued from that checkpoint (its weights and Adam's state) over the same batches."""
     import time
 
-    from hyparflow import checkpoint
+    from hyparflow.engine import checkpoint
 
     os.makedirs(TARGET, exist_ok=True)
     rng = np.random.default_rng(3)

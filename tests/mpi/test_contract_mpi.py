@@ -79,7 +79,7 @@ def test_same_weights_as_one_process(case):
 def test_allreduces_started_inside_the_backward(monkeypatch):
     """Buckets of 1 MB (the ring) and less (MPI's Iallreduce) started from inside
     the compiled backward, on a TensorFlow thread, in the learned order."""
-    from hyparflow import overlap
+    from hyparflow.engine import overlap
 
     monkeypatch.setenv("HYPARFLOW_OVERLAP", "1")
     monkeypatch.setattr(overlap, "BUCKET_BYTES", 1 << 20)

@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hyparflow import heartbeat  # noqa: E402
-from hyparflow.comm import MPICommunicator  # noqa: E402
+from hyparflow.cluster import heartbeat  # noqa: E402
+from hyparflow.engine.comm import MPICommunicator  # noqa: E402
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,0 +1,457 @@
+"""Pick a launcher (srun or mpiexec) and build the command and environment of a run."""
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+from .. import settings
+from ..layout import resolve
+
+__all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
+           "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
+           "execute", "supervise", "named_hosts", "report"]
+
+
+class LaunchError(ValueError):
+    """A run that cannot start: bad counts, a missing script or launcher."""
+
+
+@dataclass
+class Plan:
+    """What `hyparflow run` executes: argv and the variables it adds to the environment."""
+
+    launcher: str                      # "srun" or "mpiexec"
+    argv: list
+    env: dict = field(default_factory=dict)   # only the variables set or changed
+    reason: str = ""                   # why this launcher
+    layout: str = ""                   # how the ranks will be used, as far as the flags say
+    placement: list = field(default_factory=list)  # "rank k: host (stage, replica)" lines
+    supervise: bool = False            # run under `supervise` (ranks on other hosts)
+
+
+def in_slurm_allocation(environ=None):
+    """True inside an sbatch/salloc job with srun on PATH."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun", path=environ.get("PATH")) is not None
+
+
+def find_mpiexec(environ=None):
+    """The mpiexec beside this Python (the venv's, from the mpich wheel), else on PATH."""
+    environ = os.environ if environ is None else environ
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec", path=environ.get("PATH"))
+
+
+def usable_cores():
+    """Cores this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _positive(name, value):
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(f"{name} must be a positive integer. Received: {value!r}") from None
+    if number < 1:
+        raise LaunchError(f"{name} must be a positive integer. Received: {value!r}")
+    return number
+
+
+def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=None):
+    """Check (ranks, stages, replicas, microbatches) against each other and complete them.
+
+    Only counts the user gave (a flag, or HYPARFLOW_NUM_* in `environ`) are checked; the
+    rest are completed with `fit`'s defaults (1 stage, ranks // (stages x tensor)
+    replicas, 1 microbatch) for describing the run, but a run exports only what was given
+    (`requested`): a script's own `hf.fit(num_stages=...)` decides the rest. `tensor`:
+    ranks per stage (`--tensor`), which a pipeline needs `stages x tensor` of.
+    Returns the `Layout` (hyparflow.layout) the run would have without script arguments.
+    """
+    environ = os.environ if environ is None else environ
+    ranks = _positive("the number of ranks (-n)", ranks)
+    given = requested(stages, replicas, microbatches, tensor, environ)
+    tensor = given.get("tensor", 1)
+    stages = given.get("stages")
+    microbatches = given.get("microbatches", 1)
+    replicas = given.get("replicas")
+    if stages is None:
+        # The script may choose its own stages: only a given replica count can be checked.
+        if replicas is not None and ranks % (replicas * tensor):
+            raise LaunchError(f"-n {ranks} ranks cannot be split into --replicas {replicas}"
+                              + (f" x --tensor {tensor}" if tensor > 1 else "") + " pipelines.")
+        stages = ranks // (replicas * tensor) if replicas is not None else 1
+    pipeline = stages * tensor
+    what = f"{stages} stages" + (f" x {tensor} tensor ranks" if tensor > 1 else "")
+    flag = "--stages" + (" x --tensor" if tensor > 1 else "")
+    if ranks % pipeline:
+        lower = ranks - ranks % pipeline
+        options = " or ".join(f"-n {n}" for n in (lower, lower + pipeline) if n)
+        raise LaunchError(
+            f"{ranks} ranks cannot be split into pipelines of {what}: the number of "
+            f"ranks must be a multiple of {flag} (e.g. {options}).")
+    if replicas is not None and pipeline * replicas != ranks:
+        raise LaunchError(f"{flag} {pipeline} x --replicas {replicas} = {pipeline * replicas} "
+                          f"ranks, but -n is {ranks}; give -n {pipeline * replicas} or leave "
+                          f"--replicas out (it defaults to -n // ({flag})).")
+    # Checked above in the words of the flags; `resolve` completes it as fit would.
+    return resolve(ranks, num_stages=stages, num_replicas=replicas,
+                   num_microbatches=microbatches, num_tensor=tensor, environ={})
+
+
+def requested(stages=None, replicas=None, microbatches=None, tensor=None, environ=None):
+    """{name: count} of the counts the user gave, checked: flags, else HYPARFLOW_NUM_*
+    already set. What is not here, `fit` takes from its own arguments or derives."""
+    out = {}
+    try:
+        exported = settings.layout_counts(os.environ if environ is None else environ)
+    except settings.SettingError as error:
+        raise LaunchError(str(error)) from None
+    for name, value, flag in (("stages", stages, "--stages"), ("replicas", replicas, "--replicas"),
+                              ("microbatches", microbatches, "--microbatches"),
+                              ("tensor", tensor, "--tensor")):
+        value = value if value is not None else exported.get(f"num_{name}")
+        if value is not None:
+            out[name] = _positive(flag, value)
+    return out
+
+
+def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
+                    ranks_on_node=None, environ=None, tensor=None):
+    """The variables a run sets: the S, R, M, T the user asked for (none else: a count
+    that is only derived, like the replicas = ranks // S, must be derived again where the
+    script's own S is known), threads per rank, quiet unbuffered Python.
+
+    Threads: `threads` if given, else an HYPARFLOW_THREADS already set, else Slurm's
+    SLURM_CPUS_PER_TASK, else cores // ranks_on_node when that is known (all ranks on
+    this node); otherwise left unset and each rank works it out at start-up.
+    """
+    environ = os.environ if environ is None else environ
+    env = {}
+    for name, value in (("STAGES", stages), ("REPLICAS", replicas),
+                        ("MICROBATCHES", microbatches), ("TENSOR", tensor)):
+        if value is not None:
+            env[f"HYPARFLOW_NUM_{name}"] = str(value)
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+    })
+    threads = _positive("--threads", threads)
+    if threads is None:
+        try:
+            threads = settings.threads(environ)
+        except settings.SettingError as error:
+            raise LaunchError(str(error)) from None
+    if threads is None and (environ.get("SLURM_CPUS_PER_TASK") or "").isdigit():
+        threads = max(1, int(environ["SLURM_CPUS_PER_TASK"]))
+    if threads is None and ranks_on_node:
+        threads = max(1, usable_cores() // ranks_on_node)
+    if threads is not None:
+        env["HYPARFLOW_THREADS"] = str(threads)
+        if "OMP_NUM_THREADS" not in environ:
+            env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def describe_layout(ranks, given):
+    """One line on how `ranks` ranks will be used, given the counts in `given`."""
+    if not given:
+        return (f"{ranks} ranks; stages, replicas and microbatches as the script's hf.fit "
+                f"says (without arguments: 1 stage x {ranks} replicas)")
+    parts = [f"{name} {value}" for name, value in given.items()]
+    rest = "" if "replicas" in given else "; replicas = ranks // (stages x tensor)"
+    return f"{ranks} ranks; {', '.join(parts)} (the script's own hf.fit arguments win){rest}"
+
+
+def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
+         threads=None, launcher="auto", environ=None, python=None, tensor=None, hosts=None):
+    """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
+
+    `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
+    on, filled in order; -n defaults to their slots."""
+    environ = os.environ if environ is None else environ
+    python = python or sys.executable
+    if hosts is not None:
+        if launcher == "srun":
+            raise LaunchError("--hosts/--hostfile start the ranks with mpiexec; inside a Slurm "
+                              "job leave them out (srun uses the allocation's nodes).")
+        if ranks is None:
+            ranks = sum(slots for _, slots in hosts)
+    if ranks is None and (environ.get("SLURM_NTASKS") or "").isdigit() and in_slurm_allocation(environ):
+        ranks = int(environ["SLURM_NTASKS"])
+    if ranks is None:
+        raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
+    ranks = layout(ranks, stages, replicas, microbatches, environ, tensor).ranks
+    # Export only the flags: a count in the environment already reaches the ranks.
+    flags = requested(stages, replicas, microbatches, tensor, environ={})
+    given = requested(stages, replicas, microbatches, tensor, environ)
+    if not script:
+        raise LaunchError("give the script to run, e.g. `hyparflow run -n 4 train.py`.")
+    if not os.path.isfile(script):
+        raise LaunchError(f"script not found: {script!r} (from {os.getcwd()})")
+
+    placement = []
+    if hosts is not None:
+        from . import hosts as _hosts
+
+        try:
+            where = _hosts.place(hosts, ranks)
+        except _hosts.HostError as error:
+            raise LaunchError(str(error)) from None
+        # As fit will use them: what was given, the replicas derived from the rest.
+        per = given.get("stages", 1) * given.get("tensor", 1)
+        placement = _hosts.describe_placement(where, given.get("stages", 1),
+                                              given.get("replicas", ranks // per),
+                                              given.get("tensor", 1))
+        hosts = [(h, s) for h, s in hosts if h in where]
+    if launcher == "auto" and hosts is not None:
+        launcher, reason = "mpiexec", "--hosts/--hostfile"
+    elif launcher == "auto":
+        launcher = "srun" if in_slurm_allocation(environ) else "mpiexec"
+        reason = (f"inside Slurm job {environ.get('SLURM_JOB_ID')}" if launcher == "srun"
+                  else "no Slurm allocation: SLURM_JOB_ID unset or no srun")
+    else:
+        reason = "--launcher"
+    command = [python, script, *script_args]
+    if launcher == "srun":
+        srun = shutil.which("srun", path=environ.get("PATH"))
+        if srun is None:
+            raise LaunchError("srun not found on PATH.")
+        argv = [srun, "--mpi=pmi2", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
+        ranks_on_node = None  # srun may spread the ranks over several nodes
+    elif launcher == "mpiexec":
+        mpiexec = find_mpiexec(environ)
+        if mpiexec is None:
+            raise LaunchError("mpiexec not found beside Python or on PATH; install the `mpich` "
+                              "wheel (pip install mpich) or load your cluster's MPI.")
+        if hosts is not None:
+            # Filled in order (hydra's default); each rank counts the ranks on its own host
+            # (MPI_LOCALNRANKS) to choose its threads, since hosts may differ.
+            argv = [mpiexec, "-hosts", ",".join(f"{h}:{s}" for h, s in hosts), "-n", str(ranks),
+                    *command]
+            ranks_on_node = None
+        else:
+            argv = [mpiexec, "-n", str(ranks), *command]
+            # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
+            ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
+    else:
+        raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
+    env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
+                          threads, ranks_on_node, environ, flags.get("tensor"))
+    return Plan(launcher, argv, env, reason, describe_layout(ranks, given), placement,
+                supervise=hosts is not None)
+
+
+def describe(run_plan):
+    """Shell text for --dry-run: the exports, then the command."""
+    lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
+    if run_plan.layout:
+        lines.append(f"# layout: {run_plan.layout}")
+    lines += [f"# {line}" for line in run_plan.placement]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
+    lines.append(shlex.join(run_plan.argv))
+    return "\n".join(lines)
+
+
+def execute(run_plan, environ=None):
+    """Replace this process by the launcher (its exit code and signals are the run's)."""
+    environ = dict(os.environ if environ is None else environ)
+    environ.update(run_plan.env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(run_plan.argv[0], run_plan.argv, environ)
+
+
+LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported a lost peer
+_LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
+
+
+def named_hosts(line):
+    """The hosts a heartbeat report names lost: 'hyparflow: rank 0 on host a: lost rank 1
+    on host b, rank 2 on host c (silent ...' -> ['b', 'c']; [] for any other line."""
+    if not _LOST.match(line):
+        return []
+    named = line.split(": lost ", 1)[1].split(" (", 1)[0]
+    return list(dict.fromkeys(re.findall(r"on host (\S+?),?(?= |$)", named)))
+
+
+def supervise(run_plan, environ=None, lost_hosts=None):
+    """Run the launcher as a child, passing its output through; return its exit code.
+
+    When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
+    mpiexec then waits for the lost host's proxy, which cannot answer (a cut link, a frozen
+    host). Once a rank has reported a lost peer, mpiexec gets LOST_GRACE seconds, then
+    SIGTERM (it ends the proxies it can reach and exits), then SIGKILL; the run exits with
+    the heartbeat's code (75). SIGINT, SIGTERM and SIGHUP are passed on to mpiexec.
+    `lost_hosts`: a list that gets the host names the ranks reported lost."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from .heartbeat import EXIT_CODE
+
+    environ = dict(os.environ if environ is None else environ)
+    environ.update(run_plan.env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = subprocess.Popen(run_plan.argv, env=environ, stderr=subprocess.PIPE)
+    lost = []
+
+    def relay():
+        for raw in iter(child.stderr.readline, b""):
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            line = raw.decode(errors="replace")
+            if _LOST.match(line):
+                if not lost:
+                    lost.append(time.monotonic())
+                if lost_hosts is not None:
+                    lost_hosts.extend(h for h in named_hosts(line) if h not in lost_hosts)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    forwarded = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number))
+                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stage = 0
+        while child.poll() is None:
+            time.sleep(0.2)
+            if lost and stage < 2 and time.monotonic() - lost[0] > LOST_GRACE * (1 + stage):
+                child.send_signal(signal.SIGTERM if stage == 0 else signal.SIGKILL)
+                if stage == 0:
+                    sys.stderr.write(f"hyparflow run: a host was lost; ending {run_plan.launcher} "
+                                     f"(it was still waiting for the lost host)\n")
+                stage += 1
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+    reader.join(timeout=5)
+    if lost:
+        return EXIT_CODE
+    return 128 - child.returncode if child.returncode < 0 else child.returncode
+
+
+def _version(module):
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - a report must not fail
+        return "not installed"
+
+
+def _slurm_query(argv):
+    """A Slurm command's one-line answer, or why there is none (no config, no controller)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unavailable ({type(error).__name__})"
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"unavailable ({last})"
+    return out.stdout.strip() or "(empty)"
+
+
+_MPI_QUERY = """
+import os, mpi4py
+mpi4py.rc.initialize = False   # the library version needs no MPI_Init
+mpi4py.rc.finalize = False
+from mpi4py import MPI
+print("MPI library\t" + " ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
+for line in MPI.Get_library_version().splitlines()[1:]:
+    if line.startswith("MPICH Device"):
+        print("MPI device\t" + line.split(":", 1)[1].strip())
+print("MPI standard\t%d.%d" % MPI.Get_version())
+print("mpi4py\t%s (%s)" % (mpi4py.__version__, os.path.dirname(mpi4py.__file__)))
+"""
+
+
+def _mpi_facts():
+    """(key, value) pairs about the MPI library and mpi4py, from a child Python."""
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _MPI_QUERY], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return [("MPI library", f"unavailable ({type(error).__name__})"),
+                ("mpi4py", _version("mpi4py"))]
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return [("MPI library", f"unavailable ({last})"), ("mpi4py", _version("mpi4py"))]
+    return [tuple(line.split("\t", 1)) for line in out.stdout.splitlines() if "\t" in line]
+
+
+def report(environ=None):
+    """The `hyparflow info` text: what a bug report needs about this machine and setup.
+
+    Imports hyparflow (hence TensorFlow, quietly); asks a child process about MPI, so
+    that this one neither initialises MPI nor stops others from doing it.
+    """
+    environ = os.environ if environ is None else environ
+    import platform
+
+    lines = []
+
+    def add(key, value):
+        lines.append(f"{key + ':':<22}{value}")
+
+    import hyparflow  # first: TensorFlow starts quietly, with hyparflow's threads
+    from .. import _env
+
+    add("hyparflow", f"{hyparflow.__version__} ({os.path.dirname(hyparflow.__file__)})")
+    add("python", f"{platform.python_version()} ({sys.executable})")
+    add("platform", platform.platform())
+    for key, value in _mpi_facts():
+        add(key, value)
+    _env.start_tensorflow()  # quietly, as a training process would
+    import keras
+    import numpy
+    import tensorflow as tf
+
+    add("tensorflow", tf.__version__)
+    add("keras", keras.__version__)
+    add("numpy", numpy.__version__)
+    add("mpiexec", find_mpiexec(environ) or "not found")
+    add("cores", f"{os.cpu_count()} on this machine, {usable_cores()} usable by this process")
+    add("ranks per node", f"{_env.local_ranks()} (from the launcher's environment; 1 outside a launch)")
+    source = ("HYPARFLOW_THREADS" if settings.threads(environ) is not None
+              else "usable cores // ranks per node")
+    add("threads per rank", f"{_env.threads_per_rank()} ({source})")
+    try:
+        threads = tf.config.threading.get_intra_op_parallelism_threads()
+        add("TF intra-op threads", f"{threads} (this process)")
+    except Exception:  # noqa: BLE001
+        pass
+    sbatch, srun = shutil.which("sbatch"), shutil.which("srun")
+    if sbatch or srun:
+        add("slurm", f"sbatch {sbatch or 'not found'}, srun {srun or 'not found'}")
+        add("slurm version", _slurm_query([sbatch or srun, "--version"]))
+        add("slurm partitions", _slurm_query(
+            [shutil.which("sinfo") or "sinfo", "-h", "-o", "%P %a %D nodes %T"]).replace("\n", "; "))
+    else:
+        add("slurm", "not found (no sbatch or srun on PATH)")
+    add("in Slurm allocation", "yes" if in_slurm_allocation(environ) else "no")
+    for name in sorted(environ):
+        if name.startswith("HYPARFLOW_") or name == "OMP_NUM_THREADS":
+            add(name, environ[name])
+    for name in ("SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST",
+                 "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+                 "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE",
+                 "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                 "SLURM_MPI_TYPE"):
+        if name in environ:
+            add(name, environ[name])
+    return "\n".join(lines)

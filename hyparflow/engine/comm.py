@@ -1,0 +1,334 @@
+"""Communicators: the protocol the executor uses, and its mpi4py implementation.
+
+Tensors move as numpy buffers with mpi4py's capitalised (buffer) calls; pickled
+calls carry only small set-up metadata. Every wait polls with short sleeps, so
+a rank waiting for a message does not spin a core on an oversubscribed node,
+and gives up after a timeout instead of hanging.
+"""
+
+import pickle
+import time
+
+import numpy as np
+from .. import settings
+
+__all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds",
+           "sum_in_order", "poll"]
+
+
+class CommTimeout(RuntimeError):
+    """A wait for a message or collective took longer than the watchdog allows."""
+
+
+def timeout_seconds():
+    """The watchdog: HYPARFLOW_TIMEOUT seconds (default 600; 0 disables)."""
+    return settings.timeout()
+
+
+def _spin_seconds():
+    """How long a wait polls without sleeping before it backs off.
+
+    MPI moves large messages and non-blocking collectives forward only inside
+    Test calls, so sleeping between polls slows them; but on an oversubscribed
+    node a spinning rank steals the core another rank needs. Default: 20 ms of
+    spinning when every rank has its own cores, none otherwise;
+    HYPARFLOW_SPIN_SECONDS overrides."""
+    value = settings.spin_seconds()
+    if value is not None:
+        return value
+    from .. import _env
+
+    return 0.0 if _env.oversubscribed() else 0.02
+
+
+_SPIN = None
+
+
+def poll(test, timeout, what, spin=None):
+    """Wait until `test()` is true: spin for a while (`spin` seconds, default from
+    `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
+    waiting rank leaves its core to others."""
+    global _SPIN
+    if test():
+        return
+    if spin is None:
+        if _SPIN is None:
+            _SPIN = _spin_seconds()
+        spin = _SPIN
+    start = time.monotonic()
+    spin_until = start + spin
+    while time.monotonic() < spin_until:
+        if test():
+            return
+    pause = 2e-5
+    while not test():
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise CommTimeout(f"waited more than {timeout:g} s for {what}")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def wait_all(requests, timeout=None, what="messages", spin=None):
+    pending = [r for r in requests if r is not None]
+
+    def test():
+        # Every request, not up to the first unfinished one: a ring allreduce posts
+        # its next round only inside its own test, so stopping early would run the
+        # buckets one after another.
+        pending[:] = [r for r in pending if not r.test()]
+        return not pending
+
+    poll(test, timeout, what, spin)
+
+
+def sum_in_order(values):
+    """Arrays added in rank order: every rank that adds the same list gets the same bits."""
+    total = values[0].copy()
+    for v in values[1:]:
+        total += v
+    return total
+
+
+class Communicator:
+    """What the executor needs from a communicator. `rank`/`size` are attributes."""
+
+    rank: int
+    size: int
+    spin: float | None = None  # seconds a wait may spin; None: the default for MPI processes
+
+    def isend(self, buf, dest, tag): raise NotImplementedError
+    def irecv(self, buf, source, tag): raise NotImplementedError
+    def allreduce(self, buf, timeout=None): raise NotImplementedError
+
+    def iallreduce(self, buf):
+        """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
+        self.allreduce(buf)
+        return _Done()
+    def iallgatherv(self, send, recv, counts):
+        """Start gathering every rank's 1-D `send` (`counts[p]` values from rank p) into
+        `recv`, in rank order; returns a request (`test()`)."""
+        raise NotImplementedError
+    def bcast(self, buf, root): raise NotImplementedError
+    def bcast_obj(self, obj, root): raise NotImplementedError
+    def allgather_obj(self, obj): raise NotImplementedError
+
+    def gather_obj(self, obj, root):
+        """`obj` of every rank as a list on `root`, None elsewhere."""
+        everyone = self.allgather_obj(obj)
+        return everyone if self.rank == root else None
+    def split(self, color, key): raise NotImplementedError
+    def abort(self, code=1): raise NotImplementedError
+    def free(self): pass
+
+    def barrier(self):
+        self.allgather_obj(None)
+
+
+class _Done:
+    def test(self):
+        return True
+
+
+def _bytes(buf):
+    """A flat byte view of a contiguous array (any dtype, bfloat16 included)."""
+    return buf.reshape(-1).view(np.uint8)
+
+
+class _MPIRequest:
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req, buf):
+        self.req, self.buf = req, buf  # keep the buffer alive until completion
+
+    def test(self):
+        return self.req.Test()
+
+
+RING_BYTES = 1 << 20  # allreduces of at least this many bytes use the ring below
+
+
+class _RingAllreduce:
+    """An in-place sum over a communicator by a ring of point-to-point messages:
+    reduce-scatter then allgather, R - 1 steps each, advanced by `test()`.
+
+    For large buffers on one node this is several times faster than MPICH's
+    shared-memory allreduce here (point-to-point messages of megabytes go
+    single-copy; the collective copies them through shared cells). Each chunk is
+    summed on one rank and copied to the others, so every rank gets the same bits."""
+
+    def __init__(self, comm, buf, tag):
+        self.comm, self.tag = comm, tag
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.chunks = np.array_split(buf.reshape(-1), self.size)
+        self.tmp = np.empty(max(len(c) for c in self.chunks), buf.dtype)
+        self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        self.step, self.done = 0, False
+        self._post()
+
+    def _indices(self):
+        r, n, s = self.rank, self.size, self.step
+        if s < n - 1:
+            return (r - s) % n, (r - s - 1) % n, True      # reduce-scatter
+        t = s - (n - 1)
+        return (r + 1 - t) % n, (r - t) % n, False         # allgather
+
+    def _post(self):
+        send, recv, reducing = self._indices()
+        self.recv, self.reducing = recv, reducing
+        target = self.tmp[:len(self.chunks[recv])] if reducing else self.chunks[recv]
+        self.reqs = [self.comm.Isend(self.chunks[send], self.right, self.tag),
+                     self.comm.Irecv(target, self.left, self.tag)]
+
+    def test(self):
+        while not self.done:
+            if not all(r.Test() for r in self.reqs):
+                return False
+            if self.reducing:
+                chunk = self.chunks[self.recv]
+                chunk += self.tmp[:len(chunk)]
+            self.step += 1
+            if self.step == 2 * (self.size - 1):
+                self.done = True
+            else:
+                self._post()
+        return True
+
+
+class MPICommunicator(Communicator):
+    """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
+
+    def __init__(self, comm, dup=True, call=None):
+        """`call`: the public collective call this communicator is made for (e.g.
+        "hf.fit"), which every rank of `comm` must be entering (hyparflow.calls)."""
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        calls = number = None
+        if dup and comm.Get_size() > 1:
+            # Non-blocking, so a rank alone in a call every rank must make (say
+            # `if hf.is_main(): hf.evaluate(...)`) is told so instead of hanging: at
+            # once when a peer has finished (hyparflow.calls), else by the watchdog.
+            if call is not None:
+                from .calls import calls_for
+
+                calls = calls_for(comm)
+                number = calls.enter(call)
+            new, req = comm.Idup()
+            timeout = timeout_seconds()
+            test = req.Test if calls is None else (
+                lambda: req.Test() or calls.check(number, call, timeout))
+            poll(test, timeout, f"the other ranks to enter {call or 'the same hyparflow call'}"
+                  " (fit, evaluate and predict are collective: every rank must call them)")
+            comm = new
+        elif dup:
+            comm = comm.Dup()
+        self.comm = comm
+        self._owned = dup
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        if calls is not None:
+            try:
+                calls.open(self.comm)
+                poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
+                calls.agree(self, number, call)
+            except BaseException:
+                self.free()
+                raise
+
+    def isend(self, buf, dest, tag):
+        buf = np.ascontiguousarray(buf)
+        return _MPIRequest(self.comm.Isend([_bytes(buf), self._MPI.BYTE], dest, tag % self.tag_ub), buf)
+
+    def irecv(self, buf, source, tag):
+        return _MPIRequest(self.comm.Irecv([_bytes(buf), self._MPI.BYTE], source, tag % self.tag_ub), buf)
+
+    def allreduce(self, buf, timeout=None):
+        # One implementation: the blocking sum is the non-blocking one, waited for
+        # under the watchdog (large sums take the ring too).
+        req = self.iallreduce(buf)
+        poll(req.test, timeout or timeout_seconds(), f"an allreduce of {buf.size} values",
+              self.spin)
+        return buf
+
+    def iallreduce(self, buf):
+        if self.size == 1:
+            return _Done()
+        if buf.nbytes >= RING_BYTES and buf.size >= self.size:
+            self._rings = (getattr(self, "_rings", 0) + 1) % 4096
+            return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
+        return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
+
+    def iallgatherv(self, send, recv, counts):
+        if self.size == 1:
+            recv[...] = send
+            return _Done()
+        return _MPIRequest(self.comm.Iallgatherv(send, [recv, list(counts)]), (send, recv))
+
+    def bcast(self, buf, root, timeout=None):
+        if self.size == 1:
+            return buf
+        req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
+        poll(req.Test, timeout or timeout_seconds(),
+              f"a broadcast of {buf.nbytes} bytes from rank {root}", self.spin)
+        return buf
+
+    # Small metadata travels pickled (between our own ranks only), through
+    # non-blocking buffer collectives so the watchdog covers these waits too.
+    def _wait(self, req, what):
+        poll(req.Test, timeout_seconds(), what, self.spin)
+
+    def bcast_obj(self, obj, root):
+        if self.size == 1:
+            return obj
+        data = np.frombuffer(pickle.dumps(obj), np.uint8) if self.rank == root else None
+        size = np.array([0 if data is None else data.size], np.int64)
+        self._wait(self.comm.Ibcast(size, root=root), f"set-up data from rank {root}")
+        buf = data.copy() if data is not None else np.empty(int(size[0]), np.uint8)
+        self._wait(self.comm.Ibcast(buf, root=root), f"set-up data from rank {root}")
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
+
+    def allgather_obj(self, obj):
+        if self.size == 1:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        self._wait(self.comm.Iallgather(np.array([data.size], np.int64), sizes),
+                   "the other ranks' set-up data")
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._wait(self.comm.Iallgatherv(data, [out, sizes.tolist()]),
+                   "the other ranks' set-up data")
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(out[a:b].tobytes()) for a, b in zip(starts[:-1], starts[1:])]
+
+    def gather_obj(self, obj, root):
+        everyone = self.allgather_obj(obj)
+        return everyone if self.rank == root else None
+
+    def split(self, color, key):
+        sub = self.comm.Split(self._MPI.UNDEFINED if color is None else color, key)
+        if sub == self._MPI.COMM_NULL:
+            return None
+        return MPICommunicator(sub, dup=False)
+
+    def abort(self, code=1):
+        self.comm.Abort(code)
+
+    def free(self):
+        if self._owned or self.comm != self._MPI.COMM_WORLD:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+
+
+def wrap(comm, call=None):
+    """`None` -> COMM_WORLD; an mpi4py communicator -> MPICommunicator (for the
+    collective `call`, e.g. "hf.fit"); ours as is."""
+    if isinstance(comm, Communicator):
+        return comm, False
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return MPICommunicator(comm, call=call), True

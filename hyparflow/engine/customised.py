@@ -1,0 +1,163 @@
+"""Customised training: what of a model's own training code hyparflow honours, and
+what it refuses (docs/models.md, "Customised training").
+
+hyparflow runs its own step: the forward cut into stages and microbatches, the
+backward, the gradient sums over replicas and one optimizer step. So:
+
+- a `train_step` (or, for evaluation, `test_step`) override cannot run, and is
+  refused at the start with the reason;
+- a `compute_loss` override is run on the last stage, once per microbatch, with
+  the microbatch's `x`, `y`, `y_pred` and `sample_weight`; hyparflow adds the
+  layers' own losses (`self.losses`) on the stages that hold those layers;
+- a loss a layer adds (`self.add_loss`) is computed per microbatch, on its stage.
+
+Both are exact only if a microbatch's value adds up to the batch's: as a mean (the
+batch's value is the microbatches' values weighted by their share of the batch) or
+as a sum (their plain sum). Which one is measured once, at the start, on the
+user's model in this process (`probe`): the loss of the first rows of the data,
+and of two unequal parts of them. A value that is neither (a masked mean, a
+product of means) is refused with the numbers, rather than trained differently.
+"""
+
+import numpy as np
+
+from .. import _compat
+
+__all__ = ["refuse_steps", "Plan", "probe", "SHARE", "SUM"]
+
+SHARE, SUM = _compat.SHARE, _compat.SUM
+ROWS = 6  # rows of the sample the probe runs, cut 2 + 4
+
+
+def refuse_steps(model, methods=("train_step",)):
+    """Raise when the model overrides one of `methods`, saying why and what to do."""
+    for method in methods:
+        cls = _compat.overrider(model, method)
+        if cls is None:
+            continue
+        what = "training" if method == "train_step" else "evaluation"
+        raise NotImplementedError(
+            f"Model {model.name!r} overrides {method} (in {cls.__qualname__}). hyparflow runs "
+            f"its own {what} step (the forward cut into stages and microbatches, the "
+            "backward, gradient sums over replicas, one optimizer step), so a custom "
+            f"{method} would not run and the results would silently differ from "
+            f"model.{'fit' if method == 'train_step' else 'evaluate'}. Put the custom loss in "
+            "compute_loss(x, y, y_pred, sample_weight, training), which hyparflow runs on the "
+            "last stage for each microbatch, and metrics in compile(metrics=...); or train "
+            f"this model with model.{'fit' if method == 'train_step' else 'evaluate'}.")
+
+
+class Plan:
+    """What the probe found. `loss`: the kind (SHARE or SUM) of a `compute_loss`
+    override, None without one; `layer_losses`: whether the layers' own losses are
+    part of the loss (an override may leave `self.losses` out); `kinds`:
+    {id(layer): [kind of each of its `losses`]} for the layers probed."""
+
+    def __init__(self, loss=None, layer_losses=True, kinds=None):
+        self.loss, self.layer_losses, self.kinds = loss, layer_losses, dict(kinds or {})
+
+    def kind_of(self, op, j):
+        """The kind of loss j of layer `op` (SHARE for a layer not probed)."""
+        kinds = self.kinds.get(id(op))
+        if kinds is None:
+            return SHARE
+        if j >= len(kinds):
+            raise ValueError(
+                f"Layer {op.name!r} adds a loss in training that it did not add in inference "
+                "mode, where hyparflow's start-up check looked, so whether it is a mean or a "
+                "sum over the batch is unknown. Add the loss in both modes (it is then checked), "
+                "or train with num_microbatches=1 and num_replicas=1.")
+        return kinds[j]
+
+
+def _kind(full, first, rest, n_first, n_rest, what):
+    """SHARE or SUM, from a value on all rows and on two unequal parts of them."""
+    scale = max(1.0, abs(full))
+    mean = (n_first * first + n_rest * rest) / (n_first + n_rest)
+    if abs(full - mean) <= 1e-4 * scale:
+        return SHARE
+    if abs(full - (first + rest)) <= 1e-4 * scale:
+        return SUM
+    raise ValueError(
+        f"{what} is neither a mean nor a sum over the batch's samples: {full:.6g} on "
+        f"{n_first + n_rest} rows, {first:.6g} and {rest:.6g} on {n_first} and {n_rest} of "
+        f"them (a mean would give {mean:.6g}, a sum {first + rest:.6g}). hyparflow computes it "
+        "per microbatch and adds the microbatches up, which would train differently from "
+        "model.fit. Make it a mean or a sum over the samples (a masked mean divides by a count "
+        "of the whole batch: use a compiled loss, whose normaliser hyparflow carries over "
+        "microbatches), or train with num_microbatches=1 and num_replicas=1.")
+
+
+def _rows(data, graph, lo, hi):
+    """(x, y, sample_weight) of rows lo:hi of `data`, in the model's structures."""
+    xs = [a[lo:hi] for a in data.x]
+    x = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), xs) \
+        if graph.functional is not None else (xs[0] if len(xs) == 1 else xs)
+    y = None
+    if data.y is not None:
+        ys = [a[lo:hi] for a in data.y]
+        y = _compat.pack_outputs(graph.functional, ys)
+    sw = None
+    if data.sample_weight is not None:
+        leaves = [a[lo:hi] for a in data.sample_weight]
+        sw = _compat.pack_outputs(graph.functional, leaves) if data.per_output else leaves[0]
+    return x, y, sw
+
+
+def probe(model, graph, data):
+    """The `Plan` for `model` on `data` (a `hyparflow.data.Data`): runs the model in
+    this process on its first rows when it overrides `compute_loss` or has layers
+    that add losses of their own; else the plain plan, without running anything."""
+    import tensorflow as tf
+
+    override = _compat.overrider(model, "compute_loss") is not None
+    layers = {id(n.op): n.op for n in graph.nodes} if graph.functional is not None else {
+        id(model): model}
+    adding = [op for op in layers.values() if _compat.calls_add_loss(op)]
+    if not override and not adding:
+        return Plan()
+    n = min(len(data), ROWS)
+    if n < 2:
+        return Plan(loss=SHARE if override else None)
+    cut = n // 3 or 1
+    parts = [(0, n), (0, cut), (cut, n)]
+    saved = [(v, v.numpy()) for m in model.metrics for v in m.variables]
+    losses, values = [], []
+    try:
+        for lo, hi in parts:
+            x, y, sw = _rows(data, graph, lo, hi)
+            y_pred = model(x, training=False)
+            losses.append({i: [float(np.sum(l)) for l in op.losses] for i, op in
+                           ((id(op), op) for op in adding)})
+            if override:
+                with _compat.model_losses_replaced(model, [tf.zeros(())]):
+                    v0 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
+                with _compat.model_losses_replaced(model, [tf.ones(())]):
+                    v1 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
+                values.append((v0, v1))
+    finally:
+        for v, value in saved:
+            v.assign(value)
+    sizes = (cut, n - cut)
+    kinds = {}
+    for op in adding:
+        full, first, rest = (l[id(op)] for l in losses)
+        kinds[id(op)] = [_kind(f, a, b, *sizes, f"The loss {j} that layer {op.name!r} adds")
+                         for j, (f, a, b) in enumerate(zip(full, first, rest))]
+    if not override:
+        return Plan(kinds=kinds)
+    name = _compat.overrider(model, "compute_loss").__qualname__
+    kind = _kind(values[0][0], values[1][0], values[2][0], *sizes,
+                 f"The loss {name}.compute_loss returns")
+    added = [v1 - v0 for v0, v1 in values]
+    if all(abs(d - 1.0) <= 1e-5 for d in added):
+        layer_losses = True
+    elif all(abs(d) <= 1e-5 for d in added):
+        layer_losses = False
+    else:
+        raise ValueError(
+            f"{name}.compute_loss uses the layers' own losses (self.losses) other than by "
+            f"adding them (adding 1 to them changed the loss by {added[0]:.6g}), so hyparflow, "
+            "which adds each stage's layer losses where they are computed, cannot reproduce it. "
+            "Add ops.sum(self.losses) to the loss, or leave them out.")
+    return Plan(loss=kind, layer_losses=layer_losses, kinds=kinds)

@@ -1,0 +1,126 @@
+"""Cut a LayerGraph into contiguous stages and list what crosses between them."""
+
+from dataclasses import dataclass, field
+
+from .. import balance as _balance
+
+__all__ = ["StagePlan", "Edge", "Partition", "partition"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A boundary tensor sent from stage `src` to stage `dst` (index `index` among all edges)."""
+
+    index: int
+    tensor: int
+    src: int
+    dst: int
+
+
+@dataclass
+class StagePlan:
+    index: int
+    nodes: list                 # node indices, in execution order
+    data_inputs: list           # tensor indices of model inputs this stage reads from data
+    recv: list                  # Edges arriving here, sorted by index
+    send: list                  # Edges leaving here, sorted by index
+    outputs: list = field(default_factory=list)  # model-output tensors (last stage only)
+
+    @property
+    def sources(self):
+        return sorted({e.src for e in self.recv})
+
+    @property
+    def dests(self):
+        return sorted({e.dst for e in self.send})
+
+
+@dataclass
+class Partition:
+    counts: list
+    stages: list
+    edges: list
+    owner: dict   # id(variable) -> lowest stage using it
+    users: dict   # id(variable) -> tuple of stages using it
+
+    @property
+    def num_stages(self):
+        return len(self.stages)
+
+
+def _counts(graph, num_stages, balance):
+    n = len(graph.nodes)
+    if num_stages > n:
+        raise ValueError(
+            f"num_stages={num_stages} is larger than the number of layer calls in the model "
+            f"({n}); each stage needs at least one. Use num_stages <= {n}."
+        )
+    if balance is None:
+        return _balance.solve([node.cost for node in graph.nodes], num_stages)
+    if isinstance(balance, dict):  # resolved costs (see hyparflow.costs)
+        if balance.get("speeds") is None and balance.get("limit") is None:
+            return _balance.solve(balance["costs"], num_stages)
+        return _balance.solve_limited(balance["costs"], num_stages, balance.get("speeds"),
+                                      balance.get("memory"), balance.get("limit"))
+    if isinstance(balance, str):
+        raise ValueError(
+            "`balance` must be None, 'estimate', 'params', 'time', 'memory' or a list of "
+            f"layer-call counts per stage. Received: balance={balance!r}"
+        )
+    return _balance.check_counts(balance, n, num_stages)
+
+
+def partition(graph, num_stages, balance=None):
+    """Stages of consecutive layer calls; every tensor needed by a later stage is
+    sent straight from its producer's stage to each consumer's stage, and model
+    outputs go to the last stage, where the loss is computed."""
+    counts = _counts(graph, num_stages, balance)
+    stage_of_node, start = {}, 0
+    groups = []
+    for s, c in enumerate(counts):
+        groups.append(list(range(start, start + c)))
+        for i in range(start, start + c):
+            stage_of_node[i] = s
+        start += c
+    last = num_stages - 1
+
+    def stage_of_tensor(t):
+        producer = graph.tensors[t].producer
+        return None if producer is None else stage_of_node[producer]
+
+    needs = {}  # (tensor, dst) pairs
+    data_inputs = [set() for _ in range(num_stages)]
+    for node in graph.nodes:
+        dst = stage_of_node[node.index]
+        for t in node.inputs:
+            src = stage_of_tensor(t)
+            if src is None:
+                data_inputs[dst].add(t)
+            elif src != dst:
+                needs[(t, dst)] = src
+    for t in graph.outputs:
+        src = stage_of_tensor(t)
+        if src is None:
+            data_inputs[last].add(t)
+        elif src != last:
+            needs[(t, last)] = src
+    edges = [Edge(k, t, needs[(t, dst)], dst) for k, (t, dst) in enumerate(sorted(needs))]
+
+    stages = []
+    for s in range(num_stages):
+        stages.append(StagePlan(
+            s, groups[s], sorted(data_inputs[s]),
+            [e for e in edges if e.dst == s], [e for e in edges if e.src == s],
+            list(graph.outputs) if s == last else [],
+        ))
+
+    owner, users = {}, {}
+    for s, group in enumerate(groups):
+        for trainable in (True, False):
+            for v in graph.variables_of(group, trainable):
+                users.setdefault(id(v), [])
+                if s not in users[id(v)]:
+                    users[id(v)].append(s)
+                owner.setdefault(id(v), s)
+    users = {k: tuple(v) for k, v in users.items()}
+    return Partition(counts, stages, edges, owner, users)

@@ -1,0 +1,498 @@
+"""One rank's set-up for a run: partition, stage, executor, communicators, ZeRO and
+tensor parts (`Runtime`). What comes before it (arguments checked, errors agreed,
+the model read as a layer graph) is `prepare`'s."""
+
+import socket
+
+import keras
+import numpy as np
+
+from .. import _compat
+from . import customised as _customised
+from . import errors as errors_
+from .. import graph as _graph
+from ..cluster import heartbeat as _heartbeat
+from . import normaliser as _normaliser
+from . import overlap
+from . import partition as _partition
+from ..kinds import tensor as _tensor
+from . import weights
+from ..kinds import zero as _zero
+from .executor import Executor, split_batch
+from ..kinds.replicas import Replicas
+from .stage import Stage
+from .timeline import Timeline
+from ..topology import Topology
+
+__all__ = ["Runtime"]
+
+
+def _check_optimizer(optimizer, num_stages, num_tensor=1):
+    """Optimizer features that would silently train differently when each stage steps
+    its own variables (or each tensor rank its part of a layer's) are refused with
+    the reason."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
+            "would have to be agreed by every stage each step. Use the 'mixed_bfloat16' "
+            "policy, which needs no loss scaling.")
+    if num_stages > 1 and getattr(optimizer, "global_clipnorm", None):
+        raise NotImplementedError(
+            f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
+            f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
+            "clipvalue, or num_stages=1.")
+    if num_tensor > 1:
+        if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+            raise NotImplementedError(
+                f"clipnorm / global_clipnorm need the norm of whole variables, which "
+                f"num_tensor={num_tensor} ranks each hold a part of. Use clipvalue, or "
+                "num_tensor=1.")
+        name = type(optimizer).__name__
+        if name in ("Adafactor", "Muon"):
+            raise NotImplementedError(
+                f"{name} updates a weight matrix as a whole (not element by element), so "
+                f"it cannot step the parts of a split layer separately. Use num_tensor=1, "
+                "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
+
+
+def _target_specs(graph, sample):
+    """(shape, dtype) of each target leaf for the last stage's compiled function: the
+    batch dimension None, and so is every dimension the matching model output leaves
+    open (a sequence length that changes from batch to batch)."""
+    if sample.y is None:
+        return []
+    specs = []
+    for k, a in enumerate(sample.y):
+        out = graph.tensors[graph.outputs[k]].shape if k < len(graph.outputs) else ()
+        dims = [None if j < len(out) and out[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
+def _input_specs(graph, sample):
+    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
+    dimension None, and every dimension the model leaves open."""
+    specs = []
+    for k, a in enumerate(sample.x):
+        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
+        dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
+def _weight_specs(sample):
+    """(shape, dtype) of each sample-weight array, the batch dimension None."""
+    return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
+
+
+def _check_agreement(comm, facts):
+    """All ranks must run the same model on the same data shape with the same
+    settings; a mismatch would otherwise hang or silently mix models."""
+    everyone = comm.allgather_obj(facts)
+    for r, other in enumerate(everyone):
+        if other != facts:
+            diff = {k: (facts[k], other.get(k)) for k in facts if facts[k] != other.get(k)}
+            raise ValueError(
+                f"Ranks disagree on the set-up: rank {comm.rank} vs rank {r}: {diff} "
+                "(values as (this rank, that rank)). Every rank must build the same model and "
+                "pass the same data and arguments to hyparflow."
+            )
+
+
+def _build_compiled(model, graph, data, rows=None):
+    """Create the compiled loss's and metrics' state on every rank, symbolically
+    (as Keras's own fit does, on a batch of `rows` samples, so that a mistake in the
+    data is reported in the words of model.fit), without building the optimizer for
+    all variables."""
+    if data.y is None:
+        return
+    x_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.x]
+    y_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.y]
+    sw_sym = None
+    if data.sample_weight is not None:
+        leaves = [_compat.symbolic((rows,) + a.shape[1:], "float32") for a in data.sample_weight]
+        sw_sym = leaves[0] if not data.per_output else (
+            _compat.pack_outputs(graph.functional, leaves) if graph.functional is not None
+            else leaves)
+    if graph.functional is not None:
+        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
+    else:
+        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
+    y_pred = _compat.compute_output_spec(model, x_arg, training=False)
+    y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
+        y_sym[0] if len(y_sym) == 1 else y_sym)
+    loss = _compat.compile_loss(model)
+    if loss is not None and not loss.built:
+        _compat.compute_output_spec(lambda a, b, c: loss(a, b, c), y_true, y_pred, sw_sym)
+    metrics = _compat.compile_metrics(model)
+    if metrics is not None and not metrics.built:
+        _compat.compute_output_spec(lambda a, b, c: metrics.update_state(a, b, sample_weight=c),
+                                    y_true, y_pred, sw_sym)
+
+
+def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
+    """One communicator per set of stages sharing variables (normally one stage):
+    every rank joins each split, in the same sorted order. Returns
+    {stage set: (communicator or None, positions in stage.trainable)}. With model
+    chunks (`part` cut into more stages than the pipeline has ranks), the sets are
+    of pipeline positions: virtual stage j is on position j % S. `per_replica`:
+    replicas that step on their own (`hyparflow.replicas`) sum a tied variable's
+    gradient over their own stages only."""
+    s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
+    r = topo.replica(comm.rank)
+    S = topo.num_stages
+    users = {vid: tuple(sorted({u % S for u in us})) for vid, us in part.users.items()}
+    index_of = {id(v): k for k, v in enumerate(stage.originals)}
+    # Pack variables in the model's order, which every stage of a group shares.
+    order = {id(v): k for k, v in enumerate(model_variables)}
+    groups = {}
+    for key in sorted(set(users.values())):
+        # Tensor rank t of each stage sums with tensor rank t of the others only:
+        # its split layers' parts are its own, and its unsplit weights' gradients
+        # are the same on every tensor rank.
+        color = (r * topo.num_tensor + t if per_replica else t) if s in key else None
+        sub = comm.split(color, comm.rank) if topo.size > 1 else None
+        if color is None:
+            continue
+        positions = sorted((index_of[vid] for vid, who in users.items()
+                            if who == key and vid in index_of),
+                           key=lambda k: order[id(stage.originals[k])])
+        groups[key] = (sub, positions)
+    return groups
+
+
+def _check_model(model, sample):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
+    if sample.y is not None and not _compat.is_compiled(model):
+        raise ValueError(
+            f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
+            "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
+        )
+
+
+def _slot_names(model):
+    from .checkpoint import slot_names
+
+    return slot_names(model.optimizer, model)
+
+
+class Runtime:
+    """Everything one rank needs to run stage s of replica r of `model`."""
+
+    def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
+                 recompute=False, trace=None, training=True, facts=None, batch_rows=None,
+                 replica_sync=None):
+        """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
+        to cut the layer calls (counts, or costs from hyparflow.costs), by default
+        `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
+        method, under which each replica steps on its own (`hyparflow.replicas`)."""
+        _check_model(model, sample)
+        if layout.ranks != comm.size:
+            raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
+                             f"{comm.size} were launched.")
+        if training:
+            _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
+        self.model, self.comm, self.layout = model, comm, layout
+        self.graph = graph
+        # Replicas on their own only where there are several (one replica: allreduce).
+        self.sync = replica_sync if training and layout.num_replicas > 1 else None
+        self.replicas = None
+        # Interleaved schedules: S x v virtual stages, virtual stage j on position j % S.
+        self.part = part = _partition.partition(
+            graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
+        self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
+        self.splits, split_names = self._choose_splits()
+        self.training = training
+        self.facts = dict(facts or {}, **{
+            "x_shapes": [a.shape[1:] for a in sample.x],
+            "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
+            "counts": part.counts, "tensor_layers": split_names,
+        })
+        _build_compiled(model, graph, sample, batch_rows)
+        # A compute_loss override or layers adding losses of their own: checked on
+        # this process's model (every rank alike) that they add up over microbatches.
+        self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
+            else _customised.Plan()
+        y_specs = _target_specs(graph, sample)
+        if self.custom.loss is not None:
+            y_specs = y_specs + _input_specs(graph, sample)
+        s = topo.stage(comm.rank)
+        eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
+        shards = self._shards(layout.tensor_shares)
+        chunks = None
+        if layout.num_chunks == 1:
+            stage = Stage(graph, part.stages[s], model, part,
+                          is_last=(s == layout.num_stages - 1), run_eagerly=eager,
+                          y_specs=y_specs,
+                          sw_specs=_weight_specs(sample),
+                          per_output=sample.per_output, recompute=recompute, shards=shards)
+        else:
+            # One Stage per model chunk (virtual stages s, s + S, ...), and one that
+            # computes nothing but holds the rank's gradient sums for all of them:
+            # one allreduce and one optimizer step per rank, as with one stage.
+            last = part.num_stages - 1
+            virtual = range(s, part.num_stages, layout.num_stages)
+            chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
+                            run_eagerly=eager, y_specs=y_specs,
+                            sw_specs=_weight_specs(sample),
+                            per_output=sample.per_output, recompute=recompute)
+                      for j in virtual]
+            union = _partition.StagePlan(s, [i for j in virtual for i in part.stages[j].nodes],
+                                         [], [], [])
+            stage = Stage(graph, union, model, part, is_last=False, run_eagerly=eager,
+                          recompute=recompute, accumulator=True)
+            for chunk in chunks:
+                chunk.sink_into(stage)
+        self.stage = stage
+        kinds, normaliser = self._plan_loss(sample)
+        for st in (chunks or []) + [stage]:
+            st.loss_kinds = kinds
+            st.custom = self.custom
+        self.timeline = Timeline(comm.rank) if trace else None
+        self.trace = trace
+        self.executor = Executor(comm, topo, part, graph, stage, getattr(model, "optimizer", None),
+                                 schedule=layout.schedule,
+                                 num_microbatches=layout.num_microbatches,
+                                 timeline=self.timeline, chunks=chunks)
+        self.executor.normaliser = normaliser
+        self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
+        self.stage_comm = None
+        self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]
+        self.non_trainable = [v for v in graph.variables_of(stage.plan.nodes, trainable=False)
+                              if self.owner_stage(v) == s]
+
+    def _plan_loss(self, sample):
+        """The compiled loss's kinds (`_compat.loss_kinds`) and, when some loss divides
+        by a count over the whole batch, a `Normaliser` (the same on every rank: it
+        sets every stage's order)."""
+        loss = _compat.compile_loss(self.model)
+        if sample.y is None or loss is None or not loss.built:
+            return [], None
+        graph = self.graph
+        masked = [graph.tensors[t].mask is not None for t in graph.outputs] \
+            if graph.functional is not None else [False]
+        kinds = _compat.loss_kinds(loss, masked, sample.sample_weight is not None)
+        if self.custom.loss is not None:
+            if _compat.GLOBAL in kinds:
+                name = _compat.overrider(self.model, "compute_loss").__qualname__
+                raise NotImplementedError(
+                    f"{name}.compute_loss is run per microbatch, but the compiled loss it may "
+                    "call divides by a count over the whole batch (a Keras mask reaches the "
+                    "model's outputs, or a mean_with_sample_weight reduction), which a "
+                    "microbatch cannot know. Leave compute_loss to Keras (hyparflow carries "
+                    "the compiled loss's normaliser over microbatches and replicas), or train "
+                    "with num_microbatches=1 and num_replicas=1.")
+            return kinds, None
+        weights = [w for w, kind in zip(_compat.loss_weights(loss), kinds)
+                   if kind == _compat.GLOBAL]
+        return kinds, (_normaliser.Normaliser(weights) if weights else None)
+
+    def owner_stage(self, variable):
+        """The pipeline position (stage of ranks) whose replica 0 owns `variable`: the
+        first (virtual) stage using it, on position j % S."""
+        return self.part.owner.get(id(variable), 0) % self.topo.num_stages
+
+    def _choose_splits(self):
+        """{node index: split} of this rank's stage, and the names of every split layer."""
+        graph, layout, part, model = self.graph, self.layout, self.part, self.model
+        num_tensor, tensor_layers = layout.num_tensor, layout.tensor_layers
+        if num_tensor == 1:
+            return {}, []
+        if graph.functional is None:
+            raise ValueError(
+                f"num_tensor={num_tensor} needs a Functional or Sequential model, whose "
+                f"layers hyparflow can split; {model.name!r} is subclassed. Use num_tensor=1.")
+        if tensor_layers is not None:
+            missing = sorted(set(tensor_layers) - {n.op.name for n in graph.nodes})
+            if missing:
+                raise ValueError(f"tensor_layers names layers the model does not have: "
+                                 f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
+        every = {i: sp for p in part.stages
+                 for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+        if not every:
+            raise ValueError(
+                f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none of "
+                f"its {_tensor.describe('or')} with at least {_tensor.MIN_PARAMS} weights "
+                "can be. Name the layers to split with tensor_layers=[...], or use "
+                "num_tensor=1.")
+        mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
+        return ({i: sp for i, sp in every.items() if i in mine},
+                sorted(graph.nodes[i].op.name for i in every))
+
+    def _shards(self, shares):
+        """This rank's parts of the split layers of its stage (none without num_tensor)."""
+        self.collectives = _tensor.Collectives()
+        t, num = self.topo.tensor(self.comm.rank), self.topo.num_tensor
+        shares = _tensor.shares_of(shares, num)
+        return {i: _tensor.shard(self.graph.nodes[i].op, sp, t, shares, self.collectives)
+                for i, sp in self.splits.items()}
+
+    def connect(self):
+        """The collective part of set-up, once every rank's local set-up succeeded:
+        check that all ranks agree, make the gradient communicators, start every
+        replica from rank 0's weights. Disagreement raises the same error everywhere."""
+        _check_agreement(self.comm, self.facts)
+        topo, rank = self.topo, self.comm.rank
+        hosts = self.comm.allgather_obj(socket.gethostname())
+        self.hosts = hosts
+        self.layout = self.layout.with_hosts(hosts)
+        # From here to close(), a peer that falls silent ends this rank (docs/slurm.md).
+        self.heartbeat = _heartbeat.start(self.comm, hosts,
+                                          describe=lambda: self.executor.position)
+        if topo.num_tensor > 1:
+            # The T ranks of this stage and replica, which sum and gather inside split layers.
+            self.collectives.comm = self.comm.split(
+                topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
+        if self.training:
+            optimizer = self.model.optimizer
+            local = self.sync is not None
+            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
+                                  per_replica=local)
+            shared = [g for g in groups.values() if g[1]]
+            # Not sharded with model chunks (a first version: ZeRO's shards and the
+            # chunks' accumulator are not combined yet; docs/performance.md), nor when
+            # each replica steps on its own (nothing is summed over replicas).
+            self.zero = (self._plan_zero(optimizer, shared)
+                         if self.layout.num_chunks == 1 and not local else None)
+            if not optimizer.built:
+                # Only this stage's variables (or, sharded, this rank's parts of them):
+                # optimizer state is split like the weights.
+                optimizer.build(self.zero.variables if self.zero else self.stage.trainable)
+            elif self.stage.shards or not self.zero:
+                _zero.check_knows(optimizer, self.zero.variables if self.zero
+                                  else self.stage.trainable)
+            # Not early with replicas on their own: their gradients are scaled (below)
+            # before any sum, and only tied copies within a replica are summed.
+            early = (overlap.enabled(default=len(set(hosts)) > 1)
+                     and self.layout.num_chunks == 1 and not local)
+            self.executor.set_groups(shared, early=early, zero=self.zero)
+            self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
+            if local:
+                state = self.graph.variables_of(self.stage.plan.nodes, trainable=False)
+                self.replicas = Replicas(self.sync, self.comm, topo, self.stage, state, hosts)
+                # Each replica steps on R times its share of the batch's gradient: its
+                # own slice's mean gradient when the slices are equal (hyparflow.replicas).
+                self.executor.grad_scale = float(topo.num_replicas)
+        norm = self.executor.normaliser
+        if norm is not None and topo.size > 1:
+            # The last stage's replicas at each tensor rank agree on its normalisers.
+            last = topo.stage(rank) == topo.num_stages - 1
+            norm.comm = self.comm.split(topo.tensor(rank) if last else None, rank)
+        weights.broadcast(self.comm, self.model.weights, 0)
+        self.load_shards()
+
+    def _plan_zero(self, optimizer, groups):
+        """This rank's `zero.Zero` when the optimizer step is sharded over replicas
+        (every rank must be able to, and some stage must gain), else None. A group
+        spans stages when they tie weights, so all ranks decide alike."""
+        from .. import _env
+
+        setting = _zero.enabled()
+        allowed = setting is not False and _zero.why_not(optimizer, self.stage.trainable) is None
+        if allowed and optimizer.built and not optimizer.__dict__.get("_hyparflow_zero"):
+            allowed = False  # built for whole variables (say by model.fit): keep them whole
+        wants = allowed and (setting is True or _zero.pays(self.stage, optimizer,
+                                                           _env.local_ranks()))
+        everyone = self.comm.allgather_obj((allowed, wants))
+        if not all(a for a, _ in everyone) or not any(w for _, w in everyone):
+            return None
+        zero = _zero.Zero(self.stage, groups, optimizer, eager=self.stage.grads.eager)
+        # An optimizer an earlier fit built for whole variables keeps stepping them.
+        known = not optimizer.built or _zero.knows(optimizer, zero.variables)
+        if not all(self.comm.allgather_obj(known)):
+            return None
+        return zero if zero else None
+
+    def close(self):
+        """Free the sub-communicators connect() made (MPI has a limited number of them,
+        and a script may call fit many times), after stopping the heartbeat."""
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.replicas is not None:
+            self.replicas.free()
+        comms = [c for c, _ in getattr(self.executor, "groups", ())]
+        comms.append(getattr(getattr(self, "collectives", None), "comm", None))
+        norm = getattr(self.executor, "normaliser", None)
+        if norm is not None:
+            comms.append(norm.comm)
+            norm.comm = None
+        for comm in {id(c): c for c in comms if c is not None}.values():
+            try:
+                comm.free()
+            except Exception:  # noqa: BLE001 - freeing is best effort at the end of a run
+                pass
+        self.executor.set_groups([])
+        self.stage_comm = None
+        if getattr(self, "collectives", None) is not None:
+            self.collectives.comm = None
+
+    @property
+    def counted(self):
+        """Whether this rank's loss, metrics and predictions count (tensor rank 0;
+        the others compute the same)."""
+        return self.topo.tensor(self.comm.rank) == 0
+
+    @property
+    def replica(self):
+        return self.topo.replica(self.comm.rank)
+
+    def microbatches(self, indices):
+        """This rank's microbatches of a global batch (index arrays)."""
+        return split_batch(indices, self.topo.num_replicas,
+                           self.layout.num_microbatches)[self.replica]
+
+    def average_state(self):
+        """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""
+        weights.average(self.stage_comm, self.non_trainable)
+
+    def _part_slots(self):
+        """(shard, optimizer variable, axis) for the optimizer state of this rank's
+        parts of split layers."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return []
+        return [(shard, slot, axis) for shard in self.stage.shards.values()
+                for slot, axis in shard.slots(optimizer)]
+
+    def full_slots(self):
+        """{id(optimizer variable): its whole value} for the optimizer state of this
+        rank's parts of split layers (collective over the tensor ranks)."""
+        return {id(slot): shard.gathered(slot.numpy(), axis)
+                for shard, slot, axis in self._part_slots()}
+
+    def slot_slicer(self):
+        """For restoring: optimizer variable -> function giving its part of a whole value."""
+        out = {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
+               for shard, slot, axis in self._part_slots()}
+        if getattr(self, "zero", None):
+            out.update(self.zero.slicers(_slot_names(self.model)))
+        return out
+
+    def zero_slots(self):
+        """{checkpoint key: whole value} of the optimizer state sharded over replicas
+        (collective over the replicas; empty without sharding)."""
+        if not getattr(self, "zero", None):
+            return {}
+        return self.zero.whole_slots(_slot_names(self.model))
+
+    def load_shards(self):
+        for shard in self.stage.shards.values():
+            shard.load()
+        if getattr(self, "zero", None):
+            self.zero.load()
+
+    def gather_shards(self):
+        """The split layers' variables put back together on their stage's ranks."""
+        for shard in self.stage.shards.values():
+            shard.gather()
+
+    def sync_weights(self):
+        """Average the state, then give every rank every variable from the stage that
+        owns it (replica 0, tensor rank 0)."""
+        self.gather_shards()
+        self.average_state()
+        weights.gather(self.comm, self.model.weights, self.owners)

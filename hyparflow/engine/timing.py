@@ -1,0 +1,65 @@
+"""A stage timed as the executor runs it, for the planner (`measure`, `probes`): random
+inputs of a batch, a taped forward and the backward from it (or both in one call)."""
+
+import time as _time
+
+import numpy as np
+import tensorflow as tf
+
+from ..clock import timed
+
+__all__ = ["example", "time"]
+
+
+def example(stage, batch):
+    """Random inputs of `batch` samples for this stage, and ones as its floating
+    outputs' gradients (a dimension left open is 8)."""
+    def shaped(shape):
+        return (batch,) + tuple(d or 8 for d in shape[1:])
+
+    tensors = stage.graph.tensors
+    inputs = [tf.random.normal(shaped(tensors[t].shape), dtype=tf.as_dtype(tensors[t].dtype))
+              if tensors[t].floating else tf.zeros(shaped(tensors[t].shape),
+                                                   tf.as_dtype(tensors[t].dtype))
+              for t in stage.input_ids]
+    inputs += [tf.ones(shaped(tensors[t].mask), tf.bool) for t in stage.mask_ids]
+    seeds = {t: np.ones(shaped(tensors[t].shape), np.float32)
+             for t in stage.output_ids if tensors[t].floating}
+    return inputs, seeds
+
+def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
+    """(forward, backward) seconds of one microbatch of `batch` random samples, as
+    the executor runs it: the forward kept on a tape and the backward from it,
+    with ones as the outputs' gradients, the weights' gradients summed into the
+    buffers; `fused`: (0, both in one call), as a last stage under 1F1B runs.
+    Each the median of `repeats` calls, each after `idle` seconds asleep (a
+    stage's call follows a wait). HYPARFLOW_SLOWDOWN counts, as in training."""
+    inputs, seeds = example(stage, batch)
+    if fused:
+        function = stage._fused(False, (), seeded=True)
+        flat = [tf.convert_to_tensor(seeds[t]) for t in stage.output_ids if t in seeds]
+
+        def step():
+            start = _time.perf_counter()
+            stage._ready()
+            _, result = function(inputs, [], [], tf.constant(1.0), flat)
+            stage._accumulate(result, [inputs[k] for k in stage._diff])
+            stage.grads.reset()
+            stage._lag(start)
+
+        step()
+        return 0.0, timed(step, repeats, idle)
+
+    def forward():
+        stage.forward(0, inputs)
+        stage._saved.clear()
+
+    def both():
+        stage.forward(0, inputs)
+        stage.backward(0, seeds)
+        stage.grads.reset()
+
+    both()
+    whole = timed(both, repeats, idle)
+    ahead = min(timed(forward, repeats, idle), whole)
+    return ahead, whole - ahead

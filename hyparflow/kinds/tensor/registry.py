@@ -1,0 +1,107 @@
+"""The split kinds, and what dispatches on them: `why_not`, `choose` (which nodes of a
+stage to split, and how), `shard` (a rank's part) and `exchange` (the planner's cost
+of a split's collectives).
+
+A new kind is one file (a `SplitKind`: see `split.py`, and dense.py for an example)
+and one line in `KINDS`."""
+
+from .attention import Heads, Inner
+from .conv import Filters
+from .dense import Column, Row
+from .embedding import Rows
+from .collectives import SUBS
+from .shard import Shard
+from .split import MIN_PARAMS, Split
+
+__all__ = ["KINDS", "BY_NAME", "kind_of", "describe", "why_not", "choose", "shard", "exchange"]
+
+# The kinds, in the order they are asked to claim a layer (the first that claims it
+# splits it; a layer holding attention layers is claimed last).
+KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Inner())
+BY_NAME = {kind.name: kind for kind in KINDS}
+Shard.kinds.update(BY_NAME)
+
+
+def kind_of(op):
+    """The kind that splits layer `op`, or None."""
+    return next((kind for kind in KINDS if kind.what and kind.claims(op)), None)
+
+
+def describe(conjunction="and"):
+    """The layers the kinds split, for messages: "Dense, Conv2D, Embedding and
+    MultiHeadAttention layers (or layers holding MultiHeadAttention layers)"."""
+    names = [k.what for k in KINDS if k.what and not k.what.startswith("(")]
+    extra = [k.what for k in KINDS if k.what and k.what.startswith("(")]
+    text = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
+    return " ".join([f"{text} layers"] + extra)
+
+
+def why_not(graph, i, num_tensor):
+    """Why node `i` cannot be split (a sentence), or None if it can."""
+    op = graph.nodes[i].op
+    kind = kind_of(op)
+    if kind is None:
+        return f"only {describe()} can be split"
+    if sum(node.op is op for node in graph.nodes) != 1:
+        return "the layer is called more than once (shared weights)"
+    mine = {id(v) for v in op.weights}
+    for node in graph.nodes:
+        if node.op is not op and mine & {id(v) for v in getattr(node.op, "weights", ())}:
+            return (f"its weights are also used by layer {node.op.name!r} (tied weights), "
+                    "which would need the whole of them")
+    return kind.why_not(op, num_tensor)
+
+
+class _Context:
+    """What a kind's `splits` may look at: the stage's nodes, the nodes picked, the
+    splits made so far, and each tensor's consumers."""
+
+    def __init__(self, graph, nodes, chosen, splits):
+        self.nodes, self.chosen, self.splits = nodes, chosen, splits
+        self.consumers = {}
+        for node in graph.nodes:
+            for t in node.inputs:
+                self.consumers.setdefault(t, []).append(node.index)
+
+
+def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
+    """{node index: Split} for the nodes of one stage. `layers`: names to split
+    (an error names any that cannot be), or None for every layer a kind splits
+    (`describe()`) with at least `min_params` weights that can be."""
+    if num_tensor == 1:
+        return {}
+    picked = []
+    for i in nodes:
+        node = graph.nodes[i]
+        if layers is not None and node.op.name not in layers:
+            continue
+        reason = why_not(graph, i, num_tensor)
+        if reason is None and (layers is not None or node.params >= min_params):
+            picked.append(i)
+        elif reason is not None and layers is not None:
+            raise ValueError(f"Layer {node.op.name!r} is in tensor_layers but cannot be split "
+                             f"over {num_tensor} ranks: {reason}. Remove it from tensor_layers.")
+    splits = {}
+    context = _Context(graph, nodes, set(picked), splits)
+    for i in picked:
+        if i not in splits:
+            splits.update(kind_of(graph.nodes[i].op).splits(graph, i, context))
+    return splits
+
+
+def shard(op, split, rank, shares, collectives):
+    """This rank's part of layer `op`, kept on the layer so that a later fit with
+    the same split reuses its variables (and the optimizer state built for them)."""
+    cache = op.__dict__.setdefault("_hyparflow_shards", {})
+    key = (split, rank, tuple(shares))
+    if key not in cache:
+        kind = BY_NAME[split.kind]
+        cache[key] = (kind.part or Shard)(op, split, rank, shares, collectives,
+                                          site=split.node * SUBS, kind=kind)
+    cache[key].coll = collectives
+    return cache[key]
+
+
+def exchange(split, out_bytes, in_bytes, num_tensor, network):
+    """(forward, backward) seconds of split `split`'s collectives per call."""
+    return BY_NAME[split.kind].exchange(split, out_bytes, in_bytes, num_tensor, network)

@@ -1,0 +1,461 @@
+"""ZeRO stage 1: the replicas of a stage share out the optimizer step and its state.
+
+Without it every replica sums the gradients (an allreduce), then steps the
+optimizer for every variable, each holding the whole optimizer state. Here each
+variable that a group of ranks sums is cut by rows (its first axis) into one
+part per rank, so that every rank owns about 1/R of the group's elements
+(balanced over the variables in the model's order, cut only at row boundaries:
+most variables have one owner, at most R - 1 are cut between two). A step:
+
+1. reduce to the owner: each rank sends the rows it does not own to their
+   owner (point-to-point, from the gradient buffers without a copy); the owner
+   adds the R contributions in rank order (started per bucket, as the
+   allreduces were, so they can start inside the backward);
+2. the owner steps the Keras optimizer for its parts only: the optimizer is
+   built on part variables (named as the variables, so its slots carry the
+   same names), so its state per rank divides by R;
+3. the owner sends its parts' new values to the other ranks (into the gradient
+   buffers, which are free by then), and every rank assigns every variable.
+
+Bytes moved per rank are those of a ring allreduce ((R-1)/R of the gradients
+each way); the optimizer's work divides by R.
+
+The contract holds because the optimizers allowed are element-wise (`ALLOWED`):
+an element's update depends only on its own gradient, state and value, and on
+the iteration counter, which every rank advances once per step. A sparse
+(Embedding) gradient's (row, value) pairs are filtered to the owner's rows,
+keeping their order, so Adam & co. see the same pairs per row as in `model.fit`.
+Features that need a whole variable or all of them (clipnorm, global_clipnorm,
+constraints, EMA, gradient accumulation) fall back to the unsharded step
+(`why_not`). Parts of layers split by tensor parallelism are stepped whole
+(they are already 1/T of the layer).
+"""
+
+import contextlib
+
+import numpy as np
+
+from .. import settings
+
+__all__ = ["enabled", "pays", "why_not", "ownership", "Zero", "ALLOWED"]
+
+# Keras optimizers whose update is element-wise (their exact classes: a subclass
+# may override update_step).
+ALLOWED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Lion")
+
+
+
+SETTLE_TAG = 999  # below every variable's tags
+
+
+def _tag(index, phase):
+    """The tag of variable number `index` of its group in `phase` (0: reduce, 1: gather):
+    one message per variable, pair of ranks and phase in a step, so no two messages
+    that may be in flight at once share a tag (thread ranks match receives when they
+    are tested, not when posted). Below the tags of the ring allreduce (comm.py)."""
+    return 1000 + (2 * index) % 27000 + phase
+
+
+def enabled():
+    """HYPARFLOW_ZERO: True ("1") shard the optimizer step across replicas, False
+    ("0") do not, None ("auto", the default) where it `pays`."""
+    return settings.zero()
+
+
+def pays(stage, optimizer, ranks_on_node=1):
+    """Whether sharding is worth it for this stage by default. Its bytes moved are an
+    allreduce's, its gain the optimizer's work and state divided by R; the gather
+    costs a copy and an assignment of every variable. Measured (2 replicas on one
+    node, docs/performance.md): slower for an MLP (45 vs 40 ms a step) and ResNet-110
+    (200 vs 185 ms), faster where the optimizer steps far more than the gradients
+    move: an Embedding table, whose Adam step updates every row for the few rows a
+    batch looked up (75 vs 109 ms). Shared too when the whole optimizer state would
+    take more than 1/8 of a rank's share of the machine's memory."""
+    import keras
+
+    for i in stage.plan.nodes:
+        op = stage.graph.nodes[i].op
+        if isinstance(op, keras.layers.Embedding) and op.trainable:
+            return True
+    slots = max(1, len(getattr(optimizer, "variables", ())) // max(1, len(stage.trainable)))
+    state = sum(4 * int(np.prod(v.shape)) for v in stage.trainable) * (1 + max(slots, 2))
+    memory = _memory()
+    return bool(memory) and state > memory / max(1, ranks_on_node) / 8
+
+
+def _memory():
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def why_not(optimizer, variables):
+    """Why the optimizer step cannot be sharded by rows (a sentence), or None."""
+    import keras
+
+    cls = type(optimizer)
+    if not any(cls is getattr(keras.optimizers, name, None) for name in ALLOWED):
+        return (f"{cls.__name__} is not one of the element-wise Keras optimizers "
+                f"{', '.join(ALLOWED)}")
+    for name in ("clipnorm", "global_clipnorm"):
+        if getattr(optimizer, name, None):
+            return f"{name} needs the norm of whole gradients"
+    if getattr(optimizer, "use_ema", False):
+        return "use_ema keeps averages of whole variables"
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return "gradient_accumulation_steps keeps whole gradients"
+    for v in variables:
+        if getattr(v, "constraint", None) is not None:
+            return f"variable {v.path!r} has a constraint, applied to the whole variable"
+    return None
+
+
+def knows(optimizer, variables):
+    """Whether a built optimizer steps exactly these variables (among others)."""
+    known = {id(v) for v in getattr(optimizer, "_trainable_variables", ())}
+    return all(id(v) in known for v in variables)
+
+
+def check_knows(optimizer, variables):
+    """A clear error when a built optimizer was built for other variables."""
+    if knows(optimizer, variables):
+        return
+    raise ValueError(
+        "The model's optimizer was built for other variables by an earlier fit (another "
+        "num_tensor, tensor_shares, or number of replicas with the optimizer step sharded, "
+        "HYPARFLOW_ZERO). Compile the model again (model.compile(...)) to start a new "
+        "optimizer, or keep the earlier settings (a checkpoint carries the optimizer state "
+        "to any layout).")
+
+
+# What one variable costs in an optimizer step beyond its elements, counted in
+# elements: Keras's compiled Adam step took ~40 us per variable and ~0.25 ns per
+# element on one thread here, so ResNet-110's ~330 variables cost more than their
+# 1.7 M elements. Ownership balances elements plus this per variable.
+VARIABLE_COST = 1 << 17
+
+
+def ownership(shapes, n, fixed=0):
+    """For variables of `shapes` (in order) and `n` ranks: per variable, the list of
+    (rank, first row, end row) it is cut into; ranks own about equal shares of the
+    cost (elements, plus `fixed` per variable, spread over its rows so that a single
+    large variable is still cut evenly), contiguous in this order. A 0-d variable
+    has one row."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes) + fixed * len(sizes)
+    targets = [total * r / n for r in range(n + 1)]
+    out, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        rows = int(shape[0]) if len(shape) else 1
+        width = (size + fixed) / rows if rows else 0
+        cuts = [0]
+        for r in range(1, n):
+            c = rows if width == 0 else int(np.clip(np.ceil((targets[r] - offset) / width), 0, rows))
+            cuts.append(max(c, cuts[-1]))
+        cuts.append(rows)
+        out.append([(r, cuts[r], cuts[r + 1]) for r in range(n) if cuts[r + 1] > cuts[r]])
+        offset += size + fixed
+    return out
+
+
+def _rows(x, a, b):
+    return x if np.ndim(x) == 0 else x[a:b]
+
+
+def _named_like(var, value):
+    """A variable holding `value`, with `var`'s path (so its optimizer slots are
+    named as `var`'s, which checkpoints read)."""
+    import keras
+
+    prefix = var.path.rsplit("/", 1)[0] if "/" in var.path else ""
+    with contextlib.ExitStack() as scopes:
+        for name in prefix.split("/") if prefix else ():
+            scopes.enter_context(keras.name_scope(name))
+        part = keras.Variable(value, dtype=var.dtype, trainable=True, name=var.name)
+    if part.path != var.path:
+        raise RuntimeError(
+            f"hyparflow could not name this rank's part of {var.path!r} as the variable (it "
+            f"got {part.path!r}); call hyparflow.fit outside any keras.name_scope, or set "
+            "HYPARFLOW_ZERO=0.")
+    return part
+
+
+class _Reduce:
+    """The reduce-to-owner of one bucket (a request: `test()` advances it)."""
+
+    def __init__(self, zero, comm, bucket, flat):
+        self.done = False
+        n = len(bucket)
+        self.reqs = [comm.iallreduce(flat[len(flat) - n:])]  # one flag per variable
+        self.sums = []  # (own rows, {rank: received rows})
+        for k in bucket:
+            view = zero.stage.grads.view(k)
+            if k not in zero.parts:  # stepped whole (a tensor-split part): summed whole
+                self.reqs.append(comm.iallreduce(view.reshape(-1)))
+                continue
+            for r, a, b in zero.parts[k]:
+                rows = _rows(view, a, b)
+                if r == comm.rank:
+                    got = {p: zero.buffer(("reduce", k, a, b, p), rows.shape)
+                           for p in range(comm.size) if p != r}
+                    self.reqs += [comm.irecv(buf, p, _tag(zero.index[k], 0))
+                                  for p, buf in got.items()]
+                    got[r] = rows
+                    self.sums.append((rows, got))
+                else:
+                    self.reqs.append(comm.isend(rows, r, _tag(zero.index[k], 0)))
+
+    def test(self):
+        if self.done:
+            return True
+        self.reqs = [q for q in self.reqs if not q.test()]
+        if self.reqs:
+            return False
+        for rows, got in self.sums:
+            for p in sorted(got):  # the others' rows added to this rank's, in rank order
+                if got[p] is not rows:
+                    rows += got[p]
+        self.done = True
+        return True
+
+
+class Zero:
+    """One rank's share of the optimizer step of its stage's shared variables.
+
+    `groups`: [(communicator, positions in stage.trainable)] as the executor sums
+    them; a group of one rank is not shared, its variables are stepped whole."""
+
+    def __init__(self, stage, groups, optimizer, eager=False):
+        self.stage, self.optimizer, self.eager = stage, optimizer, eager
+        split = {id(part) for shard in stage.shards.values()
+                 for vid, part in shard.replaces.items() if id(part) != vid}
+        self.groups = []  # [(comm, positions it shards)]
+        self.parts = {}  # position -> [(rank in its group, first row, end row)]
+        self.index = {}  # position -> its number in its group (the same on every member)
+        self.mine = []  # [(position, first row, end row, part variable)] stepped here
+        cache = optimizer.__dict__.setdefault("_hyparflow_zero", {})
+        for comm, positions in groups:
+            if comm is None or comm.size < 2:
+                continue
+            ks = [k for k in positions if id(stage.trainable[k]) not in split]
+            self.groups.append((comm, ks))
+            for j, (k, parts) in enumerate(zip(ks, ownership(
+                    [tuple(stage.trainable[k].shape) for k in ks], comm.size, VARIABLE_COST))):
+                self.parts[k], self.index[k] = parts, j
+                var = stage.trainable[k]
+                for r, a, b in parts:
+                    if r == comm.rank:
+                        key = (id(var), a, b)
+                        if key not in cache:
+                            cache[key] = _named_like(var, _rows(var.numpy(), a, b))
+                        self.mine.append((k, a, b, cache[key]))
+        self.whole = [k for k in range(len(stage.trainable)) if k not in self.parts]
+        self.variables = [p for *_, p in self.mine] + [stage.trainable[k] for k in self.whole]
+        self._buffers, self._staging, self._functions = {}, {}, {}
+
+    def __bool__(self):
+        return bool(self.parts)
+
+    def buffer(self, key, shape):
+        """A float32 array kept from step to step (fresh pages each step cost time)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tuple(shape):
+            buf = self._buffers[key] = np.empty(shape, np.float32)
+        return buf
+
+    def load(self):
+        """Parts take their rows of the variables' current values (after the weights
+        were broadcast, or restored from a checkpoint)."""
+        for k, a, b, part in self.mine:
+            part.assign(_rows(self.stage.trainable[k].numpy(), a, b))
+
+    def start_reduce(self, comm, bucket, flat):
+        """Start summing bucket `bucket` (its flat buffer `flat`, flags last) into
+        the owners' rows; returns the request."""
+        return _Reduce(self, comm, bucket, flat)
+
+    # -- the step ---------------------------------------------------------------
+
+    def apply(self, reduced, sparse):
+        """Step the optimizer for this rank's parts (and the unshared variables).
+        `reduced`: {position: summed dense gradient} of the variables some rank had
+        a gradient for; `sparse`: {position: (indices, values) or a dense sum}. Then
+        `gather` gives every rank every part's new values."""
+        import tensorflow as tf
+
+        grads = []
+        for k, a, b, part in self.mine:
+            g = sparse.get(k)
+            if isinstance(g, tuple):
+                indices, values = g
+                keep = (indices >= a) & (indices < b)
+                g = tf.IndexedSlices(tf.convert_to_tensor(values[keep]),
+                                     tf.convert_to_tensor(indices[keep] - a),
+                                     tf.constant(tuple(part.shape), tf.int64))
+            elif g is not None:
+                g = _rows(g, a, b)
+            elif k in reduced:
+                g = _rows(reduced[k], a, b)
+            grads.append(g)
+        for k in self.whole:
+            g = sparse.get(k)
+            if isinstance(g, tuple):
+                g = self.stage.grads.slices_of(k, g)
+            grads.append(g if g is not None else reduced.get(k))
+        if not self._apply(grads) and (reduced or sparse):
+            # Nothing of this rank's got a gradient, but the step happened.
+            self.optimizer.iterations.assign_add(1)
+
+    def _apply(self, grads):
+        import tensorflow as tf
+
+        present = tuple(j for j, g in enumerate(grads) if g is not None)
+        if not present:
+            return False
+        variables = [self.variables[j] for j in present]
+        gs = [grads[j] for j in present]
+        sparse = tuple(j for j, g in enumerate(gs) if isinstance(g, tf.IndexedSlices))
+        key = (present, sparse)
+        if key not in self._functions:
+            from ..engine.grads import compiled_step
+
+            self._functions[key] = compiled_step(self.optimizer, variables, sparse, self.eager)
+        self._functions[key]([g if isinstance(g, tf.IndexedSlices) else
+                              tf.cast(_tensor(g), v.dtype) for g, v in zip(gs, variables)])
+        return True
+
+    def _target(self, k):
+        """Where variable k's new value is put together this step: its place in one
+        of two kept flat buffers, used in turn. The variable takes the buffer as its
+        own memory (an assignment from it copies nothing), so the buffer it holds is
+        written again only two steps later, when it holds the other one and no
+        tensor read from the first is alive (reads live within a step). Assigning
+        fresh memory each step instead cost more in page faults than the copy (100+
+        ms a step on a 200,000 x 128 table); writing rows into the variable in place
+        (a scatter) turns TensorFlow's copy-on-read on, which copies the whole table
+        at every read. One buffer for all, so that one function call assigns every
+        variable (a call with a tensor per variable took 5 ms for ResNet-110's 330)."""
+        from ..engine.grads import aligned_empty
+
+        if not hasattr(self, "_offsets"):
+            self._offsets, end = {}, 0
+            for _, positions in self.groups:
+                for j in positions:
+                    self._offsets[j] = end
+                    end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
+            self._flat = [aligned_empty(end), aligned_empty(end)]
+        var = self.stage.trainable[k]
+        at = self._offsets[k]
+        return self._flat[self._parity][at:at + int(np.prod(var.shape))].reshape(tuple(var.shape))
+
+    def gather(self, wait):
+        """Every part's new values to every rank of its group, then into the variables
+        (`wait(requests)`: waits under the watchdog)."""
+        owned = {(k, a, b): value for (k, a, b, _), value in zip(self.mine, self._read())}
+        self._parity = 1 - getattr(self, "_parity", 1)
+        reqs = []
+        for comm, positions in self.groups:
+            for k in positions:
+                target = self._target(k)
+                for r, a, b in self.parts[k]:
+                    rows = _rows(target, a, b)
+                    if r == comm.rank:
+                        rows[...] = owned[(k, a, b)]
+                        reqs += [comm.isend(rows, p, _tag(self.index[k], 1))
+                                 for p in range(comm.size) if p != r]
+                    else:
+                        reqs.append(comm.irecv(rows, r, _tag(self.index[k], 1)))
+        wait(reqs)
+        wait(self._settle())
+        self._assign_all(_tensor(self._flat[self._parity]))
+
+    def _compiled(self, name, body, signature=None):
+        """`body` as one TensorFlow function (one call instead of hundreds of eager
+        variable reads or assignments: ~40 us each)."""
+        import tensorflow as tf
+
+        if name not in self._functions:
+            self._functions[name] = body if self.eager else tf.function(
+                body, input_signature=signature)
+        return self._functions[name]
+
+    def _read(self):
+        """This rank's parts' new values, as numpy arrays."""
+        parts = [p for *_, p in self.mine]
+        return [v.numpy() for v in self._compiled("read", lambda: [p.value for p in parts])()]
+
+    def _assign_all(self, flat):
+        """Every shared variable takes its place in `flat` (`_target`)."""
+        import tensorflow as tf
+
+        places = [(self.stage.trainable[k], self._offsets[k]) for k in self._offsets]
+
+        def assign(flat):
+            for v, at in places:
+                value = tf.reshape(flat[at:at + int(np.prod(v.shape))], tuple(v.shape))
+                v.assign(tf.cast(value, v.dtype) if v.dtype != "float32" else value)
+
+        self._compiled("assign", assign, [tf.TensorSpec(flat.shape, tf.float32)])(flat)
+
+    def _settle(self):
+        """A token to and from every other rank of each group, posted after this
+        rank's messages completed. MPICH completes a send only when the receiver's
+        MPI has acknowledged it, and a receiver that has all it waited for may leave
+        those acknowledgements queued until its next MPI call, a whole forward and
+        backward later (measured: ResNet-110 with 2 replicas, 0.2 -> 0.42 s a step).
+        The token goes out behind them, so waiting for the others' tokens waits only
+        until everyone's messages are through."""
+        reqs = []
+        for comm, _ in self.groups:
+            token = self.buffer(("token", id(comm)), (comm.size,))
+            for p in range(comm.size):
+                if p != comm.rank:
+                    reqs += [comm.isend(token[comm.rank:comm.rank + 1], p, SETTLE_TAG),
+                             comm.irecv(token[p:p + 1], p, SETTLE_TAG)]
+        return reqs
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def _part_slots(self, names):
+        """[(optimizer variable, its checkpoint key, first row, end row, position)] of
+        this rank's parts (`names`: checkpoint.slot_names of the optimizer's variables)."""
+        by_path = {part.path.replace("/", "_") + "_": (a, b, part, k)
+                   for k, a, b, part in self.mine}
+        out = []
+        for var, name in zip(self.optimizer.variables, names):
+            if not name.startswith("slot/"):
+                continue
+            for prefix, (a, b, part, k) in by_path.items():
+                if var.name.startswith(prefix) and tuple(var.shape) == tuple(part.shape):
+                    out.append((var, name, a, b, k))
+                    break
+        return out
+
+    def whole_slots(self, names):
+        """{checkpoint key: whole value} of the optimizer state of every sharded
+        variable, put together from every rank's parts (collective over each group)."""
+        slots = self._part_slots(names)
+        pieces = {}
+        for comm, positions in self.groups:
+            ks = set(positions)
+            mine = [(name, a, var.numpy()) for var, name, a, _, k in slots if k in ks]
+            for rank_pieces in comm.allgather_obj(mine):
+                for name, a, value in rank_pieces:
+                    pieces.setdefault(name, []).append((a, value))
+        return {name: (parts[0][1] if np.ndim(parts[0][1]) == 0 else
+                       np.concatenate([v for _, v in sorted(parts, key=lambda p: p[0])]))
+                for name, parts in pieces.items()}
+
+    def slicers(self, names):
+        """{id(optimizer variable): whole value -> this rank's rows}, for restoring."""
+        return {id(var): (lambda value, a=a, b=b: _rows(value, a, b))
+                for var, _, a, b, _ in self._part_slots(names)}
+
+
+def _tensor(array):
+    from ..engine.grads import as_tensor
+
+    return as_tensor(array) if isinstance(array, np.ndarray) else array

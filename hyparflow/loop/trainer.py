@@ -1,0 +1,267 @@
+"""The training loop: epochs, global metrics, validation, callbacks and history."""
+
+import dataclasses
+import sys
+
+import keras
+
+from ..engine import checkpoint as _ckpt
+from . import costs as _costs
+from . import data as _data
+from ..engine.customised import refuse_steps
+from .. import sync as _sync
+from .inference import run_evaluation
+from .logs import GlobalLogs
+from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
+from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
+from ..engine.runtime import Runtime
+
+__all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
+
+
+def _validation_epochs(freq, epochs):
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"`validation_freq` must be >= 1. Received: validation_freq={freq}")
+        return {e for e in range(epochs) if (e + 1) % freq == 0}
+    return {int(e) - 1 for e in freq}  # a list of 1-based epochs, as in Keras
+
+
+def train(model, x, y, *, comm, layout, options):
+    """The body of `hyparflow.fit` for one rank (see its docstring), with its
+    resolved `layout` (hyparflow.layout) and its other arguments, `options`
+    (`options.FitOptions`)."""
+    error, runtime, state = None, None, {}
+    sample_weight, validation_data = options.sample_weight, options.validation_data
+    replica_sync = options.replica_sync
+    try:
+        check_positive(batch_size=options.batch_size, epochs=options.epochs)
+        replica_sync = _sync.resolve(options.replica_sync)
+        _sync.check(replica_sync, layout.num_replicas)
+        if options.resume and not options.checkpoint_dir:
+            raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
+        if options.checkpoint_dir:
+            state["checkpointer"] = _ckpt.Checkpointer(
+                options.checkpoint_dir, options.checkpoint_every, options.keep)
+        state["verbose"] = resolve_verbose(options.verbose)
+        refuse_steps(model, ("train_step", "test_step") if (
+            validation_data is not None or options.validation_split) else ("train_step",))
+        state["batch_size"] = options.batch_size
+        if options.validation_split and validation_data is None:
+            if _data.is_dataset(x):
+                raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
+                                 "pass `validation_data`.")
+            (x, y, sample_weight), validation_data = _data.validation_split(
+                x, y, sample_weight, options.validation_split)
+        graph = read_graph(model, layout.num_stages, x, options.batch_size)
+        cut = layout.stage_counts(graph)
+        source, sample = _data.source(graph, x, y, batch_size=options.batch_size,
+                                      sample_weight=sample_weight,
+                                      class_weight=options.class_weight, shuffle=options.shuffle,
+                                      seed=0, steps_per_epoch=options.steps_per_epoch)
+        if options.check_finite and isinstance(source, _data.ArraySource):
+            _data.check_finite(source.data)
+        replicas, microbatches = layout.num_replicas, layout.num_microbatches
+        effective = len(sample) if _data.is_dataset(x) else options.batch_size
+        if effective < replicas * microbatches:
+            raise ValueError(
+                f"batch_size={effective} is smaller than num_replicas x num_microbatches = "
+                f"{replicas} x {microbatches} = {replicas * microbatches}: some "
+                "microbatch would be empty. Raise batch_size or lower num_microbatches."
+            )
+        if validation_data is not None:
+            vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
+                validation_data, (list, tuple)) else (validation_data, None, None)
+            state["validation"] = _data.source(
+                graph, vx, vy, batch_size=options.validation_batch_size or options.batch_size,
+                sample_weight=vsw, steps_per_epoch=options.validation_steps)[0]
+        state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    agree_on_error(comm, error)
+    try:
+        # Collective (profiling, calibration): every rank reaches it, or none does.
+        cut = _costs.resolve(graph, model, comm, cut, layout, speeds=options.speeds,
+                             memory_limit=options.memory_limit,
+                             microbatch=max(1, options.batch_size // (replicas * microbatches)))
+        if layout.tensor_shares == "measure" and layout.num_tensor > 1:
+            layout = dataclasses.replace(
+                layout, tensor_shares=tuple(_costs.measured_shares(comm, layout)))
+        runtime = Runtime(model, comm, layout, graph=graph, sample=sample, cut=cut,
+                          run_eagerly=options.run_eagerly, recompute=options.recompute,
+                          trace=options.trace,
+                          facts={"samples": len(sample), "steps": source.steps,
+                                 "batch_size": options.batch_size, "epochs": options.epochs},
+                          batch_rows=min(effective, len(sample)), replica_sync=replica_sync)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    agree_on_error(comm, error)
+    runtime.connect()
+    # One seed everywhere: the random layers' masks derive from it, and so does the
+    # shuffling when it is given. None: rank 0 draws it from Keras's global generator,
+    # and the data comes in model.fit's order, so keras.utils.set_random_seed repeats
+    # a run as it repeats model.fit.
+    state["seed"] = options.seed if options.seed is not None else comm.bcast_obj(
+        int(keras.random.randint((), 0, 2 ** 31 - 1)) if comm.rank == 0 else None, 0)
+    state["start"] = (options.initial_epoch, 0, options.initial_epoch * (source.steps or 0))
+    if options.resume:
+        _resume(runtime, state)
+    if isinstance(source, _data.ArraySource):
+        source.seed = state["seed"]
+        if options.seed is None:
+            source.order = lambda epoch: _data.fit_order(comm, len(source.data))
+    stop_flag = _ckpt.StopFlag() if options.checkpoint_dir else None
+    state["stop_flag"] = stop_flag
+    try:
+        history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
+        if runtime.replicas is not None:
+            _report_replicas(runtime, history, verbose=state["verbose"])
+        return history
+    except (_ckpt.Preempted, _ckpt.CheckpointError):
+        raise  # every rank raises these together: nothing to abort
+    except BaseException as exc:
+        fail(comm, runtime, exc)
+        raise
+    finally:
+        if stop_flag is not None:
+            stop_flag.restore()
+        runtime.close()
+
+
+def _resume(runtime, state):
+    """Continue from the newest checkpoint that verifies (or start afresh if none)."""
+    comm = runtime.comm
+    directory = state["checkpointer"].directory
+    path = comm.bcast_obj(_ckpt.latest_valid(directory)[0] if comm.rank == 0 else None, 0)
+    if path is None:
+        if comm.rank == 0:
+            print(f"hyparflow: no checkpoint in {directory}; starting from the beginning.",
+                  flush=True)
+        return
+    replica = None
+    if runtime.replicas is not None:
+        manifest = _ckpt.read(path)
+        if _ckpt.replica_weights(manifest, runtime.topo.num_replicas):
+            replica = runtime.replica  # each replica goes on from its own weights
+        elif comm.rank == 0:
+            print(f"hyparflow: {path} holds no weights of {runtime.topo.num_replicas} "
+                  "replicas stepping on their own; every replica starts from its model.",
+                  flush=True)
+    manifest = _ckpt.restore_model(runtime.model, path, parts=runtime.slot_slicer(),
+                                   replica=replica)
+    runtime.load_shards()
+    choices = manifest.get("choices") or {}
+    if choices.get("for") == _choices_key(runtime, state):
+        runtime.executor.adopt(choices)  # same layout: the same products, the same bits
+    state["seed"] = manifest["seed"]
+    state["start"] = (manifest["epoch"], manifest["step"], manifest["global_step"])
+    if comm.rank == 0:
+        print(f"hyparflow: resuming from {path} (epoch {manifest['epoch'] + 1}, step "
+              f"{manifest['step']}).", flush=True)
+
+
+def _report_replicas(runtime, history, verbose):
+    """Replicas that stepped on their own: which model `fit` returns, said once, and
+    what they did in `history.replicas` (hyparflow.replicas.Replicas.summary)."""
+    summary = runtime.replicas.summary()
+    history.replicas = summary
+    if verbose and runtime.comm.rank == 0:
+        if summary["final"] is None:
+            which = "the mean of the replicas' weights"
+        else:
+            which = (f"replica {summary['final']}'s weights (the global leader: the lowest "
+                     "training loss at the last step)")
+        print(f"hyparflow: {summary['method']}: the model holds {which}.", flush=True)
+
+
+def _choices_key(runtime, state):
+    """The layout the executor's timed choices hold for (`Executor.choices`)."""
+    layout = runtime.layout
+    return [layout.num_stages, layout.num_replicas, layout.num_tensor,
+            layout.num_microbatches, layout.num_chunks, list(runtime.part.counts),
+            state["batch_size"]]
+
+
+def _checkpoint(runtime, state, epoch, step, global_step):
+    choices = dict(runtime.executor.choices(), **{"for": _choices_key(runtime, state)})
+    state["checkpointer"].write(runtime, {
+        "epoch": epoch, "step": step, "global_step": global_step, "seed": state["seed"],
+        "choices": choices})
+
+
+def _loop(model, runtime, source, state, epochs, callbacks):
+    comm, executor = runtime.comm, runtime.executor
+    verbose = state["verbose"]
+    cbs, per_step = callback_list(model, comm, callbacks, verbose, epochs=epochs,
+                                  steps=source.steps, add_history=True)
+    logs = GlobalLogs(model, comm, runtime.counted)
+    model.stop_training = False
+    if runtime.timeline is not None:
+        runtime.timeline.start(comm)
+    cbs.on_train_begin()
+    epoch_logs = {}
+    first_epoch, skip, global_step = state["start"]
+    checkpointer, flag = state.get("checkpointer"), state.get("stop_flag")
+    replicas = runtime.replicas  # None: allreduce (every replica takes the same step)
+    for epoch in range(first_epoch, epochs):
+        if replicas is not None:
+            replicas.restore()  # each replica's own weights, after the last epoch's report
+        logs.reset()
+        cbs.on_epoch_begin(epoch)
+        for step, (data, batch) in enumerate(source.epoch(epoch)):
+            if epoch == first_epoch and step < skip:
+                continue  # done before the checkpoint this run resumed from
+            cbs.on_train_batch_begin(step)
+            if global_step == state["start"][2] and verbose and comm.rank == 0:
+                # The first step traces and compiles every stage's functions: for a large
+                # model this is the longest wait of the run, and looked like a hang.
+                print("hyparflow: compiling the stages (the first step traces each stage's "
+                      "forward and backward; the steps after it reuse them) ...", flush=True)
+            micro = runtime.microbatches(batch)
+            contribution = executor.step(micro, len(batch), data, global_step, state["seed"])
+            global_step += 1
+            if replicas is not None:
+                replicas.after_step(global_step, contribution if runtime.counted else 0.0,
+                                    sum(len(m) for m in micro), len(batch))
+            logs.add(contribution, len(batch))
+            if per_step:
+                cbs.on_train_batch_end(step, logs.result())
+                if comm.bcast_obj(bool(model.stop_training), 0):
+                    model.stop_training = True
+                    break
+            if checkpointer is not None:
+                signalled = [s for s in comm.allgather_obj(flag.raised) if s]
+                if signalled or checkpointer.due(global_step, epoch_end=False):
+                    _checkpoint(runtime, state, epoch, step + 1, global_step)
+                if signalled:
+                    message = (f"hyparflow: stopped by {signalled[0]} after step {global_step}; "
+                               f"checkpoint written to {checkpointer.directory}. Resume with "
+                               f"resume=True (exit code {_ckpt.PREEMPTED_EXIT_CODE}).")
+                    if comm.rank == 0:
+                        print(message, file=sys.stderr, flush=True)
+                    raise _ckpt.Preempted(message)
+        if replicas is None:
+            runtime.sync_weights()
+        if checkpointer is not None and checkpointer.due(global_step, epoch_end=True):
+            _checkpoint(runtime, state, epoch + 1, 0, global_step)
+        if replicas is not None:
+            # Validation, callbacks and the returned model see the replicas' agreed
+            # model; the checkpoint above kept each replica's own.
+            replicas.report()
+            runtime.sync_weights()
+        epoch_logs = logs.result()
+        if "validation" in state and epoch in state["validation_epochs"]:
+            val = run_evaluation(model, runtime, state["validation"], logs)
+            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        cbs.on_epoch_end(epoch, epoch_logs)
+        model.stop_training = comm.bcast_obj(bool(model.stop_training), 0)
+        if model.stop_training:
+            break
+    cbs.on_train_end(epoch_logs)
+    if runtime.timeline is not None:
+        topo = runtime.topo
+        runtime.timeline.write(comm, runtime.trace, {
+            "num_stages": topo.num_stages, "num_replicas": topo.num_replicas,
+            "num_microbatches": runtime.layout.num_microbatches,
+            "schedule": runtime.layout.schedule})
+    return model.history

@@ -1,0 +1,261 @@
+"""`hyparflow plan`: profile a model, measure this node (network, compute, stages),
+search the plans (`planner.search`) and print or write the best (a plan file)."""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from .costmodel import Compute, Network
+from ..schedules import PLANNED
+from .planner import as_layout, search
+
+__all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches"]
+
+UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+         "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12}
+
+
+def parse_bytes(text):
+    """'12.5GB' -> 12.5e9; '4GiB' -> 4 * 2**30; a plain number is bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"Cannot read {text!r} as bytes (e.g. 4GB, 512MiB, 12.5GB/s).")
+    return float(match.group(1)) * UNITS[match.group(2).lower()]
+
+
+def parse_seconds(text):
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us|ns)?\s*", str(text))
+    if not match:
+        raise ValueError(f"Cannot read {text!r} as a time (e.g. 2us, 0.5ms).")
+    return float(match.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[match.group(2)]
+
+
+def measure_network(ranks=None):
+    """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
+    `ranks`, also each ring size's own alpha and beta (`measure.rings`)."""
+    from . import measure
+
+    alpha, beta = measure.ping_pong()
+    if not ranks or ranks < 2:
+        return Network(alpha, beta)
+    groups, exchanges, wait = measure.rings(ranks)
+    return Network(alpha, beta, groups=groups, exchanges=exchanges, wait=wait)
+
+
+def _schedule_name(plan):
+    """"1f1b", or "interleaved:2" with its model chunks per rank."""
+    chunks = plan.get("chunks", 1)
+    return plan["schedule"] + (f":{chunks}" if chunks > 1 else "")
+
+
+def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=None):
+    """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
+    most `most` samples), so their times are interpolated, not extrapolated. With
+    `per_sample` activation bytes and `memory` bytes, at most what an eighth of the
+    memory holds: the whole model's compiled step keeps every activation for its
+    backward, and more besides (ResNet-1001, 281 MB of activations per sample, was
+    killed for 24 GB at batch 64, and again at 22)."""
+    if per_sample and memory:
+        most = min(most, int(memory / 8 / per_sample))
+    hi = max(2, min(batch, most))
+    lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
+    return lo, hi
+
+
+def _memory():
+    """Bytes of this machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class _Phase:
+    """Say what is being measured, then how long it took (`hyparflow plan` runs for
+    minutes on a shared node; silence looked like a hang)."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __enter__(self):
+        import time
+
+        self.start = time.monotonic()
+        print(f"{self.what} ...", flush=True)
+
+    def __exit__(self, *exc):
+        import time
+
+        if exc[0] is None:
+            print(f"  done in {time.monotonic() - self.start:.1f} s", flush=True)
+
+
+_DESCRIPTION = ("Profile a model, search (stages, tensor ranks, replicas, microbatches, "
+                "schedule, balance) and rank the plans by a cost model with an alpha-beta "
+                "network. On this node it measures, under mpiexec, the network (a ping-pong "
+                "and rings of the plan's ranks), each layer call, the model's step with 1 to "
+                "N ranks computing at once, and every candidate pipeline's stages timed "
+                "whole: minutes for a small CNN on 2 cores. --quick keeps only the layer "
+                "profiles and a ping-pong (seconds, less accurate on a shared node).")
+
+
+def main(argv=None):
+    from .. import schedules as sched
+
+    parser = argparse.ArgumentParser(prog="hyparflow plan", description=_DESCRIPTION)
+    parser.add_argument("model", help="a .keras file, or a Python file with a function that "
+                                      "returns a compiled model")
+    parser.add_argument("--function", default="build_model",
+                        help="the function of the Python file that returns the compiled "
+                             "model (default build_model)")
+    parser.add_argument("--quick", action="store_true",
+                        help="plan from the layer profiles and a ping-pong only: no "
+                             "contention sweep, no ring measurements, no stage timing")
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--ranks", type=int, help="ranks to plan for (default nodes x ranks-per-node)")
+    parser.add_argument("--memory-per-rank", help="e.g. 4GB; plans over it are marked")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--ranks-per-node", type=int)
+    parser.add_argument("--bandwidth", help="e.g. 12.5GB/s (default: measured with MPI here)")
+    parser.add_argument("--latency", help="e.g. 2us (default: measured with MPI here)")
+    parser.add_argument("--hosts", metavar="H1:N1,H2:N2",
+                        help="plan for these hosts (as `hyparflow run --hosts`, equal slots): "
+                             "the link within a host and the link between the first two "
+                             "are measured with a ping-pong through mpiexec")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(),
+                        help="cores per node (ranks beyond them share cores)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--schedules", nargs="+", default=list(PLANNED),
+                        choices=sorted(sched.TABLE))
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2],
+                        help="model chunks per rank to try with --schedules interleaved")
+    parser.add_argument("--top", type=int, default=12,
+                        help="how many of the ranked plans to print (default 12)")
+    parser.add_argument("--json", help="write every ranked plan here")
+    parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
+                                                "profile once, plan for many clusters")
+    parser.add_argument("--output", help="write the best plan that fits here (JSON)")
+    args = parser.parse_args(argv)
+    hosts = None
+    if args.hosts:
+        from ..cluster import hosts as H
+
+        hosts = H.parse_hosts(args.hosts)
+        if len({n for _, n in hosts}) > 1 or len(hosts) < 2:
+            parser.error(f"--hosts: give two or more hosts with equal slots. Received: "
+                         f"{args.hosts!r}")
+        args.nodes, args.ranks_per_node = len(hosts), hosts[0][1]
+    from .. import _env
+    _env.start_tensorflow()
+    from .. import graph as G
+    from . import measure, profile
+    from .. import plan as P
+
+    model = profile.load_model(args.model, args.function)
+    graph = G.from_model(model)
+    ranks = args.ranks or args.nodes * (args.ranks_per_node or 1)
+    batches = profile_batches(args.batch_size, ranks, args.microbatches,
+                              per_sample=4 * sum(G.numel(graph.tensors[t].shape) for n in graph.nodes
+                                                 for t in n.outputs),
+                              memory=_memory())
+    here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
+    if hosts:
+        # The per-link figures the placement needs: two ranks within the first host (its
+        # shared memory), and one on each of the first two hosts (the network between).
+        (h1, n1), (h2, _) = hosts[:2]
+        within = measure.ping_pong(f"{h1}:2") if n1 > 1 else measure.ping_pong(f"{h1}:1,{h1}:1")
+        between = measure.ping_pong(f"{h1}:1,{h2}:1")
+        network = Network(*within, *between)
+        print(f"links: within {h1} alpha {within[0] * 1e6:.1f} us, "
+              f"{1 / within[1] / 1e9:.3f} GB/s; {h1} to {h2} alpha {between[0] * 1e6:.1f} us, "
+              f"{1 / between[1] / 1e9:.3f} GB/s", flush=True)
+    elif args.bandwidth or args.latency:
+        probe = measure_network() if not (args.bandwidth and args.latency) else None
+        network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
+                          1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
+    else:
+        with _Phase("measuring the network: a ping-pong of 2 ranks under mpiexec"
+                    + ("" if args.quick or args.nodes != 1 else
+                       f", and rings of 2 to {ranks} ranks with all {ranks} running")):
+            network = measure_network(ranks if args.nodes == 1 and not args.quick else None)
+    print(f"network: alpha {network.alpha * 1e6:.2f} us, bandwidth {1 / network.beta / 1e9:.2f} GB/s",
+          flush=True)
+    for g, (alpha, beta) in sorted(network.groups.items()):
+        print(f"  rings of {g} of the {ranks} ranks: {alpha * 1e6:.1f} us per round, "
+              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
+    for g, (alpha, beta) in sorted(network.exchanges.items()):
+        print(f"  a split layer's exchange among {g}: {alpha * 1e6:.1f} us + "
+              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
+    if network.wait:
+        print(f"  a receive that waits has its message {network.wait * 1e6:.0f} us after "
+              f"the send, the other ranks computing", flush=True)
+    if args.profile_cache and os.path.exists(args.profile_cache):
+        with open(args.profile_cache) as f:
+            cached = json.load(f)
+        if len(cached["rows"]) != len(graph.nodes):
+            raise ValueError(f"{args.profile_cache} profiles another model.")
+        rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
+        extra = cached.get("stage_costs")
+    else:
+        with _Phase(f"profiling {len(graph.nodes)} layer calls of {model.name} (forward and "
+                    f"backward at batches {', '.join(map(str, batches))}), and a stage's "
+                    "extra cost"):
+            rows, opt_per_byte = profile.fit_model(graph, model, batches)
+            extra = measure.stage_costs(graph, model, rows, batches)
+        if args.profile_cache:
+            with open(args.profile_cache, "w") as f:
+                json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte,
+                           "stage_costs": extra}, f)
+    compute = None
+    if here and ranks > 1:
+        # This node, as the plan will run it: the model's step with 1 .. ranks ranks
+        # computing at once (they share memory bandwidth, and cores beyond --cores).
+        with _Phase(f"measuring the model's step with 1 to {ranks} ranks computing at once "
+                    "(under mpiexec, twice)"):
+            compute = Compute(*measure.compute(ranks, args.model, args.function, batches))
+        for n, row in sorted(compute.times.items()):
+            print(f"  {n} at once: " + ", ".join(f"{t * 1e3:.1f} ms at batch {b}"
+                                                 for b, t in sorted(row.items())), flush=True)
+    limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
+    timer = None
+    if here:
+        # Plans that run here: their stages timed whole (a stage pays more than its
+        # calls' profiles say, and they share the step out only roughly); a single
+        # stage too, whose gradient sums and eager calls the model's step lacks (12.2
+        # against 9.3 ms at batch 16 for the MLP).
+        timer = measure.StageTimer(graph, model, batches, source=args.model,
+                                   function=args.function, ranks=ranks)
+    with _Phase("searching the plans" + (", timing every candidate pipeline's stages whole"
+                                         if timer else "")):
+        plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
+                       microbatches=args.microbatches, schedules=args.schedules,
+                       chunks=tuple(args.chunks),
+                       ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
+                       cores=args.cores if args.nodes == 1 or hosts else None,
+                       compute=compute, stage_costs=extra, stage_timer=timer)
+        one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
+                                 tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"plans": plans, "one_rank": one}, f, indent=1)
+    print(f"\n{'#':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
+          f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
+    for k, p in enumerate(plans[:args.top], 1):
+        print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "
+              f"{p['step_s']:>9.4f} {p['samples_s']:>10.1f} {one['step_s'] / p['step_s']:>8.2f} "
+              f"{p['bubble']:>6.3f} {p['comm_s']:>8.4f} {max(p['memory_bytes']) / 2**20:>12.1f} "
+              f"{'yes' if p['fits'] else 'no'}")
+    print(f"\nscaling efficiency of the best plan: "
+          f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
+    if args.output:
+        best = next((p for p in plans if p["fits"]), plans[0])
+        P.write(args.output, graph, as_layout(best),
+                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")})
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
