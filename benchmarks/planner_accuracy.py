@@ -55,7 +55,7 @@ def main():
     env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     rows = []
     for ranks in args.ranks:
-        predicted, runs, firsts = {}, {}, []
+        predicted, runs, firsts, hidden = {}, {}, [], {}
         for k in range(args.rounds):
             out = os.path.join(tmp, f"plans{ranks}_{k}.json")
             subprocess.run([sys.executable, "-m", "hyparflow", "plan", model_file, "--batch-size",
@@ -72,6 +72,9 @@ def main():
                 res = run([MPIEXEC, "-n", str(ranks), *worker_cmd(
                     "hf", args.workload, batch, args.steps, s, r, m, schedule, trace, t)], env)
                 runs.setdefault(_key(p), []).append(res["step_s"])
+                # What the trace does not show (worker's `_untraced`): in a step, outside
+                # its actions, and between steps.
+                hidden.setdefault(_key(p), []).append(res["untraced_s"] + res["between_s"])
         order = sorted(predicted, key=lambda key: statistics.median(predicted[key]))
         best = min(min(v) for v in runs.values())
         for key in firsts:
@@ -79,13 +82,15 @@ def main():
                   f"best measured {best:.4f} s ({min(runs[key]) / best - 1:+.0%})", flush=True)
         for n, key in enumerate(order, 1):
             rows.append((ranks, n, key, statistics.median(predicted[key]), min(predicted[key]),
-                         max(predicted[key]), min(runs[key]), max(runs[key])))
+                         max(predicted[key]), min(runs[key]), max(runs[key]),
+                         max(hidden[key])))
     print(f"\n{'ranks':>5} {'#':>3} {'S':>2} {'T':>2} {'R':>2} {'M':>3} {'schedule':>8} "
           f"{'predicted s':>12} {'measured s':>11} {'error':>7} {'predictions s':>16} "
-          f"{'slowest run s':>14}")
-    for ranks, n, (s, t, r, m, sched), pred, lo, hi, meas, slowest in rows:
+          f"{'slowest run s':>14} {'untraced ms':>12}")
+    for ranks, n, (s, t, r, m, sched), pred, lo, hi, meas, slowest, untraced in rows:
         print(f"{ranks:>5} {n:>3} {s:>2} {t:>2} {r:>2} {m:>3} {sched:>8} {pred:>12.4f} "
-              f"{meas:>11.4f} {pred / meas - 1:>+7.0%} {f'{lo:.4f}-{hi:.4f}':>16} {slowest:>14.4f}")
+              f"{meas:>11.4f} {pred / meas - 1:>+7.0%} {f'{lo:.4f}-{hi:.4f}':>16} {slowest:>14.4f} "
+              f"{untraced * 1e3:>12.1f}")
 
 
 def _key(plan):

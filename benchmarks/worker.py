@@ -78,6 +78,7 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
         if not per_step:
             raise SystemExit(f"no step after auto's trials in {steps} steps: give --steps more")
         step = statistics.median(per_step)
+        untraced, between = _untraced(data, min(chosen, default=0))
         # Gradient bytes rank 0 exchanged per step: its dense buckets and sparse pairs.
         sums = [e["args"].get("dense_bytes", 0) + e["args"].get("sparse_bytes", 0)
                 for e in data["traceEvents"] if e.get("cat") == "allreduce" and e.get("tid") == 0]
@@ -87,7 +88,29 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
             "theory_bubble": timeline.theoretical_bubble(
                 s, m, int(schedule.partition(":")[2] or 1)), "peak_mb": peaks,
             "grad_mb": statistics.median(sums[1:] or sums or [0]) / 2**20,
-            "state_mb": states}), flush=True)
+            "state_mb": states, "untraced_s": untraced, "between_s": between}), flush=True)
+
+
+def _untraced(data, after=0):
+    """The time the trace does not show, per step (median over the steps after the
+    first, the slowest rank's): inside a step's event but in none of its actions, and
+    between one step's end and the next one's start (the trainer's own work: slicing
+    the batch, logs, callbacks). Both near zero mean the actions account for the step."""
+    events = [e for e in data["traceEvents"] if e.get("ph") == "X" and e["ts"] >= after]
+    inside, gaps = {}, {}
+    for rank in {e["tid"] for e in events}:
+        mine = sorted((e for e in events if e["tid"] == rank), key=lambda e: e["ts"])
+        steps = [e for e in mine if e["cat"] == "step" and "step" in e["args"]]
+        for k, st in enumerate(steps[1:], 1):
+            lo, hi = st["ts"], st["ts"] + st["dur"]
+            busy = sum(e["dur"] for e in mine if e["cat"] != "step" and lo <= e["ts"] <= hi)
+            key = st["args"]["step"]
+            inside[key] = max(inside.get(key, 0.0), (st["dur"] - busy) / 1e6)
+            prev = steps[k - 1]
+            gaps[key] = max(gaps.get(key, 0.0), (lo - prev["ts"] - prev["dur"]) / 1e6)
+    if not inside:
+        return 0.0, 0.0
+    return statistics.median(inside.values()), statistics.median(gaps.values())
 
 
 def _stage_vars(model):
