@@ -37,6 +37,12 @@ def max_diff(a, b):
     return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
 
 
+def trained(model):
+    """The trainable weights: with replicas, BatchNorm's moving statistics are each
+    replica's, averaged at the epoch's end (docs/models.md), not one sequence of updates."""
+    return [v.numpy() for v in model.trainable_variables]
+
+
 def layout():
     """(S, R, M): two stages and two microbatches on 2 ranks, two stages and two
     replicas on 4; every layout trains microbatches of 4 rows here."""
@@ -87,10 +93,12 @@ def gate(name, build, x, y, *, accumulate, floor):
             start = model.get_weights()
             build.compile(model, accumulate)
             model.fit(x, y, batch_size=BATCH // accumulate, epochs=1, shuffle=False, verbose=0)
-            expected = model.get_weights()
+            expected = trained(model)
             build.compile(model)
-            control = max_diff(tape_step(model, start, x, y, BATCH // 2), expected)
-            reference = (start, expected, control, max_diff(expected, start))
+            tape_step(model, start, x, y, BATCH // 2)
+            control = max_diff(trained(model), expected)
+            model.set_weights(start)
+            reference = (start, expected, control, max_diff(expected, trained(model)))
         except Exception as error:   # every rank fails with it (none waits forever)
             reference = error
     idle_until_all_arrive()
@@ -105,12 +113,13 @@ def gate(name, build, x, y, *, accumulate, floor):
     hf.fit(model, x, y, batch_size=BATCH, epochs=1, num_stages=s, num_replicas=r,
            num_microbatches=m, shuffle=False, verbose=0)
     seconds = time.perf_counter() - began
-    diff = COMM.allreduce(max_diff(model.get_weights(), expected), op=MPI.MAX)
+    diff = COMM.allreduce(max_diff(trained(model), expected), op=MPI.MAX)
     if hf.is_main():
         print(f"\n{name} (S,R,M)={(s, r, m)}: max weight difference {diff:.3g} "
               f"({diff / update:.2g} of the largest update {update:.3g}), round-off control "
               f"{control:.3g}; hf.fit {seconds:.1f} s")
-    assert diff <= max(10 * control, floor * update), (diff, control, update)
+    # The control's margin is capped at 1% of the update, so a wrong boundary always fails.
+    assert diff <= max(min(10 * control, 0.01 * update), floor * update), (diff, control, update)
 
 
 def cnn(application, **kwargs):
@@ -162,6 +171,8 @@ CNNS = {
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", sorted(CNNS))
 def test_keras_applications(name):
+    if name == "DenseNet121" and SIZE >= 4:
+        pytest.skip("DenseNet121 (427 layers, ~55 s at 2 ranks) runs at 2 ranks only")
     gate(name, CNNS[name], *images(), accumulate=2, floor=1e-6)
 
 
