@@ -66,21 +66,22 @@ def _run(args):
                      else _hosts.read_hostfile(args.hostfile))
         except _hosts.HostError as error:
             raise launch.LaunchError(str(error)) from None
-    plan = launch.plan(args.script, args.args, ranks=args.ranks, stages=args.stages,
-                       replicas=args.replicas, microbatches=args.microbatches, tensor=args.tensor,
-                       threads=args.threads, launcher=args.launcher, hosts=hosts)
+    line = launch.command_line(args.script, args.args, ranks=args.ranks, stages=args.stages,
+                               replicas=args.replicas, microbatches=args.microbatches,
+                               tensor=args.tensor, threads=args.threads,
+                               launcher=args.launcher, hosts=hosts)
     if args.restarts:
-        return _run_restarting(args, plan, hosts)
+        return _run_restarting(args, line, hosts)
     if args.dry_run:
-        print(launch.describe(plan))
+        print(launch.describe(line))
         return 0
-    if plan.supervise:
-        return launch.supervise(plan)
-    launch.execute(plan)  # does not return
+    if line.supervise:
+        return launch.supervise(line)
+    launch.execute(line)  # does not return
 
 
 def _run_restarting(args, first, hosts):
-    """`hyparflow run --restarts K`: the run under restart.run (its first plan `first`)."""
+    """`hyparflow run --restarts K`: the run under restart.run (its first command line `first`)."""
     from .cluster import hosts as _hosts
     from .cluster import restart
 
@@ -101,10 +102,11 @@ def _run_restarting(args, first, hosts):
         where = _hosts.place(hosts, ranks)
         hosts = [(h, where.count(h)) for h, _ in hosts if h in where]
 
-    def make_plan(on, stages, replicas, tensor):
-        return launch.plan(args.script, args.args, ranks=None if on else args.ranks,
-                           stages=stages, replicas=replicas, microbatches=args.microbatches,
-                           tensor=tensor, threads=args.threads, launcher=args.launcher, hosts=on)
+    def make_line(on, stages, replicas, tensor):
+        return launch.command_line(args.script, args.args, ranks=None if on else args.ranks,
+                                   stages=stages, replicas=replicas,
+                                   microbatches=args.microbatches, tensor=tensor,
+                                   threads=args.threads, launcher=args.launcher, hosts=on)
 
     if args.dry_run:
         print(launch.describe(first))
@@ -112,7 +114,7 @@ def _run_restarting(args, first, hosts):
               + (", ".join(h for h, _ in hosts) if hosts else "nothing (one machine)")
               + " and start again on what answers")
         return 0
-    return restart.run(make_plan, lambda plan, lost: launch.supervise(plan, lost_hosts=lost),
+    return restart.run(make_line, lambda line, lost: launch.supervise(line, lost_hosts=lost),
                        args.restarts, hosts, stages, replicas, tensor,
                        launch.find_mpiexec(), set(given))
 

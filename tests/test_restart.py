@@ -103,19 +103,19 @@ def test_the_restart_after_a_lost_host_marks_the_run_reshaped(monkeypatch):
     from hyparflow.cluster import restart
 
     monkeypatch.setattr(restart, "probe", lambda hosts, *a, **k: {h: h != "b" for h in hosts})
-    plans, codes = [], iter([75, 0])
+    lines, codes = [], iter([75, 0])
 
-    def make_plan(on, stages, replicas, tensor):
-        return launch.Plan("mpiexec", ["mpiexec"], {}, layout=f"{on}")
+    def make_line(on, stages, replicas, tensor):
+        return launch.CommandLine("mpiexec", ["mpiexec"], {}, layout=f"{on}")
 
-    def start(plan, lost):
-        plans.append(plan)
+    def start(line, lost):
+        lines.append(line)
         return next(codes)
 
-    assert restart.run(make_plan, start, 1, [("a", 2), ("b", 2)], 1, 4, 1, "mpiexec",
+    assert restart.run(make_line, start, 1, [("a", 2), ("b", 2)], 1, 4, 1, "mpiexec",
                        set()) == 0
-    assert "HYPARFLOW_RESHAPED" not in plans[0].env
-    assert plans[1].env["HYPARFLOW_RESHAPED"] == "4->2"
+    assert "HYPARFLOW_RESHAPED" not in lines[0].env
+    assert lines[1].env["HYPARFLOW_RESHAPED"] == "4->2"
 
 
 # ------------------------------------------------------------------ the loop, real launches

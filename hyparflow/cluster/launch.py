@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from .. import settings
 from ..layout import resolve
 
-__all__ = ["LaunchError", "Plan", "in_slurm_allocation", "find_mpiexec", "usable_cores",
-           "layout", "requested", "run_environment", "describe_layout", "plan", "describe",
+__all__ = ["LaunchError", "CommandLine", "in_slurm_allocation", "find_mpiexec", "usable_cores",
+           "layout", "requested", "run_environment", "describe_layout", "command_line", "describe",
            "execute", "supervise", "named_hosts", "report"]
 
 
@@ -20,7 +20,7 @@ class LaunchError(ValueError):
 
 
 @dataclass
-class Plan:
+class CommandLine:
     """What `hyparflow run` executes: argv and the variables it adds to the environment."""
 
     launcher: str                      # "srun" or "mpiexec"
@@ -172,8 +172,8 @@ def describe_layout(ranks, given):
     return f"{ranks} ranks; {', '.join(parts)} (the script's own hf.fit arguments win){rest}"
 
 
-def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, microbatches=None,
-         threads=None, launcher="auto", environ=None, python=None, tensor=None, hosts=None):
+def command_line(script, script_args=(), *, ranks=None, stages=None, replicas=None,
+                 microbatches=None, threads=None, launcher="auto", environ=None, python=None, tensor=None, hosts=None):
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
 
     `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
@@ -247,28 +247,28 @@ def plan(script, script_args=(), *, ranks=None, stages=None, replicas=None, micr
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
                           threads, ranks_on_node, environ, flags.get("tensor"))
-    return Plan(launcher, argv, env, reason, describe_layout(ranks, given), placement,
+    return CommandLine(launcher, argv, env, reason, describe_layout(ranks, given), placement,
                 supervise=hosts is not None)
 
 
-def describe(run_plan):
+def describe(line):
     """Shell text for --dry-run: the exports, then the command."""
-    lines = [f"# launcher: {run_plan.launcher} ({run_plan.reason})"]
-    if run_plan.layout:
-        lines.append(f"# layout: {run_plan.layout}")
-    lines += [f"# {line}" for line in run_plan.placement]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(run_plan.env.items())]
-    lines.append(shlex.join(run_plan.argv))
+    lines = [f"# launcher: {line.launcher} ({line.reason})"]
+    if line.layout:
+        lines.append(f"# layout: {line.layout}")
+    lines += [f"# {line}" for line in line.placement]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(line.env.items())]
+    lines.append(shlex.join(line.argv))
     return "\n".join(lines)
 
 
-def execute(run_plan, environ=None):
+def execute(line, environ=None):
     """Replace this process by the launcher (its exit code and signals are the run's)."""
     environ = dict(os.environ if environ is None else environ)
-    environ.update(run_plan.env)
+    environ.update(line.env)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(run_plan.argv[0], run_plan.argv, environ)
+    os.execve(line.argv[0], line.argv, environ)
 
 
 LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported a lost peer
@@ -284,7 +284,7 @@ def named_hosts(line):
     return list(dict.fromkeys(re.findall(r"on host (\S+?),?(?= |$)", named)))
 
 
-def supervise(run_plan, environ=None, lost_hosts=None):
+def supervise(line, environ=None, lost_hosts=None):
     """Run the launcher as a child, passing its output through; return its exit code.
 
     When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
@@ -301,10 +301,10 @@ def supervise(run_plan, environ=None, lost_hosts=None):
     from .heartbeat import EXIT_CODE
 
     environ = dict(os.environ if environ is None else environ)
-    environ.update(run_plan.env)
+    environ.update(line.env)
     sys.stdout.flush()
     sys.stderr.flush()
-    child = subprocess.Popen(run_plan.argv, env=environ, stderr=subprocess.PIPE)
+    child = subprocess.Popen(line.argv, env=environ, stderr=subprocess.PIPE)
     lost = []
 
     def relay():
@@ -329,7 +329,7 @@ def supervise(run_plan, environ=None, lost_hosts=None):
             if lost and stage < 2 and time.monotonic() - lost[0] > LOST_GRACE * (1 + stage):
                 child.send_signal(signal.SIGTERM if stage == 0 else signal.SIGKILL)
                 if stage == 0:
-                    sys.stderr.write(f"hyparflow run: a host was lost; ending {run_plan.launcher} "
+                    sys.stderr.write(f"hyparflow run: a host was lost; ending {line.launcher} "
                                      f"(it was still waiting for the lost host)\n")
                 stage += 1
     finally:

@@ -150,24 +150,24 @@ def _say(text):
     sys.stderr.flush()
 
 
-def run(make_plan, start, restarts, hosts, stages, replicas, tensor, mpiexec, given,
+def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, given,
         environ=None):
     """Run, and after a failure restart up to `restarts` times on the hosts that answer.
 
-    `make_plan(hosts, stages, replicas, tensor)` -> a launch.Plan for that layout
-    (hosts None: this machine); `start(plan, lost)` runs it, returns its exit code and
+    `make_line(hosts, stages, replicas, tensor)` -> a launch.CommandLine for that layout
+    (hosts None: this machine); `start(line, lost)` runs it, returns its exit code and
     adds the host names the ranks reported lost to the list `lost`. `hosts`: the run's
     [(name, slots)] or None; `given`: the names of the counts the user gave (only those
     are exported again, re-shaped)."""
     shape = Shape(stages, replicas, tensor, tuple(hosts or ()), True)
     first_ranks = shape.ranks
-    plan = make_plan(hosts, stages if "stages" in given else None,
+    line = make_line(hosts, stages if "stages" in given else None,
                      replicas if "replicas" in given else None,
                      tensor if "tensor" in given else None)
     history = []
     for attempt in range(restarts + 1):
         reported = []
-        code = start(plan, reported)
+        code = start(line, reported)
         if code == 0:
             if history:
                 _say(f"finished after {len(history)} restart{'s' if len(history) > 1 else ''} "
@@ -208,11 +208,11 @@ def run(make_plan, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
              f"{describe_shape(shape) if hosts else 'the same ranks'}"
              + (f" (was {describe_shape(old)})" if hosts else "")
              + "; the script resumes from its newest checkpoint (hf.fit(..., resume=True)).")
-        plan = make_plan(list(shape.hosts) if hosts else None,
+        line = make_line(list(shape.hosts) if hosts else None,
                          shape.stages if "stages" in given else None,
                          shape.replicas if "replicas" in given else None,
                          shape.tensor if "tensor" in given else None)
         if shape.ranks != first_ranks:
             # A script's plan file (fit(plan=...)) was made for the first ranks.
-            plan.env["HYPARFLOW_RESHAPED"] = f"{first_ranks}->{shape.ranks}"
+            line.env["HYPARFLOW_RESHAPED"] = f"{first_ranks}->{shape.ranks}"
     return code  # pragma: no cover - the loop returns

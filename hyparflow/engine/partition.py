@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from .. import balance as _balance
 
-__all__ = ["StagePlan", "Edge", "Partition", "partition"]
+__all__ = ["StageCut", "Edge", "Partition", "partition"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Edge:
 
 
 @dataclass
-class StagePlan:
+class StageCut:
     index: int
     nodes: list                 # node indices, in execution order
     data_inputs: list           # tensor indices of model inputs this stage reads from data
@@ -108,7 +108,7 @@ def partition(graph, num_stages, balance=None):
 
     stages = []
     for s in range(num_stages):
-        stages.append(StagePlan(
+        stages.append(StageCut(
             s, groups[s], sorted(data_inputs[s]),
             [e for e in edges if e.dst == s], [e for e in edges if e.src == s],
             list(graph.outputs) if s == last else [],

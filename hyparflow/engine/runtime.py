@@ -215,7 +215,7 @@ class Runtime:
         # A compute_loss override or layers adding losses of their own: checked on
         # this process's model (every rank alike) that they add up over microbatches.
         self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
-            else _customised.Plan()
+            else _customised.Custom()
         y_specs = _target_specs(graph, sample)
         if self.custom.loss is not None:
             y_specs = y_specs + _input_specs(graph, sample)
@@ -240,7 +240,7 @@ class Runtime:
                             sw_specs=_weight_specs(sample),
                             per_output=sample.per_output, recompute=recompute)
                       for j in virtual]
-            union = _partition.StagePlan(s, [i for j in virtual for i in part.stages[j].nodes],
+            union = _partition.StageCut(s, [i for j in virtual for i in part.stages[j].nodes],
                                          [], [], [])
             stage = Stage(graph, union, model, part, is_last=False, run_eagerly=eager,
                           recompute=recompute, accumulator=True)

@@ -2,7 +2,7 @@
 
 `read(models, describe)` reads every member's layer graph (hyparflow.graph), checks that
 they are one graph (same layers, calls, shapes; only hyper-parameters that keep the
-shapes differ) and picks a kind for each layer (registry.choose). `Array(plan, positions)`
+shapes differ) and picks a kind for each layer (registry.choose). `Array(sweep, positions)`
 is the fused model of some of the members: their weights stacked (variables.Stacked, or
 the members' own for layers run once per member), one forward for all of them.
 """
@@ -18,7 +18,7 @@ from .. import graph as _graph
 from . import registry as _kinds
 from .variables import Owned, Stacked
 
-__all__ = ["Plan", "read", "Array", "MismatchError"]
+__all__ = ["SweepGraph", "read", "Array", "MismatchError"]
 
 # Methods whose override changes how a model trains: a sweep would not run them.
 _CUSTOM_TRAINING = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -29,7 +29,7 @@ class MismatchError(ValueError):
 
 
 @dataclass
-class Plan:
+class SweepGraph:
     """What every rank knows of the sweep's graph: member 0's LayerGraph, each layer
     (by member 0's) with the N members' layers and its kind, and the layers not fused."""
 
@@ -145,7 +145,7 @@ def _calls(graph, op):
 
 
 def read(models, describe=None):
-    """The sweep's Plan from its N built, compiled models (raises MismatchError,
+    """The sweep's SweepGraph from its N built, compiled models (raises MismatchError,
     ValueError or NotImplementedError naming the member and what differs)."""
     for p, model in enumerate(models):
         _check_model(model, p, describe)
@@ -170,7 +170,7 @@ def read(models, describe=None):
         kinds[key] = kind
         if not kind.fused:
             looped.append((node.op.name, type(node.op).__name__, why))
-    return Plan(first, layers, kinds, looped)
+    return SweepGraph(first, layers, kinds, looped)
 
 
 class Context:
@@ -187,8 +187,8 @@ class Array:
     their weights in `slots` (Stacked per fused weight, Owned per member weight of a
     looped layer), their layers' kinds, and the forward of all of them at once."""
 
-    def __init__(self, plan, models, positions):
-        self.plan = plan
+    def __init__(self, sweep, models, positions):
+        self.sweep = sweep
         self.positions = list(positions)
         self.models = [models[i] for i in self.positions]
         self.n = len(self.positions)
@@ -196,9 +196,9 @@ class Array:
         self._slot_of = {}                  # id(member 0's variable) -> Stacked
         self.where = {}                     # id(any member's variable) -> (slot, index)
         self.kinds = {}
-        for key, all_ops in plan.layers.items():
+        for key, all_ops in sweep.layers.items():
             ops = [all_ops[i] for i in self.positions]
-            kind = plan.kinds[key]
+            kind = sweep.kinds[key]
             weights = [list(getattr(op, "weights", ())) for op in ops]
             for w in range(len(weights[0])):
                 originals = [ws[w] for ws in weights]
@@ -218,7 +218,7 @@ class Array:
                             for m in self.models]
         self.activity = {key: [getattr(op, "activity_regularizer", None)
                                for op in (all_ops[i] for i in self.positions)]
-                         for key, all_ops in plan.layers.items()}
+                         for key, all_ops in sweep.layers.items()}
         self.activity = {k: v for k, v in self.activity.items() if any(v)}
 
     def _add(self, slot):
@@ -237,7 +237,7 @@ class Array:
         """The members' outputs ([N, b, ...] per flat model output) for their inputs
         `xs` ([N, b, ...] per flat model input), and each member's activity-regularizer
         losses ([[loss, ...] per member])."""
-        graph = self.plan.graph
+        graph = self.sweep.graph
         values = {id(graph.tensors[t].keras_tensor): x for t, x in zip(graph.inputs, xs)}
         activity = [[] for _ in range(self.n)]
         for node in graph.nodes:

@@ -184,8 +184,8 @@ class _Run:
             return np.stack([_compat.fit_shuffle_order(samples) for _ in range(self.epochs)])
 
         self.models, orders = _members.build_members(build, self.configs, draw_orders)
-        self.plan = _fuse.read(self.models, self.describe)
-        self.data = _data.prepare_data(self.plan.graph, x, y, o["sample_weight"],
+        self.sweep = _fuse.read(self.models, self.describe)
+        self.data = _data.prepare_data(self.sweep.graph, x, y, o["sample_weight"],
                                        o["class_weight"])
         _data.check_finite(self.data)
         self.validation = None
@@ -193,7 +193,7 @@ class _Run:
             vd = o["validation_data"]
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(vd) if isinstance(
                 vd, (list, tuple)) else (vd, None, None)
-            self.validation = _data.prepare_data(self.plan.graph, vx, vy, vsw)
+            self.validation = _data.prepare_data(self.sweep.graph, vx, vy, vsw)
         for model in self.models:
             _members.prepare(model, self.data, min(self.batch_size, samples))
         # Checked for every member here, so that every rank finds a mistake alike.
@@ -224,15 +224,15 @@ class _Run:
                 self.group_comm.free()
 
     def _announce(self) -> None:
-        fused = sum(1 for k in self.plan.kinds.values() if k.fused)
+        fused = sum(1 for k in self.sweep.kinds.values() if k.fused)
         print(f"hyparflow sweep: {self.n} members on {self.groups} group(s) of "
-              f"{self.replicas} rank(s); {fused} of {len(self.plan.kinds)} layers fused",
+              f"{self.replicas} rank(s); {fused} of {len(self.sweep.kinds)} layers fused",
               flush=True)
-        normalizing = [layers[0].name for layers in self.plan.layers.values()
+        normalizing = [layers[0].name for layers in self.sweep.layers.values()
                        if isinstance(layers[0], keras.layers.BatchNormalization)
                        and layers[0].trainable]
-        random_loops = [layers[0].name for key, layers in self.plan.layers.items()
-                        if not self.plan.kinds[key].fused and _compat.seed_generators(layers[0])]
+        random_loops = [layers[0].name for key, layers in self.sweep.layers.items()
+                        if not self.sweep.kinds[key].fused and _compat.seed_generators(layers[0])]
         if self.replicas > 1 and random_loops:
             print(f"hyparflow sweep: warning: layers run once per member draw their own random "
                   f"numbers on each replica's part of a batch ({', '.join(random_loops)}), "
@@ -244,7 +244,7 @@ class _Run:
                   "of a batch by that part's statistics, so those members differ from their "
                   "own model.fit (moving statistics are averaged over the replicas after each "
                   "epoch, as in hf.fit). num_replicas=1 keeps them exact.", flush=True)
-        for name, cls, why in self.plan.looped:
+        for name, cls, why in self.sweep.looped:
             print(f"hyparflow sweep: layer {name!r} ({cls}) runs once per member: {why}",
                   flush=True)
 
@@ -252,7 +252,7 @@ class _Run:
         """The group's array of the members `indices` (its steps; None for none)."""
         if not indices:
             return None
-        array = _fuse.Array(self.plan, self.models, indices)
+        array = _fuse.Array(self.sweep, self.models, indices)
         optimizer = _optimizers.fuse([self.models[i].optimizer for i in indices],
                                      array.trainable, lambda p: self.describe(indices[p]))
         return Steps(array, optimizer, self.data, self.validation,
@@ -369,7 +369,7 @@ class _Run:
         groups = [(steps, [i for i in finishing if i in active])]
         gone = [i for i in finishing if i not in active]
         if gone:
-            array = _fuse.Array(self.plan, self.models, gone)
+            array = _fuse.Array(self.sweep, self.models, gone)
             groups.append((Steps(array, None, self.data, self.validation,
                                  self.group_comm if self.replicas > 1 else None), gone))
         assert self.validation is not None
