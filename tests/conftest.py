@@ -49,6 +49,33 @@ def train_ranks(build, x, y, *, num_stages, num_replicas, num_microbatches, weig
     return run_ranks(ranks, body, timeout=300)
 
 
+def check_resumes(build, x, y, checkpoint_dir, runs, *, batch_size, ranks=2, tol=1e-5):
+    """Train on `ranks` thread-ranks, resume, compare: each of `runs`, `(epochs,
+    fit_kwargs)`, is an `hf.fit(..., epochs=epochs, checkpoint_dir=checkpoint_dir,
+    **fit_kwargs)` (pass `resume=True` for the runs that resume), all starting from the
+    same initial weights; the last run's weights on every rank must be plain Keras's
+    `model.fit` for the last run's epochs, to `tol`. Returns them."""
+    model = build()
+    start = model.get_weights()
+    model.fit(x, y, batch_size=batch_size, epochs=runs[-1][0], shuffle=False, verbose=0)
+    want = model.get_weights()
+
+    def fit(epochs, kwargs):
+        def body(comm):
+            model = build()
+            model.set_weights(start)
+            hyparflow.fit(model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+                          verbose=0, comm=comm, checkpoint_dir=str(checkpoint_dir), **kwargs)
+            return model.get_weights()
+
+        return run_ranks(ranks, body, timeout=300)
+
+    for epochs, kwargs in runs:
+        final = fit(epochs, kwargs)
+    assert max(max_diff(w, want) for w in final) <= tol
+    return final
+
+
 @pytest.fixture
 def run_ranks_fixture():
     return run_ranks

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from conftest import max_diff, reference, train_ranks
+from conftest import check_resumes, max_diff, reference, train_ranks
 from hyparflow.kinds import tensor as hft
 from hyparflow.graph import from_model
 
@@ -255,29 +255,13 @@ def test_checkpoint_reshapes_the_heads(tmp_path):
     """A checkpoint written with T=2 (heads 3:1) resumes with T=1 (2 stages), then with
     T=2 (even): Adam's state of the heads is saved whole and cut again, and the
     result is one-process Keras's."""
-    from hyparflow.engine.local import run_ranks
-
-    build = lambda: encoder_model(keras.optimizers.Adam(0.01), dense_input=True)  # noqa: E731
-    x, y = sequence_data(dense_input=True)
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
-
-    def fit(epochs, **kwargs):
-        def body(comm):
-            model = build()
-            model.set_weights(start)
-            hf.fit(model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                   comm=comm, checkpoint_dir=str(tmp_path), **kwargs)
-            return model.get_weights()
-
-        return run_ranks(2, body, timeout=300)
-
     layers = ["attn", "ffn_up", "ffn_down"]
-    fit(1, num_tensor=2, tensor_layers=layers, tensor_shares=[3, 1])
-    fit(2, num_stages=2, resume=True)
-    final = fit(3, num_tensor=2, tensor_layers=layers, resume=True)
-    assert max(max_diff(w, reference.get_weights()) for w in final) <= 1e-4
+    check_resumes(lambda: encoder_model(keras.optimizers.Adam(0.01), dense_input=True),
+                  *sequence_data(dense_input=True), tmp_path,
+                  [(1, dict(num_tensor=2, tensor_layers=layers, tensor_shares=[3, 1])),
+                   (2, dict(num_stages=2, resume=True)),
+                   (3, dict(num_tensor=2, tensor_layers=layers, resume=True))],
+                  batch_size=BATCH, tol=1e-4)
 
 
 class ScaledAttention(L.MultiHeadAttention):
@@ -469,7 +453,7 @@ def test_planner_costs_one_sum_each_way_for_attention():
     out = L.MultiHeadAttention(8, 32, name="attn")(inp, inp)  # 132k weights: chosen by size
     graph = from_model(keras.Model(inp, out))
     network = planner.Network(1e-4, 1e-9)
-    costs = planner._tensor_costs(graph, 2, 4, network)
+    costs = planner.tensor_costs(graph, 2, 4, network)
     ((i, (divisor, forward, backward)),) = costs.items()
     assert graph.nodes[i].op.name == "attn" and divisor == 2
     assert forward == backward == network.exchange(4 * 4 * SEQ * 128, 2)
@@ -478,25 +462,9 @@ def test_planner_costs_one_sum_each_way_for_attention():
 def test_keras_hub_block_checkpoint_reshapes(tmp_path):
     """A Keras Hub block's parts (attention heads, feed-forward pair) and their momentum
     are saved whole at T=2 (3:1) and resume at T=1 with 2 stages: Keras's weights."""
-    from hyparflow.engine.local import run_ranks
-
     keras_hub_or_skip()
-    build = lambda: hub_model("encoder", keras.optimizers.SGD(0.05, momentum=0.9))  # noqa: E731
-    x, y = sequence_data()
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-
-    def fit(epochs, **kwargs):
-        def body(comm):
-            model = build()
-            model.set_weights(start)
-            hf.fit(model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                   comm=comm, checkpoint_dir=str(tmp_path), **kwargs)
-            return model.get_weights()
-
-        return run_ranks(2, body, timeout=300)
-
-    fit(1, num_tensor=2, tensor_layers=["block"], tensor_shares=[3, 1])
-    final = fit(2, num_stages=2, resume=True)
-    assert max(max_diff(w, reference.get_weights()) for w in final) <= 1e-5
+    check_resumes(lambda: hub_model("encoder", keras.optimizers.SGD(0.05, momentum=0.9)),
+                  *sequence_data(), tmp_path,
+                  [(1, dict(num_tensor=2, tensor_layers=["block"], tensor_shares=[3, 1])),
+                   (2, dict(num_stages=2, resume=True))],
+                  batch_size=BATCH)

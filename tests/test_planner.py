@@ -366,5 +366,5 @@ def test_cost_model_knows_the_split_schedules():
     assert p["zb-batched"]["step_s"] < p["zb-h1"]["step_s"] < p["1f1b"]["step_s"]
     assert p["zb-batched"]["memory_bytes"][0] > p["1f1b"]["memory_bytes"][0]
     # GPipe with one microbatch fuses the last stage's F and B, as the executor does.
-    assert planner._fused(1, 2, "gpipe", 1) and not planner._fused(1, 2, "gpipe", 2)
-    assert planner._fused(1, 2, "1f1b", 4) and not planner._fused(0, 2, "1f1b", 4)
+    assert planner.fuses(1, 2, "gpipe", 1) and not planner.fuses(1, 2, "gpipe", 2)
+    assert planner.fuses(1, 2, "1f1b", 4) and not planner.fuses(0, 2, "1f1b", 4)

@@ -38,9 +38,10 @@ from .costmodel import Across, Compute, Network, Row, crosses, interpolate, tens
 from ..layout import Layout, resolve
 from ..schedules import CHUNKED, PLANNED
 
-__all__ = ["Network", "Compute", "Row", "predict", "search", "interpolate", "as_layout"]
+__all__ = ["Network", "Compute", "Row", "predict", "search", "interpolate", "as_layout",
+           "fuses", "tensor_costs"]
 
-def _fused(s, stages, schedule, micro=2, chunks=1):
+def fuses(s, stages, schedule, micro=2, chunks=1):
     """Whether stage `s` runs forward and backward in one call: where the schedule
     says so (`schedule.fuse`, which the executor reads too: the last stage under
     1F1B, or GPipe with one microbatch, or a stage alone). With `chunks`, `stages`
@@ -81,7 +82,7 @@ def _elements(graph, t):
     return numel(graph.tensors[t].shape)
 
 
-def _tensor_costs(graph, num_tensor, m, network, across=False):
+def tensor_costs(graph, num_tensor, m, network, across=False):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
     `num_tensor` ranks would split (the default choice: by size); `across`: the tensor
     ranks of a stage span hosts."""
@@ -132,8 +133,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         slowdown = compute.slowdown(m)
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
-    split = _tensor_costs(graph, num_tensor, m, network,
-                          across=tensor_spans(num_tensor, ranks_per_node))
+    split = tensor_costs(graph, num_tensor, m, network,
+                         across=tensor_spans(num_tensor, ranks_per_node))
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at
@@ -175,7 +176,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # exchanges do not. Of a time `every` with all the ranks busy and `one` with
         # T of them: work * slowdown(busy) + wait, fitted through both.
         for s in range(stages):
-            fused = _fused(s, stages, schedule, micro, chunks)
+            fused = fuses(s, stages, schedule, micro, chunks)
             f, b, f1, b1 = stage_timer(counts, s, m, fused, num_tensor)
             if fused:
                 f, b, f1, b1 = _thirds((f, b), (f1, b1))
@@ -186,7 +187,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             exchange_f[s] = exchange_b[s] = 0.0
     elif stage_timer is not None and num_tensor == 1:
         for s in range(stages):
-            fused = _fused(s, stages, schedule, micro, chunks)
+            fused = fuses(s, stages, schedule, micro, chunks)
             f, b = stage_timer(counts, s, m, fused)
             if fused:
                 f, b = _thirds((f, b))
@@ -194,7 +195,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     elif stage_costs:
         at = lambda key: interpolate(stage_costs["batches"], stage_costs[key], m)  # noqa: E731
         for s in range(stages):
-            if not _fused(s, stages, schedule, micro, chunks):
+            if not fuses(s, stages, schedule, micro, chunks):
                 whole = work[s] * at("taped")  # the summing of gradients included
                 forward[s], backward[s] = whole * at("forward"), whole * (1 - at("forward"))
             else:
@@ -298,8 +299,8 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
         # run under mpiexec, the others in passes over all of them.
         splits = getattr(stage_timer, "splits", False)
         stage_timer.prepare([(list(c.balance), s,
-                              _fused(s, len(c.balance), c.schedule, c.num_microbatches,
-                                     c.num_chunks),
+                              fuses(s, len(c.balance), c.schedule, c.num_microbatches,
+                                    c.num_chunks),
                               c.num_tensor)
                              for c in candidates if c.num_tensor == 1 or splits
                              for s in range(len(c.balance))])
