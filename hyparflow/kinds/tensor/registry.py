@@ -7,6 +7,7 @@ and one line in `KINDS`."""
 
 from .attention import Heads, Inner
 from .conv import Filters
+from .decoder import Decoder, EinsumColumn, EinsumRow, QueryGroups
 from .dense import Column, Row
 from .embedding import Rows
 from .collectives import SUBS
@@ -17,7 +18,8 @@ __all__ = ["KINDS", "BY_NAME", "kind_of", "describe", "why_not", "choose", "shar
 
 # The kinds, in the order they are asked to claim a layer (the first that claims it
 # splits it; a layer holding attention layers is claimed last).
-KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Inner())
+KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Decoder(), QueryGroups(), EinsumColumn(),
+         EinsumRow(), Inner())
 BY_NAME = {kind.name: kind for kind in KINDS}
 Shard.kinds.update(BY_NAME)
 
@@ -31,9 +33,9 @@ def describe(conjunction="and"):
     """The layers the kinds split, for messages: "Dense, Conv2D, Embedding and
     MultiHeadAttention layers (or layers holding MultiHeadAttention layers)"."""
     names = [k.what for k in KINDS if k.what and not k.what.startswith("(")]
-    extra = [k.what for k in KINDS if k.what and k.what.startswith("(")]
+    extra = [k.what.strip("()") for k in KINDS if k.what and k.what.startswith("(")]
     text = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
-    return " ".join([f"{text} layers"] + extra)
+    return f"{text} layers" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def why_not(graph, i, num_tensor):
