@@ -143,18 +143,39 @@ def _ffn_why_not(layers, num_tensor):
     return None
 
 
+def _blocks_in(op):
+    """The decoder blocks `op` is or holds (a backbone: a CausalLM's graph holds its
+    backbone as one layer call)."""
+    if _block(op) is not None:
+        return [op]
+    return [sub for sub in _compat.sublayers(op) if _block(sub) is not None]
+
+
 class Decoder(SplitKind):
-    """A Keras Hub LLM decoder block: its attention by query/key-value groups
-    (`QueryGroups`), its gated feed-forward by columns and rows (a `Nested` part)."""
+    """A Keras Hub LLM decoder block, or a layer holding some (a backbone): each
+    block's attention by query/key-value groups (`QueryGroups`), its gated
+    feed-forward by columns and rows (a `Nested` part)."""
 
     name = "decoder"
-    what = "(or Keras Hub's Llama, Mistral, Qwen and Gemma decoder blocks)"
+    what = "(or Keras Hub's Llama, Mistral, Qwen and Gemma decoder blocks or backbones)"
     part = Nested
 
     def claims(self, op):
-        return _block(op) is not None
+        return bool(_blocks_in(op))
+
+    def weights(self, op):
+        """The variables the parts replace (the blocks' projections): a backbone's
+        token embedding, tied to a CausalLM's output, stays whole and may be shared."""
+        return [v for layer, _, _ in self.members(op, 1) for v in layer.weights]
 
     def why_not(self, op, num_tensor):
+        for block in _blocks_in(op):
+            reason = self._block_why_not(block, num_tensor)
+            if reason is not None:
+                return reason if block is op else f"its block {block.name!r}: {reason}"
+        return None
+
+    def _block_why_not(self, op, num_tensor):
         block = _block(op)
         attention = getattr(op, block.attention, None)
         if attention is None:
@@ -168,20 +189,27 @@ class Decoder(SplitKind):
         return _ffn_why_not(layers, num_tensor)
 
     def members(self, op, num_tensor):
-        block = _block(op)
-        out = [(getattr(op, block.attention), _GROUPS, {})]
-        for name in block.columns:
-            layer = getattr(op, name)
-            out.append((layer, _E_COLUMN if _einsum(layer) else _COLUMN, {"gather": False}))
-        row = getattr(op, block.row)
-        return out + [(row, _E_ROW if _einsum(row) else _ROW, {})]
+        out = []
+        for layer in _blocks_in(op):
+            block = _block(layer)
+            out.append((getattr(layer, block.attention), _GROUPS, {}))
+            for name in block.columns:
+                dense = getattr(layer, name)
+                out.append((dense, _E_COLUMN if _einsum(dense) else _COLUMN, {"gather": False}))
+            row = getattr(layer, block.row)
+            out.append((row, _E_ROW if _einsum(row) else _ROW, {}))
+        return out
 
     def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
-        # Forward: the attention's output summed, the down projection's; backward: the
+        # Per block. Forward: the attention's output summed, the down projection's; backward: the
         # input's gradient summed at the attention and at each of the two columns
         # (the key/value gradients of a kept single head are a head's size: left out).
         return (2 * network.exchange(out_bytes, num_tensor),
                 3 * network.exchange(in_bytes, num_tensor))
+
+    def repeats(self, op):
+        # A backbone: its blocks' (their activations are the backbone's output's size).
+        return len(_blocks_in(op))
 
 
 def _einsum(layer):
