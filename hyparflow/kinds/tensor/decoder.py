@@ -24,7 +24,7 @@ import keras
 
 from ... import _compat
 from .attention import Nested
-from .collectives import ENTER, SUM
+from .collectives import ENTER, SUBS, SUM
 from .dense import Column, Row
 from .split import SplitKind, common_why_not, qualified, weights_of
 
@@ -169,7 +169,11 @@ class Decoder(SplitKind):
         return [v for layer, _, _ in self.members(op, 1) for v in layer.weights]
 
     def why_not(self, op, num_tensor):
-        for block in _blocks_in(op):
+        blocks = _blocks_in(op)
+        if 4 * len(blocks) >= SUBS:
+            return (f"it holds {len(blocks)} decoder blocks; hyparflow splits at most "
+                    f"{(SUBS - 1) // 4} inside one layer call")
+        for block in blocks:
             reason = self._block_why_not(block, num_tensor)
             if reason is not None:
                 return reason if block is op else f"its block {block.name!r}: {reason}"
