@@ -95,7 +95,8 @@ def tensor_costs(graph, num_tensor, m, network, across=False):
     for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
-        out[i] = (num_tensor, *T.exchange(split, out_bytes, in_bytes, num_tensor, network))
+        out[i] = (num_tensor, *T.exchange(split, out_bytes, in_bytes, num_tensor, network,
+                                              op=node.op))
     return out
 
 

@@ -121,6 +121,14 @@ class Inner(SplitKind):
                 return f"its attention layer {sub.name!r} cannot be split: {reason}"
         return None
 
+    def members(self, op, num_tensor):
+        """[(sublayer, its kind, Split options)] a `Nested` part splits: the attention
+        layers by heads, the known feed-forward pair by columns then rows."""
+        out = [(layer, _HEADS, {}) for layer in _inner_attention(op)]
+        for first, second in _inner_pairs(op, num_tensor):
+            out += [(first, _COLUMN, {"gather": False}), (second, _ROW, {})]
+        return out
+
     def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
         # A block also sums its feed-forward pair's, each way.
         return (2 * network.exchange(out_bytes, num_tensor),
@@ -263,24 +271,19 @@ def _projection(layer, kernel, bias):
 
 
 class Nested:
-    """One rank's part of a layer that holds MultiHeadAttention layers inside (Keras
-    Hub's TransformerEncoder/Decoder): each attention layer split by heads (a Shard
-    of its own), and a known Dense pair (`_INNER_PAIRS`: the feed-forward block) by
-    columns then rows; their calls replaced while the outer layer runs as it is."""
+    """One rank's part of a layer that holds layers to split inside (Keras Hub's
+    TransformerEncoder/Decoder, its LLM decoder blocks): each of them a Shard of its
+    own, as its kind's `members(op, T)` lists them (for `Inner`: each attention layer
+    by heads, a known Dense pair, `_INNER_PAIRS`, by columns then rows); their calls
+    replaced while the outer layer runs as it is."""
 
     def __init__(self, op, split, rank, shares, collectives, site=0, kind=None):
         self.op, self.split, self.rank = op, split, rank
         made = []
-
-        def sub(layer, kind, **extra):
-            made.append(Shard(layer, Split(split.node, kind.name, **extra), rank, shares,
-                              collectives, site=site + 1 + len(made), kind=kind))
-
-        for layer in _inner_attention(op):
-            sub(layer, _HEADS)
-        for first, second in _inner_pairs(op, len(shares)):
-            sub(first, _COLUMN, gather=False)
-            sub(second, _ROW)
+        kind = kind if kind is not None else _INNER
+        for layer, sub_kind, extra in kind.members(op, len(shares)):
+            made.append(Shard(layer, Split(split.node, sub_kind.name, **extra), rank, shares,
+                              collectives, site=site + 1 + len(made), kind=sub_kind))
         if len(made) >= SUBS:
             raise ValueError(f"Layer {op.name!r} holds {len(made)} layers to split; hyparflow "
                              f"splits at most {SUBS - 1} inside one layer. Use num_tensor=1 "
@@ -331,3 +334,4 @@ class Nested:
 
 Inner.part = Nested  # a rank's part of a layer holding attention layers
 _HEADS, _COLUMN, _ROW = Heads(), Column(), Row()  # the kinds a Nested part's layers take
+_INNER = Inner()

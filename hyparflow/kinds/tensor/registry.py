@@ -7,6 +7,7 @@ and one line in `KINDS`."""
 
 from .attention import Heads, Inner
 from .conv import Filters
+from .decoder import Decoder, EinsumColumn, EinsumRow, QueryGroups
 from .dense import Column, Row
 from .embedding import Rows
 from .collectives import SUBS
@@ -17,7 +18,8 @@ __all__ = ["KINDS", "BY_NAME", "kind_of", "describe", "why_not", "choose", "shar
 
 # The kinds, in the order they are asked to claim a layer (the first that claims it
 # splits it; a layer holding attention layers is claimed last).
-KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Inner())
+KINDS = (Column(), Row(), Filters(), Rows(), Heads(), Decoder(), QueryGroups(), EinsumColumn(),
+         EinsumRow(), Inner())
 BY_NAME = {kind.name: kind for kind in KINDS}
 Shard.kinds.update(BY_NAME)
 
@@ -29,11 +31,12 @@ def kind_of(op):
 
 def describe(conjunction="and"):
     """The layers the kinds split, for messages: "Dense, Conv2D, Embedding and
-    MultiHeadAttention layers (or layers holding MultiHeadAttention layers)"."""
+    MultiHeadAttention layers (or Keras Hub's ... decoder blocks, or layers holding
+    MultiHeadAttention layers)"."""
     names = [k.what for k in KINDS if k.what and not k.what.startswith("(")]
-    extra = [k.what for k in KINDS if k.what and k.what.startswith("(")]
+    extra = [k.what.strip("()") for k in KINDS if k.what and k.what.startswith("(")]
     text = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
-    return " ".join([f"{text} layers"] + extra)
+    return f"{text} layers" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def why_not(graph, i, num_tensor):
@@ -44,7 +47,7 @@ def why_not(graph, i, num_tensor):
         return f"only {describe()} can be split"
     if sum(node.op is op for node in graph.nodes) != 1:
         return "the layer is called more than once (shared weights)"
-    mine = {id(v) for v in op.weights}
+    mine = {id(v) for v in kind.weights(op)}
     for node in graph.nodes:
         if node.op is not op and mine & {id(v) for v in getattr(node.op, "weights", ())}:
             return (f"its weights are also used by layer {node.op.name!r} (tied weights), "
@@ -102,6 +105,10 @@ def shard(op, split, rank, shares, collectives):
     return cache[key]
 
 
-def exchange(split, out_bytes, in_bytes, num_tensor, network):
-    """(forward, backward) seconds of split `split`'s collectives per call."""
-    return BY_NAME[split.kind].exchange(split, out_bytes, in_bytes, num_tensor, network)
+def exchange(split, out_bytes, in_bytes, num_tensor, network, op=None):
+    """(forward, backward) seconds of split `split`'s collectives per call (of layer
+    `op`, when given: a kind may run its collectives several times per call)."""
+    kind = BY_NAME[split.kind]
+    forward, backward = kind.exchange(split, out_bytes, in_bytes, num_tensor, network)
+    times = kind.repeats(op) if op is not None else 1
+    return forward * times, backward * times

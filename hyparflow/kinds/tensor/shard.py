@@ -14,6 +14,13 @@ from .split import split_sizes
 __all__ = ["Shard"]
 
 
+def _axis(cut):
+    """(axis, entries per unit) of a cut: an int axis holds one entry per unit of the
+    kind's `size`; (axis, n) holds n (grouped-query attention's query heads, cut by
+    key/value groups)."""
+    return cut if isinstance(cut, tuple) else (cut, 1)
+
+
 class Shard:
     """One rank's part of a split layer: its own variables (sliced from the layer's,
     named as the layer's so optimizer slots carry the same names) and the call.
@@ -33,7 +40,8 @@ class Shard:
         self.kind = kind = kind if kind is not None else Shard.kinds[split.kind]
         self.sizes = split_sizes(kind.size(op), shares)
         self.start = sum(self.sizes[:rank])
-        # (layer variable, axis it is cut on, or None when every rank keeps all of it)
+        # (layer variable, axis it is cut on, or None when every rank keeps all of it;
+        # an axis may be (axis, entries per unit): see `_axis`)
         cuts = kind.cuts(self)
         self.cuts = []
         for var, axis in cuts:
@@ -56,8 +64,9 @@ class Shard:
         self.part_of = {id(var): part for var, part, _ in self.cuts}
 
     def _slice(self, value, axis):
+        axis, per = _axis(axis)
         index = [slice(None)] * value.ndim
-        index[axis] = slice(self.start, self.start + self.sizes[self.rank])
+        index[axis] = slice(self.start * per, (self.start + self.sizes[self.rank]) * per)
         return value[tuple(index)]
 
     @property
@@ -85,10 +94,11 @@ class Shard:
 
     def gathered(self, value, axis):
         """The whole of a variable cut on `axis`, from every rank's part `value`."""
+        axis, per = _axis(axis)
         shapes = []
         for n in self.sizes:
             shape = list(value.shape)
-            shape[axis] = n
+            shape[axis] = n * per
             shapes.append(tuple(shape))
         return np.concatenate(self.coll.exchange(value, shapes, self.what,
                                                  self.tag(WEIGHTS)), axis=axis)

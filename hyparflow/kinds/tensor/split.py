@@ -89,7 +89,9 @@ class SplitKind:
     - `call(shard, x)`: this rank's part of the layer's call on `x`, collectives
       included; or `calls(shard)`: {layer: function run in place of its `call`};
     - `exchange(split, out_bytes, in_bytes, num_tensor, network)`: the seconds of its
-      collectives per call, (forward, backward), for the planner.
+      collectives per call, (forward, backward), for the planner (`repeats(op)` times:
+      a backbone holding several blocks);
+    - `weights(op)`: the variables its parts replace (no other layer may use them).
 
     `what` names the layers it splits in messages ("Dense"), None for a kind that is
     only chosen with another (a Dense pair's "row"). `part`: the class of a rank's
@@ -108,6 +110,10 @@ class SplitKind:
     def splits(self, graph, i, context):
         return {i: Split(i, self.name)}
 
+    def weights(self, op):
+        """The variables of `op` its parts replace (no other layer may use them)."""
+        return op.weights
+
     def size(self, op):
         raise NotImplementedError(f"split kind {self.name!r} gives no size")
 
@@ -122,6 +128,11 @@ class SplitKind:
 
     def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
         return 0.0, 0.0
+
+    def repeats(self, op):
+        """How many times `exchange`'s collectives run per call of `op` (a layer
+        holding several blocks split alike)."""
+        return 1
 
 
 def weights_of(shard):
