@@ -19,19 +19,21 @@ VOCAB, SEQ, BATCH = 41, 8, 8
 
 
 def llm(kind, kv_heads, dropout=0.0):
+    # The backbone named: Keras numbers automatic names per thread, so a model built on
+    # a rank's thread would not have the name one built here got after other tests.
     def build():
         keras.utils.set_random_seed(21)
         if kind == "llama":
             backbone = keras_hub.models.LlamaBackbone(
                 vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
                 num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=32,
-                dropout=dropout)
+                dropout=dropout, name="backbone")
             model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
         else:
             backbone = keras_hub.models.GemmaBackbone(
                 vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
                 num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=64,
-                head_dim=4, dropout=dropout)
+                head_dim=4, dropout=dropout, name="backbone")
             model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
         model.compile(optimizer=keras.optimizers.Adam(1e-2),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
