@@ -2,12 +2,12 @@
 
 import keras
 
-from .split import SplitKind, common_why_not, output_split_call
+from .split import ByOutputs, common_why_not
 
 __all__ = ["Filters"]
 
 
-class Filters(SplitKind):
+class Filters(ByOutputs):
     name = "filters"
     what = "Conv2D"
 
@@ -24,16 +24,5 @@ class Filters(SplitKind):
             return f"it has fewer filters ({op.filters}) than tensor ranks"
         return None
 
-    def size(self, op):
-        return int(op.kernel.shape[-1])
-
-    def cuts(self, shard):
-        op = shard.op
-        return [(op.kernel, -1)] + ([(op.bias, 0)] if op.use_bias else [])
-
-    def call(self, shard, x):
-        return output_split_call(shard, x, shard.op.convolution_op)
-
-    def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
-        forward = network.exchange(out_bytes / num_tensor, num_tensor) if split.gather else 0.0
-        return forward, network.exchange(in_bytes, num_tensor)
+    def product(self, op):
+        return op.convolution_op

@@ -7,12 +7,12 @@ import keras
 import tensorflow as tf
 
 from .collectives import SUM
-from .split import Split, SplitKind, common_why_not, output_split_call, weights_of
+from .split import ByOutputs, Split, SplitKind, common_why_not, weights_of
 
 __all__ = ["Column", "Row"]
 
 
-class Column(SplitKind):
+class Column(ByOutputs):
     name = "column"
     what = "Dense"
 
@@ -39,21 +39,8 @@ class Column(SplitKind):
             return {i: Split(i, "column", gather=False), partner: Split(partner, "row")}
         return {i: Split(i, "column")}
 
-    def size(self, op):
-        return int(op.kernel.shape[-1])
-
-    def cuts(self, shard):
-        op = shard.op
-        return [(op.kernel, -1)] + ([(op.bias, 0)] if op.use_bias else [])
-
-    def call(self, shard, x):
-        return output_split_call(shard, x, keras.ops.matmul)
-
-    def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
-        # Forward: the outputs gathered (each rank sends its columns), or nothing when
-        # the row partner sums; backward: the input's gradient summed.
-        forward = network.exchange(out_bytes / num_tensor, num_tensor) if split.gather else 0.0
-        return forward, network.exchange(in_bytes, num_tensor)
+    def product(self, op):
+        return keras.ops.matmul
 
 
 class Row(SplitKind):

@@ -4,8 +4,8 @@ kinds (one file each: dense, conv, embedding, attention; listed in `registry`)."
 
 from dataclasses import dataclass
 
-__all__ = ["MIN_PARAMS", "Split", "SplitKind", "shares_of", "split_sizes", "common_why_not",
-           "qualified"]
+__all__ = ["MIN_PARAMS", "Split", "SplitKind", "ByOutputs", "shares_of", "split_sizes",
+           "common_why_not", "qualified"]
 
 MIN_PARAMS = 1 << 16  # layers with fewer weights are not split unless named
 
@@ -164,3 +164,27 @@ def output_split_call(shard, x, product):
     if shard.split.gather:
         y = shard.coll.gather(y, shard.sizes, shard.what, tag=shard.tag(GATHER))
     return y
+
+
+class ByOutputs(SplitKind):
+    """A layer split by its output units (Dense columns, Conv2D filters): the kernel's
+    last axis and the bias cut, `product(op)` the layer's own kernel product."""
+
+    def product(self, op):
+        raise NotImplementedError
+
+    def size(self, op):
+        return int(op.kernel.shape[-1])
+
+    def cuts(self, shard):
+        op = shard.op
+        return [(op.kernel, -1)] + ([(op.bias, 0)] if op.use_bias else [])
+
+    def call(self, shard, x):
+        return output_split_call(shard, x, self.product(shard.op))
+
+    def exchange(self, split, out_bytes, in_bytes, num_tensor, network):
+        # Forward: the outputs gathered (each rank sends its units), or nothing when
+        # a row partner sums; backward: the input's gradient summed.
+        forward = network.exchange(out_bytes / num_tensor, num_tensor) if split.gather else 0.0
+        return forward, network.exchange(in_bytes, num_tensor)
