@@ -29,6 +29,14 @@ def llm(kind, kv_heads, dropout=0.0):
                 num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=32,
                 dropout=dropout, name="backbone")
             model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        elif kind in ("mistral", "qwen"):
+            cls = {"mistral": "Mistral", "qwen": "Qwen"}[kind]
+            backbone = getattr(keras_hub.models, cls + "Backbone")(
+                vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
+                num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=32,
+                dropout=dropout, name="backbone")
+            model = getattr(keras_hub.models, cls + "CausalLM")(backbone=backbone,
+                                                                  preprocessor=None)
         else:
             backbone = keras_hub.models.GemmaBackbone(
                 vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
@@ -82,6 +90,12 @@ def test_llama_grouped_query_attention_split_by_groups():
     """4 query heads, 2 key/value heads: each rank one key/value head and its 2 query
     heads; the gate/up projections by columns, the down projection by rows."""
     check(llm("llama", 2), [(1, 2, 1), (2, 2, 2)])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen"])
+def test_mistral_and_qwen_split_by_groups(kind):
+    """The same blocks as Llama's (Qwen's query/key/value projections with biases)."""
+    check(llm(kind, 2), [(1, 2, 1)])
 
 
 def test_gemma_single_key_value_head_kept_whole():
