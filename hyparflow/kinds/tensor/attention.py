@@ -16,7 +16,7 @@ from .shard import Shard
 from .dense import Column, Row
 from .split import Split, SplitKind, common_why_not, qualified
 
-__all__ = ["Heads", "Inner", "Nested"]
+__all__ = ["Heads", "Inner", "Nested", "refuse_cache"]
 
 _FOLLOWED_CALLS = {
     "keras.src.layers.attention.multi_head_attention.MultiHeadAttention.call",
@@ -79,6 +79,15 @@ def _inner_pairs(op, num_tensor):
                 and int(b.kernel.shape[0]) == a.units):
             out.append((a, b))
     return out
+
+
+def refuse_cache(op, bound):
+    """A key/value cache holds every head: decoding is not split."""
+    if bound.arguments.get("cache") is not None:
+        raise ValueError(
+            f"Attention layer {op.name!r} is split by heads (num_tensor > 1) and was "
+            "called with a key/value cache, which holds every head. Decode with "
+            "num_tensor=1.")
 
 
 class Heads(SplitKind):
@@ -216,11 +225,7 @@ def _attention(shard, parts):
 
     def call(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("cache") is not None:
-            raise ValueError(
-                f"Attention layer {op.name!r} is split by heads (num_tensor > 1) and was "
-                "called with a key/value cache, which holds every head. Decode with "
-                "num_tensor=1.")
+        refuse_cache(op, bound)
         entered, originals = {}, []
         for k, name in enumerate(("query", "value", "key")):
             x = bound.arguments.get(name)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import keras
 
 from ... import _compat
-from .attention import Nested
+from .attention import Nested, refuse_cache
 from .collectives import ENTER, SUBS, SUM
 from .dense import Column, Row
 from .split import SplitKind, common_why_not, qualified, weights_of
@@ -308,11 +308,7 @@ def _attention(shard, spec, kept):
 
     def call(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("cache") is not None:
-            raise ValueError(
-                f"Attention layer {op.name!r} is split by heads (num_tensor > 1) and was "
-                "called with a key/value cache, which holds every head. Decode with "
-                "num_tensor=1.")
+        refuse_cache(op, bound)
         if not kept:
             x = bound.arguments[first]
             bound.arguments[first] = _compat.set_keras_mask(
