@@ -18,6 +18,43 @@ from hyparflow.engine.local import run_ranks  # noqa: E402
 tf.get_logger().setLevel("ERROR")
 
 
+def _take_turns():
+    """Thread-ranks share classes, processes under mpiexec do not. Keras's
+    `Model.__init__` rewrites the `__bases__` of a functional-style Model subclass on
+    every construction, and Keras Hub's `PipelineModel.__init__` first resets its own
+    to `(keras.Model,)`: thread-ranks building Keras Hub tasks at once meet a
+    half-rewritten hierarchy ("a __bases__ item causes an inheritance cycle",
+    "super(type, obj): obj must be an instance or subtype of type"). Rewrites take
+    turns, and the reset is skipped for functional construction (the only kind these
+    tests use), where Model.__init__ puts `Functional` back at once anyway."""
+    import threading
+
+    from keras.src.models import model as keras_model
+
+    inject, lock = keras_model.inject_functional_model_class, threading.RLock()
+
+    def locked(cls):
+        with lock:
+            return inject(cls)
+
+    keras_model.inject_functional_model_class = locked
+    try:
+        from keras_hub.src.utils.pipeline_model import PipelineModel
+    except ImportError:
+        return
+
+    def init(self, *args, **kwargs):
+        with lock:
+            if not keras_model.functional_init_arguments(args, kwargs):
+                PipelineModel.__bases__ = (keras_model.Model,)
+        keras_model.Model.__init__(self, *args, **kwargs)
+
+    PipelineModel.__init__ = init
+
+
+_take_turns()
+
+
 def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 

@@ -251,6 +251,26 @@ def _reports(directory):
     return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(directory, "rank-*.json")))]
 
 
+def _slurm_nodes_answer(seconds=120):
+    """A link cut for longer than SlurmdTimeout leaves the node down (not responding) in
+    slurmctld, and the next 2-node job would wait for it: resume such nodes and wait
+    until every node answers and is free."""
+    deadline = time.monotonic() + seconds
+    while True:
+        shown = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                               text=True, timeout=30, env=ENV).stdout.split()
+        states = dict(zip(shown[::2], shown[1::2]))
+        waiting = {n: s for n, s in states.items() if s != "idle"}
+        if states and not waiting:
+            return
+        for node, state in waiting.items():
+            if state.startswith(("down", "drain")):
+                subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                               capture_output=True, timeout=30, env=ENV)
+        assert time.monotonic() < deadline, f"Slurm nodes not back in {seconds} s: {states}"
+        time.sleep(1)
+
+
 slurm_only = pytest.mark.skipif(not SLURM, reason="the emulated cluster has no Slurm "
                                 "(`bash scripts/emulated-cluster.sh up 2 --slurm`)")
 
@@ -261,6 +281,7 @@ def test_sbatch_templates_on_two_nodes(tmp_path):
     """The hybrid template on 2 nodes (one stage on each), the array template on 2 nodes
     (one replica on each), and the single template on one node of the 2-node cluster:
     each job trains to model.fit's weights, its ranks on the nodes Slurm gave it."""
+    _slurm_nodes_answer()
     h1, h2 = HOSTS[:2]
     hybrid = tmp_path / "hybrid"
     code, log = _sbatch(tmp_path, "--template", "hybrid", "--nodes", "2", "--tasks-per-node", "1",
@@ -328,6 +349,8 @@ def test_restart_after_a_cut_link_finishes_on_the_host_left(tmp_path):
     finally:
         subprocess.run(["bash", CLUSTER, "heal", h2], timeout=20)
         _end(proc)
+        if SLURM:
+            _slurm_nodes_answer()
     text = log.read_text()
     print(f"restarted and finished {seconds:.1f} s after the cut\n{text[-4000:]}")
     assert proc.returncode == 0, text[-4000:]
@@ -345,7 +368,7 @@ def test_restart_after_a_cut_link_finishes_on_the_host_left(tmp_path):
 
 
 @slurm_only
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
     """The hybrid template on 2 nodes (a stage on each, Adam, a checkpoint every 2 steps).
     Mid-run the batch script gets USR1, as `--signal=B:USR1@lead` sends it before the time
@@ -354,6 +377,7 @@ def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
     of plain model.fit continued from the checkpoint."""
     from hyparflow import cli
 
+    _slurm_nodes_answer()
     out, log = tmp_path / "out", tmp_path / "job.out"
     job_file = tmp_path / "job.sbatch"
     name = f"hf-requeue-{tmp_path.name[-8:]}"
@@ -370,6 +394,13 @@ def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
                               text=True, timeout=30, env=ENV).stdout.strip()
 
     try:
+        deadline = time.monotonic() + 60
+        while state() != "RUNNING":
+            assert state(), f"job {job} ended before it ran\n{log.read_text() if log.exists() else ''}"
+            why = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
+                                 text=True, timeout=30, env=ENV).stdout.strip()
+            assert time.monotonic() < deadline, f"job {job} not running in 60 s: {why}"
+            time.sleep(0.5)
         deadline = time.monotonic() + 150
         while True:
             steps = []
@@ -381,7 +412,9 @@ def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
             if min(steps) >= 5:
                 break
             assert state(), f"the job ended before step 5\n{log.read_text() if log.exists() else ''}"
-            assert time.monotonic() < deadline, "no step 5 in 150 s"
+            assert time.monotonic() < deadline, \
+                f"no step 5 in 150 s (steps {steps}, job {state()})\n" \
+                f"{log.read_text()[-4000:] if log.exists() else '(no log)'}"
             time.sleep(0.2)
         signalled = time.monotonic()
         subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30,
