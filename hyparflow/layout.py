@@ -17,7 +17,7 @@ Each value comes from the first of, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import settings
 from .schedules import CHUNKED, TABLE, check_interleaved
@@ -99,7 +99,23 @@ class Layout:
         return _plan.counts_for(self.plan, graph)
 
     def with_hosts(self, hosts: Sequence[str]) -> "Layout":
+        """This layout placed: `hosts[r]` is rank r's host."""
         return replace(self, hosts=tuple(hosts))
+
+    def kept(self, schedule: Optional[str]) -> "Layout":
+        """This layout with the schedule `"auto"` kept after timing (None: not chosen)."""
+        return self if schedule is None else replace(self, schedule=schedule)
+
+    def record(self) -> Dict[str, Any]:
+        """The layout as JSON values, for a checkpoint's manifest: what the run used,
+        the measured values included (tensor shares, hosts, the schedule "auto" kept)."""
+        shares = self.tensor_shares
+        return {"num_stages": self.num_stages, "num_tensor": self.num_tensor,
+                "num_replicas": self.num_replicas, "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule, "num_chunks": self.num_chunks,
+                "tensor_layers": None if self.tensor_layers is None else list(self.tensor_layers),
+                "tensor_shares": list(shares) if isinstance(shares, tuple) else shares,
+                "hosts": None if self.hosts is None else list(self.hosts)}
 
     def describe(self) -> str:
         parts = [f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"]

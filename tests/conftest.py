@@ -26,7 +26,8 @@ def _take_turns():
     half-rewritten hierarchy ("a __bases__ item causes an inheritance cycle",
     "super(type, obj): obj must be an instance or subtype of type"). Rewrites take
     turns, and the reset is skipped for functional construction (the only kind these
-    tests use), where Model.__init__ puts `Functional` back at once anyway."""
+    tests use): once `Functional` is in, construction goes straight to its `__init__`
+    and rewrites nothing."""
     import threading
 
     from keras.src.models import model as keras_model
@@ -47,7 +48,9 @@ def _take_turns():
         with lock:
             if not keras_model.functional_init_arguments(args, kwargs):
                 PipelineModel.__bases__ = (keras_model.Model,)
-        keras_model.Model.__init__(self, *args, **kwargs)
+        # Functional once injected (its __init__, as for Keras Hub's Backbone), else
+        # Model's, which injects it.
+        super(PipelineModel, self).__init__(*args, **kwargs)
 
     PipelineModel.__init__ = init
 

@@ -95,8 +95,12 @@ def test_resume_keeps_the_schedule_auto_chose(tmp_path, setting, monkeypatch):
     start, x, y = setting
     d = str(tmp_path)
     fit_ranks(2, 1, start, x, y, epochs=2, num_microbatches=2, schedule="auto", checkpoint_dir=d)
-    chosen = C.read(C.latest_valid(d)[0])["choices"]["schedule"]
+    manifest = C.read(C.latest_valid(d)[0])
+    chosen = manifest["choices"]["schedule"]
     assert chosen in ex.AUTO
+    # The manifest's layout is the one the run used: the schedule kept, not "auto".
+    assert {k: manifest["layout"][k] for k in ("num_stages", "num_replicas", "schedule")} == \
+        {"num_stages": 2, "num_replicas": 1, "schedule": chosen}
     tried = []
     monkeypatch.setattr(ex.Executor, "_try", lambda self, seconds: tried.append(self.schedule))
     schedules = []

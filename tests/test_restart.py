@@ -11,34 +11,43 @@ import sys
 import pytest
 
 from hyparflow.cluster import launch
-from hyparflow.cluster.restart import RestartError, Shape, describe_shape, reshape, restartable
+from hyparflow.cluster.restart import (RestartError, describe_shape, host_slots, pipelines_within,
+                                      reshape, restartable)
+from hyparflow.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def placed(stages, replicas, tensor, hosts, within):
+    """The expected layout: (stages, replicas, tensor) on [(host, ranks)], and whether every
+    pipeline is on one host."""
+    return Layout(num_stages=stages, num_replicas=replicas, num_tensor=tensor,
+                  hosts=tuple(h for h, n in hosts for _ in range(n))), within
+
+
 @pytest.mark.parametrize("slots,layout,expected", [
     # Everything still there: the same layout.
-    ([("a", 4), ("b", 4)], (2, 4, 1), Shape(2, 4, 1, (("a", 4), ("b", 4)), True)),
+    ([("a", 4), ("b", 4)], (2, 4, 1), placed(2, 4, 1, (("a", 4), ("b", 4)), True)),
     # A host lost: fewer replicas first, the pipelines still within a host.
-    ([("a", 4)], (2, 4, 1), Shape(2, 2, 1, (("a", 4),), True)),
-    ([("a", 3), ("c", 3)], (2, 4, 1), Shape(2, 2, 1, (("a", 2), ("c", 2)), True)),
-    ([("a", 3), ("c", 3)], (3, 4, 1), Shape(3, 2, 1, (("a", 3), ("c", 3)), True)),
+    ([("a", 4)], (2, 4, 1), placed(2, 2, 1, (("a", 4),), True)),
+    ([("a", 3), ("c", 3)], (2, 4, 1), placed(2, 2, 1, (("a", 2), ("c", 2)), True)),
+    ([("a", 3), ("c", 3)], (3, 4, 1), placed(3, 2, 1, (("a", 3), ("c", 3)), True)),
     # No pipeline fits on one host: one spanning hosts, before fewer stages.
-    ([("a", 1), ("c", 1)], (2, 2, 1), Shape(2, 1, 1, (("a", 1), ("c", 1)), False)),
+    ([("a", 1), ("c", 1)], (2, 2, 1), placed(2, 1, 1, (("a", 1), ("c", 1)), False)),
     # Not even one pipeline: fewer stages (the layer partition is recomputed).
-    ([("a", 1)], (2, 1, 1), Shape(1, 1, 1, (("a", 1),), True)),
-    ([("a", 3)], (4, 1, 1), Shape(3, 1, 1, (("a", 3),), True)),
-    ([("a", 1), ("b", 1)], (4, 2, 1), Shape(2, 1, 1, (("a", 1), ("b", 1)), False)),
+    ([("a", 1)], (2, 1, 1), placed(1, 1, 1, (("a", 1),), True)),
+    ([("a", 3)], (4, 1, 1), placed(3, 1, 1, (("a", 3),), True)),
+    ([("a", 1), ("b", 1)], (4, 2, 1), placed(2, 1, 1, (("a", 1), ("b", 1)), False)),
     # Never more replicas than before, even when stages went.
-    ([("a", 5)], (3, 1, 1), Shape(3, 1, 1, (("a", 3),), True)),
+    ([("a", 5)], (3, 1, 1), placed(3, 1, 1, (("a", 3),), True)),
     # Tensor ranks go last, after the stages.
-    ([("a", 2)], (2, 1, 2), Shape(1, 1, 2, (("a", 2),), True)),
-    ([("a", 1)], (1, 2, 2), Shape(1, 1, 1, (("a", 1),), True)),
+    ([("a", 2)], (2, 1, 2), placed(1, 1, 2, (("a", 2),), True)),
+    ([("a", 1)], (1, 2, 2), placed(1, 1, 1, (("a", 1),), True)),
 ])
 def test_reshape_drops_replicas_then_stages_then_tensor(slots, layout, expected):
-    shape = reshape(slots, *layout)
-    assert shape == expected
-    assert shape.ranks == sum(n for _, n in shape.hosts)
+    got = reshape(slots, *layout)
+    assert (got, pipelines_within(got)) == expected
+    assert got.ranks == len(got.hosts) == sum(n for _, n in host_slots(got))
 
 
 def test_reshape_refuses_nothing_left():
@@ -49,9 +58,9 @@ def test_reshape_refuses_nothing_left():
 
 
 def test_describe_shape():
-    assert describe_shape(Shape(2, 1, 1, (("a", 1), ("b", 1)), False)) == \
+    assert describe_shape(placed(2, 1, 1, (("a", 1), ("b", 1)), False)[0]) == \
         "2 stages x 1 replica on a:1,b:1"
-    assert describe_shape(Shape(1, 3, 2, (("a", 6),), True)) == \
+    assert describe_shape(placed(1, 3, 2, (("a", 6),), True)[0]) == \
         "1 stage x 3 replicas x 2 tensor ranks on a:6"
 
 

@@ -16,11 +16,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-
 from .. import settings
+from ..layout import Layout
 
-__all__ = ["RestartError", "Shape", "reshape", "probe_seconds", "probe", "restartable",
+__all__ = ["RestartError", "host_slots", "pipelines_within", "reshape", "probe_seconds", "probe", "restartable",
            "describe_shape", "run"]
 
 SCRIPT_ERROR = 1   # what Python exits with on an uncaught exception: a bug, not a lost host
@@ -30,19 +29,21 @@ class RestartError(ValueError):
     """No layout fits the hosts that remain; the message says what is left."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A layout placed on hosts: `hosts` [(name, ranks)] in rank order."""
+def host_slots(layout):
+    """[(host, ranks)] of a placed layout, in rank order (consecutive ranks grouped)."""
+    grouped = []
+    for host in layout.hosts or ():
+        if grouped and grouped[-1][0] == host:
+            grouped[-1] = (host, grouped[-1][1] + 1)
+        else:
+            grouped.append((host, 1))
+    return grouped
 
-    stages: int
-    replicas: int
-    tensor: int
-    hosts: tuple
-    within: bool        # every pipeline on one host
 
-    @property
-    def ranks(self):
-        return self.stages * self.replicas * self.tensor
+def pipelines_within(layout):
+    """Whether every pipeline (stages x tensor ranks, consecutive ranks) is on one host."""
+    hosts, pipeline = layout.hosts or (), layout.pipeline
+    return all(len(set(hosts[r:r + pipeline])) <= 1 for r in range(0, len(hosts), pipeline))
 
 
 def _fill(slots, pipeline, count, within):
@@ -82,16 +83,17 @@ def reshape(slots, stages, replicas, tensor=1):
                 if fits >= 1:
                     count = min(replicas, fits)
                     taken = _fill(slots, pipeline, count, within)
-                    return Shape(s, count, t, taken, within or len(taken) == 1)
+                    return Layout(num_stages=s, num_replicas=count, num_tensor=t,
+                                  hosts=tuple(h for h, n in taken for _ in range(n)))
     raise AssertionError("unreachable: one rank always fits")  # pragma: no cover
 
 
-def describe_shape(shape):
-    parts = [f"{shape.stages} stage{'s' if shape.stages > 1 else ''}",
-             f"{shape.replicas} replica{'s' if shape.replicas > 1 else ''}"]
-    if shape.tensor > 1:
-        parts.append(f"{shape.tensor} tensor ranks")
-    hosts = ",".join(f"{h}:{n}" for h, n in shape.hosts)
+def describe_shape(layout):
+    parts = [f"{layout.num_stages} stage{'s' if layout.num_stages > 1 else ''}",
+             f"{layout.num_replicas} replica{'s' if layout.num_replicas > 1 else ''}"]
+    if layout.num_tensor > 1:
+        parts.append(f"{layout.num_tensor} tensor ranks")
+    hosts = ",".join(f"{h}:{n}" for h, n in host_slots(layout))
     return f"{' x '.join(parts)} on {hosts}"
 
 
@@ -159,8 +161,9 @@ def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
     adds the host names the ranks reported lost to the list `lost`. `hosts`: the run's
     [(name, slots)] or None; `given`: the names of the counts the user gave (only those
     are exported again, re-shaped)."""
-    shape = Shape(stages, replicas, tensor, tuple(hosts or ()), True)
-    first_ranks = shape.ranks
+    layout = Layout(num_stages=stages, num_replicas=replicas, num_tensor=tensor,
+                   hosts=tuple(h for h, n in hosts or () for _ in range(int(n))) or None)
+    first_ranks = layout.ranks
     line = make_line(hosts, stages if "stages" in given else None,
                      replicas if "replicas" in given else None,
                      tensor if "tensor" in given else None)
@@ -171,7 +174,7 @@ def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
         if code == 0:
             if history:
                 _say(f"finished after {len(history)} restart{'s' if len(history) > 1 else ''} "
-                     f"({'; '.join(history)}), on {describe_shape(shape)}.")
+                     f"({'; '.join(history)}), on {describe_shape(layout)}.")
             return 0
         if attempt == restarts:
             if restarts:
@@ -179,7 +182,7 @@ def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
             return code
         if hosts:
             started = time.monotonic()
-            answered = probe([h for h, _ in shape.hosts], mpiexec, environ)
+            answered = probe([h for h, _ in host_slots(layout)], mpiexec, environ)
             lost = [h for h, ok in answered.items() if not ok]
             named = sorted(set(reported) - set(lost))
             _say(f"the run failed (exit code {code}); probed its hosts in "
@@ -194,25 +197,25 @@ def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
             _say(f"the run failed with exit code {code} (an error of the script, every host "
                  "answering): not restarting; --restarts restarts after a lost host or rank.")
             return code
-        old = shape
+        old = layout
         if hosts:
-            left = [(h, n) for h, n in shape.hosts if h not in lost]
+            left = [(h, n) for h, n in host_slots(layout) if h not in lost]
             try:
-                shape = reshape(left, shape.stages, shape.replicas, shape.tensor)
+                layout = reshape(left, layout.num_stages, layout.num_replicas, layout.num_tensor)
             except RestartError as error:
                 _say(f"cannot restart: {error} (lost: {', '.join(lost)})")
                 return code
         what = f"lost {', '.join(lost)}" if lost else f"exit code {code}"
         history.append(what)
         _say(f"restart {attempt + 1} of {restarts} ({what}): "
-             f"{describe_shape(shape) if hosts else 'the same ranks'}"
+             f"{describe_shape(layout) if hosts else 'the same ranks'}"
              + (f" (was {describe_shape(old)})" if hosts else "")
              + "; the script resumes from its newest checkpoint (hf.fit(..., resume=True)).")
-        line = make_line(list(shape.hosts) if hosts else None,
-                         shape.stages if "stages" in given else None,
-                         shape.replicas if "replicas" in given else None,
-                         shape.tensor if "tensor" in given else None)
-        if shape.ranks != first_ranks:
+        line = make_line(host_slots(layout) if hosts else None,
+                         layout.num_stages if "stages" in given else None,
+                         layout.num_replicas if "replicas" in given else None,
+                         layout.num_tensor if "tensor" in given else None)
+        if layout.ranks != first_ranks:
             # A script's plan file (fit(plan=...)) was made for the first ranks.
-            line.env["HYPARFLOW_RESHAPED"] = f"{first_ranks}->{shape.ranks}"
+            line.env["HYPARFLOW_RESHAPED"] = f"{first_ranks}->{layout.ranks}"
     return code  # pragma: no cover - the loop returns

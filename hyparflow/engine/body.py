@@ -141,6 +141,32 @@ class StageBody:
         scope.write_back()
         return result
 
+    def _fused(self, has_sample_weight, hooked=(), seeded=False):
+        """Forward and backward in one compiled call, for `timing`: differentiates the
+        loss contribution and, with `seeded`, the stage's floating outputs from the
+        gradients given for them (a stage timed alone has no later stage)."""
+        key = ("fused", has_sample_weight, hooked, self.presence, seeded)
+        if key not in self._functions:
+            diff, variables = self._diff, self.trainable
+
+            def fused(inputs, y, sample_weight, share, seeds):
+                with tf.GradientTape() as tape:
+                    for k in diff:
+                        tape.watch(inputs[k])
+                    result = self._body(inputs, y, sample_weight, share, "train", hooked)
+                outs, contribution = result[0], result[1]
+                targets = [contribution] + [o for o in outs if o.dtype.is_floating][:len(seeds)]
+                grads = tape.gradient(targets, list(variables) + [inputs[k] for k in diff],
+                                      output_gradients=[tf.ones_like(contribution)] + list(seeds),
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+                return contribution, grads
+
+            seeds = [spec(self.graph.tensors[t]) for t in self.output_ids
+                     if self.graph.tensors[t].floating] if seeded else []
+            signature = self._signature(True, has_sample_weight) + [seeds]
+            self._functions[key] = self._compile(fused, signature)
+        return self._functions[key]
+
     @property
     def _num_x(self):
         """How many model inputs end the last stage's `y` list (a `compute_loss`

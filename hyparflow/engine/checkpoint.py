@@ -337,11 +337,8 @@ class Checkpointer:
         manifest = {"format": FORMAT, "version": VERSION, "files": files,
                     "variables": [{"path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
                                   for v in model.weights],
-                    "plan": {"num_stages": runtime.layout.num_stages,
-                             "num_replicas": runtime.layout.num_replicas,
-                             "num_microbatches": runtime.layout.num_microbatches,
-                             "schedule": runtime.layout.schedule,
-                             "counts": runtime.part.counts},
+                    "layout": {**runtime.layout.kept(runtime.executor.chosen).record(),
+                               "counts": list(runtime.part.counts)},
                     **position}
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)

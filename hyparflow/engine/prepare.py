@@ -49,9 +49,7 @@ def fail(comm, runtime, exc):
 def x_shapes(x):
     """Shapes of the input arrays (or a dataset's first batch), for reading a
     subclassed model."""
-    from ..loop.data import is_dataset
-
-    if is_dataset(x):
+    if _compat.is_dataset(x):
         import keras as _keras
 
         x = _keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
@@ -66,9 +64,7 @@ def x_shapes(x):
 
 def _first_batch(x, batch_size):
     """The inputs of the first batch, in x's structure (what model.fit builds from)."""
-    from ..loop.data import is_dataset
-
-    if is_dataset(x):
+    if _compat.is_dataset(x):
         return keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
     return _compat.tree.map_structure(lambda a: np.asarray(a)[:batch_size], x)
 

@@ -434,33 +434,23 @@ class Stage(StageBody):
         self._lag(start)
         return grads, contribution
 
-    def _fused(self, has_sample_weight, hooked=(), seeded=False):
-        """Forward and backward in one compiled call, for `time`: differentiates the
-        loss contribution and, with `seeded`, the stage's floating outputs from the
-        gradients given for them (a stage timed alone has no later stage)."""
-        key = ("fused", has_sample_weight, hooked, self.presence, seeded)
-        if key not in self._functions:
-            diff, variables = self._diff, self.trainable
-
-            def fused(inputs, y, sample_weight, share, seeds):
-                with tf.GradientTape() as tape:
-                    for k in diff:
-                        tape.watch(inputs[k])
-                    result = self._body(inputs, y, sample_weight, share, "train", hooked)
-                outs, contribution = result[0], result[1]
-                targets = [contribution] + [o for o in outs if o.dtype.is_floating][:len(seeds)]
-                grads = tape.gradient(targets, list(variables) + [inputs[k] for k in diff],
-                                      output_gradients=[tf.ones_like(contribution)] + list(seeds),
-                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
-                return contribution, grads
-
-            seeds = [spec(self.graph.tensors[t]) for t in self.output_ids
-                     if self.graph.tensors[t].floating] if seeded else []
-            signature = self._signature(True, has_sample_weight) + [seeds]
-            self._functions[key] = self._compile(fused, signature)
-        return self._functions[key]
-
     # -- timing, for the planner ------------------------------------------------
+    def seeded_step(self, inputs, seeds):
+        """Forward and backward in one call, `seeds` the floating outputs' gradients,
+        summed into the buffers and then cleared: a stage timed alone as a last stage
+        runs under 1F1B (`timing`)."""
+        function = self._fused(False, (), seeded=True)
+        start = time.perf_counter()
+        self._ready()
+        _, result = function(inputs, [], [], tf.constant(1.0), seeds)
+        self._accumulate(result, [inputs[k] for k in self._diff])
+        self.grads.reset()
+        self._lag(start)
+
+    def drop(self, i):
+        """Forget microbatch `i`'s forward: its backward will not come."""
+        self._saved.pop(i, None)
+
     def _ready(self):
         """Before a backward: the buffers exist, and no gradient has arrived yet."""
         if self.grads.views is None and self.sink is None:  # a sink's buffers hold its sums

@@ -1,8 +1,6 @@
 """A stage timed as the executor runs it, for the planner (`measure`, `probes`): random
 inputs of a batch, a taped forward and the backward from it (or both in one call)."""
 
-import time as _time
-
 import numpy as np
 import tensorflow as tf
 
@@ -36,23 +34,17 @@ def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
     stage's call follows a wait). HYPARFLOW_SLOWDOWN counts, as in training."""
     inputs, seeds = example(stage, batch)
     if fused:
-        function = stage._fused(False, (), seeded=True)
         flat = [tf.convert_to_tensor(seeds[t]) for t in stage.output_ids if t in seeds]
 
         def step():
-            start = _time.perf_counter()
-            stage._ready()
-            _, result = function(inputs, [], [], tf.constant(1.0), flat)
-            stage._accumulate(result, [inputs[k] for k in stage._diff])
-            stage.grads.reset()
-            stage._lag(start)
+            stage.seeded_step(inputs, flat)
 
         step()
         return 0.0, timed(step, repeats, idle)
 
     def forward():
         stage.forward(0, inputs)
-        stage._saved.clear()
+        stage.drop(0)
 
     def both():
         stage.forward(0, inputs)

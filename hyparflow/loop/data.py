@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 
+from .._compat import is_dataset
+
 __all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "DatasetSource", "source", "validation_split",
            "check_finite", "is_dataset"]
 
@@ -217,14 +219,6 @@ class DatasetSource:
         for element in dataset:
             data = self._prepare(element)
             yield data, np.arange(len(data))
-
-
-def is_dataset(x):
-    try:
-        import tensorflow as tf
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(x, tf.data.Dataset)
 
 
 def source(graph, x, y, *, batch_size, sample_weight=None, class_weight=None, shuffle=False,
