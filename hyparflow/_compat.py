@@ -8,15 +8,8 @@ __all__ = [
     "functional_of", "graph_nodes", "producer_node", "call_order", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
-    "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot", "is_dataset",
+    "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
 ]
-
-
-def is_dataset(x):
-    """A `tf.data.Dataset` (what the Keras loop reads batch by batch, not as arrays)."""
-    import tensorflow as tf
-
-    return isinstance(x, tf.data.Dataset)
 
 
 def functional_of(model):

@@ -10,7 +10,7 @@ from .. import _compat
 from .. import graph as _graph
 from . import errors as errors_
 
-__all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "read_graph",
+__all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
            "build_like_fit"]
 
 
@@ -46,10 +46,17 @@ def fail(comm, runtime, exc):
     comm.abort(1)
 
 
+def is_dataset(x):
+    """A `tf.data.Dataset` (what the Keras loop reads batch by batch, not as arrays)."""
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
+
+
 def x_shapes(x):
     """Shapes of the input arrays (or a dataset's first batch), for reading a
     subclassed model."""
-    if _compat.is_dataset(x):
+    if is_dataset(x):
         import keras as _keras
 
         x = _keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
@@ -64,7 +71,7 @@ def x_shapes(x):
 
 def _first_batch(x, batch_size):
     """The inputs of the first batch, in x's structure (what model.fit builds from)."""
-    if _compat.is_dataset(x):
+    if is_dataset(x):
         return keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
     return _compat.tree.map_structure(lambda a: np.asarray(a)[:batch_size], x)
 

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from .._compat import is_dataset
+from ..engine.prepare import is_dataset
 
 __all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "DatasetSource", "source", "validation_split",
            "check_finite", "is_dataset"]
