@@ -70,10 +70,6 @@ class Custom:
         return kinds[j]
 
 
-# engine/stage.py still names it Plan; another change is rewriting that file, so the
-# old name stays until it lands (then this line goes).
-Plan = Custom
-
 
 def _kind(full, first, rest, n_first, n_rest, what):
     """SHARE or SUM, from a value on all rows and on two unequal parts of them."""

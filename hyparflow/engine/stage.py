@@ -134,7 +134,7 @@ class Stage(StageBody):
         # Customised training (`hyparflow.customised`): how the layers' own losses and
         # a `compute_loss` override add up; with an override, the last stage's `y`
         # list ends with the microbatch's model inputs (`takes_x`).
-        self.custom = _customised.Plan()
+        self.custom = _customised.Custom()
         self._eager = run_eagerly
         self._jit = wants_xla(model)
         self._functions = {}
