@@ -77,7 +77,7 @@ LAYERS = {
     "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
                                                              "lower", "simulate")},
     "base": {"_compat", "_env", "graph"},
-    "pure": {"layout", "plan", "balance", "topology", "sync", "settings", "clock"},
+    "pure": {"layout", "plan", "balance", "topology", "sync", "settings", "clock", "flat"},
 }
 # What a training process runs: it must not reach the planning wing, by any import.
 TRAINING = {"layers"} | LAYERS["loop"] | LAYERS["engine"] | LAYERS["kinds"] \

@@ -2,22 +2,9 @@
 
 import numpy as np
 
+from ..flat import pack, unpack
+
 __all__ = ["pack", "unpack", "broadcast", "average", "gather"]
-
-
-def pack(arrays, dtype):
-    if not arrays:
-        return np.zeros(0, dtype)
-    return np.concatenate([np.asarray(a, dtype).reshape(-1) for a in arrays])
-
-
-def unpack(flat, like):
-    out, start = [], 0
-    for v in like:
-        n = int(np.prod(v.shape))
-        out.append(flat[start:start + n].reshape(tuple(v.shape)))
-        start += n
-    return out
 
 
 def _by_dtype(variables):

@@ -26,6 +26,7 @@ puts each replica's own weights back before the next epoch (`restore`).
 
 import numpy as np
 
+from ..flat import pack, unpack
 from ..sync import LeaderSGD, LocalSGD
 
 __all__ = ["Replicas", "replica_groups"]
@@ -57,21 +58,6 @@ def _by_dtype(variables):
     for v in variables:
         groups.setdefault(np.dtype(v.numpy().dtype), []).append(v)
     return sorted(groups.items(), key=lambda item: item[0].str)
-
-
-def _pack(variables, dtype):
-    if not variables:
-        return np.zeros(0, dtype)
-    return np.concatenate([np.asarray(v.numpy(), dtype).reshape(-1) for v in variables])
-
-
-def _unpack(flat, variables):
-    out, start = [], 0
-    for v in variables:
-        n = int(np.prod(v.shape))
-        out.append(flat[start:start + n].reshape(tuple(v.shape)))
-        start += n
-    return out
 
 
 class Replicas:
@@ -151,13 +137,13 @@ class Replicas:
         """Move this rank's weights `pull` of the way to those of `comm`'s rank `root`
         (the leader, which stays); BatchNorm statistics become the group's mean."""
         for dtype, variables in _by_dtype(self.trainable):
-            flat = _pack(variables, dtype)
+            flat = pack([v.numpy() for v in variables], dtype)
             if comm.size > 1:
                 comm.bcast(flat, root)
             if comm.rank != root:
                 self.received += flat.nbytes
                 keep, move = np.asarray(1.0 - pull, dtype), np.asarray(pull, dtype)
-                for v, leader in zip(variables, _unpack(flat, variables)):
+                for v, leader in zip(variables, unpack(flat, variables)):
                     v.assign(np.asarray(v.numpy(), dtype) * keep + leader * move)
         self._average(comm, self.bn)
 
@@ -168,21 +154,21 @@ class Replicas:
         if comm.size == 1:
             return
         for dtype, group in _by_dtype(_floats(variables)):
-            flat = _pack(group, dtype)
+            flat = pack([v.numpy() for v in group], dtype)
             comm.allreduce(flat)
             flat *= np.asarray(1.0 / comm.size, dtype)
             # A ring allreduce moves 2 (n-1)/n of the payload in and out of each rank.
             if count:
                 self.received += int(flat.nbytes * 2 * (comm.size - 1) / comm.size)
-            for v, value in zip(group, _unpack(flat, group)):
+            for v, value in zip(group, unpack(flat, group)):
                 v.assign(value)
 
     def _copy(self, comm, root, variables):
         for dtype, group in _by_dtype(variables):
-            flat = _pack(group, dtype)
+            flat = pack([v.numpy() for v in group], dtype)
             comm.bcast(flat, root)
             if comm.rank != root:
-                for v, value in zip(group, _unpack(flat, group)):
+                for v, value in zip(group, unpack(flat, group)):
                     v.assign(value)
 
     # -- the agreed model --------------------------------------------------------
@@ -221,10 +207,10 @@ class Replicas:
             return self.leader(), None
         values = []
         for dtype, group in _by_dtype(_floats(owned)):
-            flat = _pack(group, dtype)
+            flat = pack([v.numpy() for v in group], dtype)
             self.everyone.allreduce(flat)
             flat *= np.asarray(1.0 / self.everyone.size, dtype)
-            values += list(zip(group, _unpack(flat, group)))
+            values += list(zip(group, unpack(flat, group)))
         means = {id(v): value for v, value in values}
         return 0, {id(v): means.get(id(v), np.asarray(v.numpy())) for v in owned}
 
