@@ -76,3 +76,23 @@ def two_in_two_out_data(n=90):
     x = {"a": rng.normal(size=(n, 6)).astype("float32"), "b": rng.normal(size=(n, 5)).astype("float32")}
     y = {"cls": rng.integers(0, 3, n), "reg": rng.normal(size=(n, 1)).astype("float32")}
     return x, y
+
+
+def causal_lm(family="Llama", *, vocab, hidden_dim=16, intermediate_dim=32, num_query_heads=2,
+              num_key_value_heads=1, num_layers=2, learning_rate=1e-3, **backbone_kwargs):
+    """A tiny Keras Hub `<family>CausalLM` (random init, no preset), compiled with Adam and
+    per-token cross-entropy over its logits. The backbone is named: Keras numbers automatic
+    names per thread, so a model built on a rank's thread would not get the name one built
+    on the main thread got after other tests."""
+    import keras_hub
+
+    keras.utils.set_random_seed(21)
+    backbone = getattr(keras_hub.models, family + "Backbone")(
+        vocabulary_size=vocab, num_layers=num_layers, num_query_heads=num_query_heads,
+        num_key_value_heads=num_key_value_heads, hidden_dim=hidden_dim,
+        intermediate_dim=intermediate_dim, name="backbone", **backbone_kwargs)
+    model = getattr(keras_hub.models, family + "CausalLM")(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  weighted_metrics=[])
+    return model

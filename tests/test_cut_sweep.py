@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import hyparflow as hf
+import models
 import zoo
 from conftest import max_diff
 from hyparflow import graph as G
@@ -82,18 +83,11 @@ def test_a_mask_removed_by_attention_at_every_cut(build):
 
 
 def test_keras_hub_llama_at_every_cut():
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
     vocab, seq = 41, 8
 
     def llama():
-        keras.utils.set_random_seed(21)
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=vocab, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-            hidden_dim=8, intermediate_dim=16)
-        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+        return models.causal_lm(vocab=vocab, hidden_dim=8, intermediate_dim=16)
 
     rng = np.random.default_rng(7)
     ids = rng.integers(1, vocab, (2 * BATCH, seq)).astype("int32")

@@ -8,47 +8,23 @@ import keras
 import numpy as np
 import pytest
 
+import models
 from conftest import max_diff, reference, train_ranks
 from hyparflow.graph import from_model
 from hyparflow.kinds import tensor as hft
 
-keras_hub = pytest.importorskip(
+pytest.importorskip(
     "keras_hub", reason="Keras Hub is an optional extra (see docs/tensor.md)")
 
 VOCAB, SEQ, BATCH = 41, 8, 8
 
 
 def llm(kind, kv_heads, dropout=0.0):
-    # The backbone named: Keras numbers automatic names per thread, so a model built on
-    # a rank's thread would not have the name one built here got after other tests.
-    def build():
-        keras.utils.set_random_seed(21)
-        if kind == "llama":
-            backbone = keras_hub.models.LlamaBackbone(
-                vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
-                num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=32,
-                dropout=dropout, name="backbone")
-            model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-        elif kind in ("mistral", "qwen"):
-            cls = {"mistral": "Mistral", "qwen": "Qwen"}[kind]
-            backbone = getattr(keras_hub.models, cls + "Backbone")(
-                vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
-                num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=32,
-                dropout=dropout, name="backbone")
-            model = getattr(keras_hub.models, cls + "CausalLM")(backbone=backbone,
-                                                                  preprocessor=None)
-        else:
-            backbone = keras_hub.models.GemmaBackbone(
-                vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
-                num_key_value_heads=kv_heads, hidden_dim=16, intermediate_dim=64,
-                head_dim=4, dropout=dropout, name="backbone")
-            model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      weighted_metrics=[])
-        return model
-
-    return build
+    family = {"llama": "Llama", "mistral": "Mistral", "qwen": "Qwen", "gemma": "Gemma"}[kind]
+    sizes = dict(intermediate_dim=64, head_dim=4) if kind == "gemma" else {}
+    return lambda: models.causal_lm(family, vocab=VOCAB, num_query_heads=4,
+                                    num_key_value_heads=kv_heads, dropout=dropout,
+                                    learning_rate=1e-2, **sizes)
 
 
 def data():

@@ -16,6 +16,7 @@ import pytest
 from keras import ops
 
 import hyparflow
+import models
 from conftest import max_diff, train_ranks
 from hyparflow.engine.local import run_ranks
 
@@ -243,19 +244,11 @@ def test_customised_training_refused(build, words):
 
 
 def test_llama_causal_lm_with_per_token_weights():
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
     vocab, seq = 61, 10
 
     def build():
-        keras.utils.set_random_seed(21)
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=vocab, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-            hidden_dim=16, intermediate_dim=32)
-        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      weighted_metrics=[])
-        return model
+        return models.causal_lm(vocab=vocab)
 
     rng = np.random.default_rng(7)
     ids = rng.integers(1, vocab, (16, seq)).astype("int32")
