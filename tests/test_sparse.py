@@ -15,17 +15,17 @@ from hyparflow.kinds import sparse
 VOCAB, SEQ = 50, 6
 
 
-def embedding_model(optimizer, recurrent=False):
+def embedding_model(optimizer, recurrent=False, dtype=None):
     keras.utils.set_random_seed(11)
     inp = keras.Input((SEQ,), dtype="int32", name="ids")
-    h = keras.layers.Embedding(VOCAB, 8, name="embed")(inp)
+    h = keras.layers.Embedding(VOCAB, 8, name="embed", dtype=dtype)(inp)
     if recurrent:
-        h = keras.layers.LSTM(8, name="lstm")(h)
+        h = keras.layers.LSTM(8, name="lstm", dtype=dtype)(h)
     else:
-        h = keras.layers.Dense(8, activation="tanh", name="mix")(h)
-        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    h = keras.layers.Dense(8, activation="relu", name="hidden")(h)
-    out = keras.layers.Dense(3, name="logits")(h)
+        h = keras.layers.Dense(8, activation="tanh", name="mix", dtype=dtype)(h)
+        h = keras.layers.GlobalAveragePooling1D(name="pool", dtype=dtype)(h)
+    h = keras.layers.Dense(8, activation="relu", name="hidden", dtype=dtype)(h)
+    out = keras.layers.Dense(3, name="logits", dtype=dtype)(h)
     model = keras.Model(inp, out)
     model.compile(optimizer=keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -70,6 +70,13 @@ def test_embedding_before_an_lstm_one_rank():
     # The issue's case: Embedding + LSTM + Adam on one rank, 8 steps.
     check(lambda: embedding_model(OPTIMIZERS["adam"], recurrent=True), [(1, 1, 1), (2, 2, 1)],
           epochs=2)
+
+
+def test_float64_layers_under_the_float32_policy():
+    """The pairs and sums are float32 (the contract's precision); each variable's
+    optimizer step gets its gradient in the variable's own dtype, sharded steps too."""
+    check(lambda: embedding_model(OPTIMIZERS["adam"], dtype="float64"), [(1, 2, 2), (2, 1, 2)],
+          epochs=1)
 
 
 def test_untouched_rows_keep_their_values():

@@ -292,7 +292,7 @@ class Zero:
             if isinstance(g, tuple):
                 indices, values = g
                 keep = (indices >= a) & (indices < b)
-                g = tf.IndexedSlices(tf.convert_to_tensor(values[keep]),
+                g = tf.IndexedSlices(tf.cast(values[keep], part.dtype),  # pairs are float32
                                      tf.convert_to_tensor(indices[keep] - a),
                                      tf.constant(tuple(part.shape), tf.int64))
             elif g is not None:
