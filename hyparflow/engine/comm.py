@@ -8,6 +8,7 @@ and gives up after a timeout instead of hanging.
 
 import pickle
 import time
+from typing import Callable, Optional
 
 import numpy as np
 from .. import settings
@@ -20,12 +21,12 @@ class CommTimeout(RuntimeError):
     """A wait for a message or collective took longer than the watchdog allows."""
 
 
-def timeout_seconds():
+def timeout_seconds() -> Optional[float]:
     """The watchdog: HYPARFLOW_TIMEOUT seconds (default 600; 0 disables)."""
     return settings.timeout()
 
 
-def _spin_seconds():
+def _spin_seconds() -> float:
     """How long a wait polls without sleeping before it backs off.
 
     MPI moves large messages and non-blocking collectives forward only inside
@@ -41,10 +42,11 @@ def _spin_seconds():
     return 0.0 if _env.oversubscribed() else 0.02
 
 
-_SPIN = None
+_SPIN: Optional[float] = None
 
 
-def poll(test, timeout, what, spin=None):
+def poll(test: Callable[[], object], timeout: Optional[float], what: str,
+         spin: Optional[float] = None) -> None:
     """Wait until `test()` is true: spin for a while (`spin` seconds, default from
     `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
     waiting rank leaves its core to others."""
