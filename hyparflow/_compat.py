@@ -1,5 +1,6 @@
 """The one place that touches Keras internals; every version branch lives here."""
 
+from typing import Any, Set  # Keras objects are untyped: Any
 import keras
 from keras.src import backend as _backend
 from keras.src import tree
@@ -12,7 +13,7 @@ __all__ = [
 ]
 
 
-def functional_of(model):
+def functional_of(model: Any) -> Any:
     """The Functional graph behind `model`, or None for a subclassed model."""
     if isinstance(model, keras.Sequential):
         return getattr(model, "_functional", None)
@@ -23,12 +24,12 @@ def functional_of(model):
     return None
 
 
-def graph_nodes(functional):
+def graph_nodes(functional: Any) -> Set[int]:
     """Ids of the keras Nodes that belong to this graph (a layer may sit in several)."""
     return {id(n) for nodes in functional._nodes_by_depth.values() for n in nodes}
 
 
-def producer_node(tensor):
+def producer_node(tensor: Any) -> Any:
     """The keras Node that produced a KerasTensor."""
     history = tensor._keras_history
     return history.operation._inbound_nodes[history.node_index]
@@ -60,11 +61,11 @@ def call_operation(op, args, kwargs, training):
     return op(*args, **kwargs)
 
 
-def output_structure(functional):
+def output_structure(functional: Any) -> Any:
     return functional._outputs_struct
 
 
-def input_structure(functional):
+def input_structure(functional: Any) -> Any:
     return functional._inputs_struct
 
 
