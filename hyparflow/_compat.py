@@ -44,12 +44,12 @@ def call_order(functional):
             if node.operation and not node.is_input]
 
 
-def fill_in(node, tensor_dict):
+def fill_in(node: Any, tensor_dict: Any) -> Any:
     """(args, kwargs) of a node's call with symbolic tensors replaced by values."""
     return node.arguments.fill_in(tensor_dict)
 
 
-def call_operation(op, args, kwargs, training):
+def call_operation(op: Any, args: Any, kwargs: Any, training: bool) -> Any:
     """Call one layer/operation as Functional.call does, passing `training` where taken."""
     context = getattr(op, "_call_context_args", None)
     if context is None:  # older Keras 3

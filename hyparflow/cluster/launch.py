@@ -8,7 +8,7 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple, Union, overload
 
 from .. import settings
 from ..layout import Layout, resolve
@@ -287,7 +287,7 @@ def describe(line: CommandLine) -> str:
     return "\n".join(lines)
 
 
-def execute(line: CommandLine, environ: Optional[Mapping[str, str]] = None) -> None:
+def execute(line: CommandLine, environ: Optional[Mapping[str, str]] = None) -> NoReturn:
     """Replace this process by the launcher (its exit code and signals are the run's)."""
     environ = dict(os.environ if environ is None else environ)
     environ.update(line.env)

@@ -6,15 +6,28 @@ a rank waiting for a message does not spin a core on an oversubscribed node,
 and gives up after a timeout instead of hanging.
 """
 
+from __future__ import annotations
+
 import pickle
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 import numpy as np
+import numpy.typing as npt
 from .. import settings
 
 __all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds",
            "sum_in_order", "poll"]
+
+
+# A message buffer: a contiguous numpy array of any dtype.
+Buffer = npt.NDArray[Any]
+
+
+class Request(Protocol):
+    """A non-blocking operation in flight: `test()` advances it, true once done."""
+
+    def test(self) -> bool: ...
 
 
 class CommTimeout(RuntimeError):
@@ -98,36 +111,39 @@ class Communicator:
     size: int
     spin: float | None = None  # seconds a wait may spin; None: the default for MPI processes
 
-    def isend(self, buf, dest, tag): raise NotImplementedError
-    def irecv(self, buf, source, tag): raise NotImplementedError
-    def allreduce(self, buf, timeout=None): raise NotImplementedError
+    def isend(self, buf: Buffer, dest: int, tag: int) -> Request: raise NotImplementedError
+    def irecv(self, buf: Buffer, source: int, tag: int) -> Request: raise NotImplementedError
+    def allreduce(self, buf: Buffer, timeout: Optional[float] = None) -> Buffer:
+        raise NotImplementedError
 
-    def iallreduce(self, buf):
+    def iallreduce(self, buf: Buffer) -> Request:
         """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
         self.allreduce(buf)
         return _Done()
-    def iallgatherv(self, send, recv, counts):
+    def iallgatherv(self, send: Buffer, recv: Buffer, counts: Sequence[int]) -> Request:
         """Start gathering every rank's 1-D `send` (`counts[p]` values from rank p) into
         `recv`, in rank order; returns a request (`test()`)."""
         raise NotImplementedError
-    def bcast(self, buf, root): raise NotImplementedError
-    def bcast_obj(self, obj, root): raise NotImplementedError
-    def allgather_obj(self, obj): raise NotImplementedError
+    def bcast(self, buf: Buffer, root: int) -> Buffer: raise NotImplementedError
+    # Objects travel pickled: any picklable value, so Any.
+    def bcast_obj(self, obj: Any, root: int) -> Any: raise NotImplementedError
+    def allgather_obj(self, obj: Any) -> List[Any]: raise NotImplementedError
 
-    def gather_obj(self, obj, root):
+    def gather_obj(self, obj: Any, root: int) -> Optional[List[Any]]:
         """`obj` of every rank as a list on `root`, None elsewhere."""
         everyone = self.allgather_obj(obj)
         return everyone if self.rank == root else None
-    def split(self, color, key): raise NotImplementedError
-    def abort(self, code=1): raise NotImplementedError
-    def free(self): pass
+    def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+        raise NotImplementedError
+    def abort(self, code: int = 1) -> None: raise NotImplementedError
+    def free(self) -> None: pass
 
-    def barrier(self):
+    def barrier(self) -> None:
         self.allgather_obj(None)
 
 
 class _Done:
-    def test(self):
+    def test(self) -> bool:
         return True
 
 
