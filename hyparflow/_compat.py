@@ -35,7 +35,7 @@ def producer_node(tensor: Any) -> Any:
     return history.operation._inbound_nodes[history.node_index]
 
 
-def call_order(functional):
+def call_order(functional: Any) -> Any:
     """The graph's keras Nodes in the order `Functional.call` runs them (deepest
     first, as its `_run_through_graph`): the order in which a layer that removes
     masks from its inputs (MultiHeadAttention) acts in `model.fit`."""
@@ -83,7 +83,7 @@ def symbolic(shape, dtype):
     return _backend.KerasTensor(tuple(shape), _backend.standardize_dtype(dtype))
 
 
-def get_mask(value):
+def get_mask(value: Any) -> Any:
     """The Keras mask (padding) a layer attached to a value, or None."""
     return _backend.get_keras_mask(value)
 
@@ -105,7 +105,7 @@ def compile_metrics(model):
     return getattr(model, "_compile_metrics", None)
 
 
-def loss_tracker(model):
+def loss_tracker(model: Any) -> Any:
     return getattr(model, "_loss_tracker", None)
 
 
