@@ -6,8 +6,11 @@ and sets each rank's thread pools before the first TensorFlow operation.
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
+import types
+from typing import Any, Dict, Optional, Sequence
 
 from . import _env
 
@@ -64,21 +67,23 @@ _MOVED = {
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds `hyparflow.<old name>` and answers with the wing's module itself."""
 
-    def __init__(self):
-        self._specs = {}
+    def __init__(self) -> None:
+        self._specs: Dict[str, Optional[importlib.machinery.ModuleSpec]] = {}
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[types.ModuleType] = None,
+                  ) -> Optional[importlib.machinery.ModuleSpec]:
         old = fullname[len("hyparflow."):] if fullname.startswith("hyparflow.") else None
         if old in _MOVED:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = importlib.import_module(f"hyparflow.{_MOVED[spec.name[len('hyparflow.'):]]}")
         self._specs[module.__name__] = module.__spec__
         return module
 
-    def exec_module(self, module):
+    def exec_module(self, module: types.ModuleType) -> None:
         # The import system stamps the alias's spec on the module; give it its own back.
         module.__spec__ = self._specs.pop(module.__name__, module.__spec__)
 
@@ -101,7 +106,7 @@ if not _COMMAND:
     from . import layers  # noqa: E402,F401
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:   # a function or a module, by name
     # In the command, the training API is loaded on first use.
     if name in ("fit", "evaluate", "predict", "rank", "size", "is_main"):
         from .loop import api

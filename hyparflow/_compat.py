@@ -1,5 +1,6 @@
 """The one place that touches Keras internals; every version branch lives here."""
 
+from typing import Any, Set  # Keras objects are untyped: Any
 import keras
 from keras.src import backend as _backend
 from keras.src import tree
@@ -12,7 +13,7 @@ __all__ = [
 ]
 
 
-def functional_of(model):
+def functional_of(model: Any) -> Any:
     """The Functional graph behind `model`, or None for a subclassed model."""
     if isinstance(model, keras.Sequential):
         return getattr(model, "_functional", None)
@@ -23,18 +24,18 @@ def functional_of(model):
     return None
 
 
-def graph_nodes(functional):
+def graph_nodes(functional: Any) -> Set[int]:
     """Ids of the keras Nodes that belong to this graph (a layer may sit in several)."""
     return {id(n) for nodes in functional._nodes_by_depth.values() for n in nodes}
 
 
-def producer_node(tensor):
+def producer_node(tensor: Any) -> Any:
     """The keras Node that produced a KerasTensor."""
     history = tensor._keras_history
     return history.operation._inbound_nodes[history.node_index]
 
 
-def call_order(functional):
+def call_order(functional: Any) -> Any:
     """The graph's keras Nodes in the order `Functional.call` runs them (deepest
     first, as its `_run_through_graph`): the order in which a layer that removes
     masks from its inputs (MultiHeadAttention) acts in `model.fit`."""
@@ -43,12 +44,12 @@ def call_order(functional):
             if node.operation and not node.is_input]
 
 
-def fill_in(node, tensor_dict):
+def fill_in(node: Any, tensor_dict: Any) -> Any:
     """(args, kwargs) of a node's call with symbolic tensors replaced by values."""
     return node.arguments.fill_in(tensor_dict)
 
 
-def call_operation(op, args, kwargs, training):
+def call_operation(op: Any, args: Any, kwargs: Any, training: bool) -> Any:
     """Call one layer/operation as Functional.call does, passing `training` where taken."""
     context = getattr(op, "_call_context_args", None)
     if context is None:  # older Keras 3
@@ -60,11 +61,11 @@ def call_operation(op, args, kwargs, training):
     return op(*args, **kwargs)
 
 
-def output_structure(functional):
+def output_structure(functional: Any) -> Any:
     return functional._outputs_struct
 
 
-def input_structure(functional):
+def input_structure(functional: Any) -> Any:
     return functional._inputs_struct
 
 
@@ -82,7 +83,7 @@ def symbolic(shape, dtype):
     return _backend.KerasTensor(tuple(shape), _backend.standardize_dtype(dtype))
 
 
-def get_mask(value):
+def get_mask(value: Any) -> Any:
     """The Keras mask (padding) a layer attached to a value, or None."""
     return _backend.get_keras_mask(value)
 
@@ -104,7 +105,7 @@ def compile_metrics(model):
     return getattr(model, "_compile_metrics", None)
 
 
-def loss_tracker(model):
+def loss_tracker(model: Any) -> Any:
     return getattr(model, "_loss_tracker", None)
 
 

@@ -4,13 +4,15 @@ import contextlib
 import os
 import sys
 import tempfile
+from typing import Iterator
+
 from . import settings
 
 __all__ = ["quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
            "start_tensorflow", "oversubscribed"]
 
 
-def quiet_tensorflow():
+def quiet_tensorflow() -> None:
     """Silence TensorFlow's start-up noise unless the user asked for it.
 
     Must run before TensorFlow is first imported: the C++ logger reads the
@@ -21,7 +23,7 @@ def quiet_tensorflow():
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
-def local_ranks():
+def local_ranks() -> int:
     """How many ranks share this node, from the launcher's environment."""
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
         value = os.environ.get(name)
@@ -36,7 +38,7 @@ def local_ranks():
     return 1
 
 
-def threads_per_rank():
+def threads_per_rank() -> int:
     """Intra-op threads for this rank: HYPARFLOW_THREADS, else cores // ranks-on-node.
 
     When the launcher bound the process to fewer cores than the node has, the
@@ -56,7 +58,7 @@ def threads_per_rank():
 
 
 @contextlib.contextmanager
-def _stderr_to_file():
+def _stderr_to_file() -> Iterator[None]:
     """Point file descriptor 2 at a temporary file (C++ logging bypasses Python's
     sys.stderr); hand back what was written if the block fails."""
     sys.stderr.flush()
@@ -75,7 +77,7 @@ def _stderr_to_file():
             os.close(saved)
 
 
-def start_tensorflow():
+def start_tensorflow() -> bool:
     """Import TensorFlow, set its threads and start its runtime, quietly.
 
     TensorFlow's C++ start-up lines (oneDNN, CPU features, absl) go to file
@@ -92,12 +94,12 @@ def start_tensorflow():
     return done
 
 
-def oversubscribed():
+def oversubscribed() -> bool:
     """True when this node's ranks want more threads than it has cores."""
     return local_ranks() * threads_per_rank() > (os.cpu_count() or 1)
 
 
-def configure_threads():
+def configure_threads() -> bool:
     """Set TensorFlow's thread pools; a no-op once TensorFlow has started running ops."""
     import tensorflow as tf
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, TypedDict
 
-__all__ = ["solve", "solve_limited", "check_counts", "stage_costs"]
+__all__ = ["solve", "solve_limited", "check_counts", "stage_costs", "Resolved"]
+
+
+class Resolved(TypedDict):
+    """A balance mode turned into numbers (loop.costs.resolve), for `partition`: the
+    arguments of `solve_limited`."""
+
+    costs: List[float]               # per layer call
+    speeds: Optional[List[float]]    # per stage (per chunk when interleaved); None: equal
+    memory: Optional[List[float]]    # bytes per layer call, with `limit`
+    limit: Optional[float]           # bytes per rank
 
 
 def check_counts(counts: Sequence[int], num_items: int, num_stages: int) -> list[int]:

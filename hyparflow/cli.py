@@ -1,16 +1,27 @@
 """The `hyparflow` command: run, info, slurm, export, trace."""
 
+from __future__ import annotations
+
 import argparse
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from .cluster import launch
+
+if TYPE_CHECKING:
+    from .cluster.hosts import HostSlots
+    from .cluster.launch import CommandLine
+
+    # What add_subparsers returns (generic in typeshed only).
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+# The parsed options are an argparse.Namespace: its attributes are untyped (Any).
 
 __all__ = ["main", "build_parser"]
 
 
-def _add_run(sub):
+def _add_run(sub: Subparsers) -> None:
     p = sub.add_parser(
         "run", help="start a training script on N ranks (srun in a Slurm job, else mpiexec)",
         description="Start SCRIPT on N ranks: `srun --mpi=pmi2` inside a Slurm allocation, "
@@ -56,8 +67,8 @@ def _add_run(sub):
     p.set_defaults(func=_run)
 
 
-def _run(args):
-    hosts = None
+def _run(args: argparse.Namespace) -> int:
+    hosts: Optional[HostSlots] = None
     if args.hosts is not None or args.hostfile is not None:
         from .cluster import hosts as _hosts
 
@@ -80,7 +91,8 @@ def _run(args):
     launch.execute(line)  # does not return
 
 
-def _run_restarting(args, first, hosts):
+def _run_restarting(args: argparse.Namespace, first: CommandLine,
+                    hosts: Optional[HostSlots]) -> int:
     """`hyparflow run --restarts K`: the run under restart.run (its first command line `first`)."""
     from .cluster import hosts as _hosts
     from .cluster import restart
@@ -102,7 +114,8 @@ def _run_restarting(args, first, hosts):
         where = _hosts.place(hosts, ranks)
         hosts = [(h, where.count(h)) for h, _ in hosts if h in where]
 
-    def make_line(on, stages, replicas, tensor):
+    def make_line(on: Optional[HostSlots], stages: Optional[int], replicas: Optional[int],
+                  tensor: Optional[int]) -> CommandLine:
         return launch.command_line(args.script, args.args, ranks=None if on else args.ranks,
                                    stages=stages, replicas=replicas,
                                    microbatches=args.microbatches, tensor=tensor,
@@ -116,22 +129,22 @@ def _run_restarting(args, first, hosts):
         return 0
     return restart.run(make_line, lambda line, lost: launch.supervise(line, lost_hosts=lost),
                        args.restarts, hosts, stages, replicas, tensor,
-                       launch.find_mpiexec(), set(given))
+                       first.argv[0], set(given))   # the mpiexec command_line found
 
 
-def _add_info(sub):
+def _add_info(sub: Subparsers) -> None:
     p = sub.add_parser("info", help="versions, cores, ranks, threads, Slurm: for bug reports",
                        description="Print what a bug report needs: library versions, MPI, "
                                    "cores, threads per rank, Slurm.")
     p.set_defaults(func=_info)
 
 
-def _info(args):
+def _info(args: argparse.Namespace) -> int:
     print(launch.report())
     return 0
 
 
-def _add_slurm(sub):
+def _add_slurm(sub: Subparsers) -> None:
     from .cluster import slurm
     p = sub.add_parser(
         "slurm", help="write an sbatch script for a training script (or submit it)",
@@ -181,7 +194,7 @@ def _add_slurm(sub):
     p.set_defaults(func=_slurm)
 
 
-def _slurm(args):
+def _slurm(args: argparse.Namespace) -> int:
     from .cluster import slurm
     spec = slurm.JobSpec(
         script=args.script, script_args=list(args.args), nodes=args.nodes,
@@ -209,7 +222,7 @@ def _slurm(args):
     return 0
 
 
-def _add_export(sub):
+def _add_export(sub: Subparsers) -> None:
     p = sub.add_parser("export", help="write the newest valid checkpoint as a .keras file",
                        description="Write the newest valid checkpoint in CHECKPOINT_DIR (or "
                                    "one checkpoint's directory) as a normal .keras model. "
@@ -220,7 +233,7 @@ def _add_export(sub):
     p.set_defaults(func=_export)
 
 
-def _export(args):
+def _export(args: argparse.Namespace) -> int:
     from .engine import checkpoint
 
     try:
@@ -231,7 +244,7 @@ def _export(args):
     return 0
 
 
-def _add_trace(sub):
+def _add_trace(sub: Subparsers) -> None:
     p = sub.add_parser("trace", help="draw a fit(trace=...) timeline and measure its bubble",
                        description="Draw the timeline written by hyparflow.fit(trace=RUN.json): "
                                    "one row per rank, actions coloured by kind, idle time "
@@ -244,7 +257,7 @@ def _add_trace(sub):
     p.set_defaults(func=_trace)
 
 
-def _trace(args):
+def _trace(args: argparse.Namespace) -> int:
     from .engine import timeline
 
     try:
@@ -265,7 +278,7 @@ def _trace(args):
     return 0
 
 
-def _add_plan(sub):
+def _add_plan(sub: Subparsers) -> None:
     # Listed here for `hyparflow --help`; main() hands everything after `plan` to the
     # planner's own parser (argparse would take `--help` for an option of this one).
     p = sub.add_parser("plan", help="profile a model and rank (stages, replicas, microbatches) plans",
@@ -274,13 +287,13 @@ def _add_plan(sub):
     p.set_defaults(func=lambda args: _plan(args.rest))
 
 
-def _plan(argv):
+def _plan(argv: Sequence[str]) -> int:
     from .planning import command
 
     return command.main(argv)
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
@@ -295,14 +308,15 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code: int = args.func(args)   # the sub-command's exit code
+        return code
     except launch.LaunchError as error:
         print(f"hyparflow {args.command}: error: {error}", file=sys.stderr)
         return 2

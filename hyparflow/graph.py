@@ -1,13 +1,19 @@
 """A Keras model as a LayerGraph: layer calls in a topological order, tensors with shapes."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
 
 from . import _compat
 
-__all__ = ["LayerGraph", "Node", "Tensor", "from_model", "numel"]
+__all__ = ["LayerGraph", "Node", "Tensor", "Shape", "from_model", "numel"]
+
+# A tensor's shape, batch first; None: known only at run time.
+Shape = Tuple[Optional[int], ...]
 
 
 @dataclass
@@ -15,21 +21,21 @@ class Tensor:
     """A value flowing in the graph. `producer` is a node index, or None for a model input."""
 
     index: int
-    shape: tuple  # first dimension is the batch (None)
+    shape: Shape  # first dimension is the batch (None)
     dtype: str
-    producer: object = None
-    input_position: object = None
-    keras_tensor: object = field(default=None, repr=False)
-    mask: tuple | None = None  # shape of its Keras mask (e.g. padding), batch first; None: no mask
+    producer: Optional[int] = None
+    input_position: Optional[int] = None   # its place among the model's flat inputs
+    keras_tensor: Any = field(default=None, repr=False)   # the KerasTensor (untyped)
+    mask: Optional[Shape] = None  # shape of its Keras mask (e.g. padding), batch first; None: no mask
 
     @property
-    def dynamic(self):
+    def dynamic(self) -> bool:
         """Whether a dimension besides the batch is known only at run time (a
         sequence length, an image size), in the value or its mask."""
         return any(d is None for d in tuple(self.shape[1:]) + tuple((self.mask or (0,))[1:]))
 
     @property
-    def floating(self):
+    def floating(self) -> bool:
         return np.dtype(self.dtype).kind == "f" if self.dtype != "bfloat16" else True
 
 
@@ -39,27 +45,29 @@ class Node:
 
     index: int
     name: str
-    op: object = field(repr=False)
-    keras_node: object = field(repr=False)
-    inputs: list
-    outputs: list
+    op: Any = field(repr=False)          # the Keras layer or operation (untyped)
+    keras_node: Any = field(repr=False)  # Keras's own node; None for an opaque model
+    inputs: List[int]                    # tensor indices
+    outputs: List[int]
     params: int
     cost: float
 
 
 @dataclass
 class LayerGraph:
-    nodes: list
-    tensors: list
-    inputs: list   # tensor index of each model input, in the model's flat input order
-    outputs: list  # tensor index of each model output, in the model's flat output order
-    functional: object = field(repr=False)  # None for a subclassed model (one opaque node)
-    input_names: list = field(default_factory=list)
-    output_names: list = field(default_factory=list)
+    nodes: List[Node]
+    tensors: List[Tensor]
+    inputs: List[int]   # tensor index of each model input, in the model's flat input order
+    outputs: List[int]  # tensor index of each model output, in the model's flat output order
+    functional: Any = field(repr=False)  # None for a subclassed model (one opaque node)
+    input_names: List[str] = field(default_factory=list)
+    output_names: List[str] = field(default_factory=list)
 
-    def variables_of(self, node_indices, trainable):
-        """Variables of the given nodes' operations, each once, in first-use order."""
-        seen, out = set(), []
+    def variables_of(self, node_indices: Iterable[int], trainable: bool) -> List[Any]:
+        """Variables (Keras, untyped) of the given nodes' operations, each once, in
+        first-use order."""
+        seen: set[int] = set()
+        out: List[Any] = []
         for i in node_indices:
             op = self.nodes[i].op
             # Plain operations (keras.ops calls) have no weights at all.
@@ -70,7 +78,7 @@ class LayerGraph:
         return out
 
 
-def numel(shape):
+def numel(shape: Sequence[Optional[int]]) -> int:
     """Values per sample of a tensor of `shape` (batch first; unknown dimensions count as 1)."""
     n = 1
     for d in shape[1:]:
@@ -91,7 +99,7 @@ ELEMENT_COST = 60.0
 NORMALIZATION_COST = 300.0
 
 
-def _estimate_cost(op, out_shapes, params):
+def _estimate_cost(op: Any, out_shapes: Sequence[Shape], params: int) -> float:
     """Forward compute estimate per sample, in multiply-adds.
 
     A weight is used once per output position (the output size divided by its
@@ -113,20 +121,21 @@ _NORMALIZATIONS = tuple(getattr(keras.layers, name) for name in (
     "RMSNormalization") if hasattr(keras.layers, name))
 
 
-def _param_count(op):
+def _param_count(op: Any) -> int:
     return int(sum(int(np.prod(v.shape)) for v in getattr(op, "trainable_weights", ())))
 
 
-def from_model(model, x_shapes=None):
+def from_model(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]] = None) -> LayerGraph:
     """Read `model`'s graph. A subclassed model becomes one opaque node whose inputs
     have the shapes `x_shapes` (flat list of array shapes)."""
     functional = _compat.functional_of(model)
     if functional is None:
         return _opaque(model, x_shapes)
     members = _compat.graph_nodes(functional)
-    tensors, tensor_of = [], {}
+    tensors: List[Tensor] = []
+    tensor_of: Dict[int, int] = {}   # id(KerasTensor) -> its index
 
-    def tensor(kt, producer=None, input_position=None):
+    def tensor(kt: Any, producer: Optional[int] = None, input_position: Optional[int] = None) -> int:
         key = id(kt)
         if key not in tensor_of:
             shape = tuple(kt.shape)
@@ -144,7 +153,8 @@ def from_model(model, x_shapes=None):
     # Depth-first post-order from the outputs: a node comes right after the
     # last of its inputs' producers, so a branch stays contiguous and a
     # stage cut falls between blocks rather than across them.
-    order, state = [], {}
+    order: List[Any] = []          # Keras nodes
+    state: Dict[int, str] = {}
     stack = [(_compat.producer_node(kt), False) for kt in reversed(flat_outputs)]
     while stack:
         node, expanded = stack.pop()
@@ -167,10 +177,11 @@ def from_model(model, x_shapes=None):
         for kt in reversed(node.input_tensors):
             stack.append((_compat.producer_node(kt), False))
 
-    nodes, calls = [], {}
+    nodes: List[Node] = []
+    calls: Dict[int, int] = {}     # id(operation) -> its calls so far
     for kn in order:
         op = kn.operation
-        ins = []
+        ins: List[int] = []
         for kt in kn.input_tensors:
             if id(kt) not in tensor_of:
                 raise ValueError(
@@ -186,7 +197,7 @@ def from_model(model, x_shapes=None):
         cost = _estimate_cost(op, [tensors[t].shape for t in outs], _param_count(op))
         nodes.append(Node(index, name, op, kn, ins, outs, params, cost))
 
-    outputs = []
+    outputs: List[int] = []
     for kt in flat_outputs:
         if id(kt) not in tensor_of:
             raise ValueError(f"Model output {kt.name!r} is not connected to the model's inputs.")
@@ -202,7 +213,7 @@ def from_model(model, x_shapes=None):
     )
 
 
-def _names(structure, fallback):
+def _names(structure: Any, fallback: List[str]) -> List[str]:
     """Names by which dict data is matched to the flat inputs/outputs: the dict's
     keys (in the flat order) when the model was built with a dict, else layer names."""
     if isinstance(structure, dict):
@@ -210,7 +221,7 @@ def _names(structure, fallback):
     return fallback
 
 
-def _opaque(model, x_shapes):
+def _opaque(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]]) -> LayerGraph:
     """A subclassed model: its `call` cannot be read, so it is one node."""
     if not model.built:
         raise ValueError(

@@ -4,10 +4,18 @@ Imported as `hyparflow.layers` (`hf.layers.ClassBalancedMix`); plain Keras layer
 usable with `model.fit` as well as with `hyparflow.fit`.
 """
 
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
 import keras
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["ClassBalancedMix"]
+
+# Per-class numbers: a list or a numpy array (tensors and masks below are Keras's: Any).
+PerClass = Union[Sequence[float], npt.NDArray[Any]]
 
 
 @keras.saving.register_keras_serializable(package="hyparflow")
@@ -43,9 +51,10 @@ class ClassBalancedMix(keras.layers.Layer):
         shift: how far along the batch the partner is (>= 1).
     """
 
-    def __init__(self, rates, shift=1, **kwargs):
+    def __init__(self, rates: PerClass, shift: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        rates = [float(r) for r in (rates.tolist() if hasattr(rates, "tolist") else rates)]
+        values = rates.tolist() if hasattr(rates, "tolist") else rates
+        rates = [float(r) for r in values]
         if not rates:
             raise ValueError("ClassBalancedMix: `rates` is empty; give one mixing rate per "
                              "class (0 for a class that is not mixed).")
@@ -61,26 +70,26 @@ class ClassBalancedMix(keras.layers.Layer):
         self.shift = int(shift)
 
     @classmethod
-    def from_counts(cls, counts, strength=0.5, **kwargs):
+    def from_counts(cls, counts: PerClass, strength: float = 0.5, **kwargs: Any) -> ClassBalancedMix:
         """Rates from the number of training samples of each class: `strength x (1 -
         rarest / count)`, so the rarest class is not mixed and the most frequent
         ones most (up to `strength`)."""
-        counts = np.asarray(counts, dtype=np.float64)
-        if counts.ndim != 1 or not len(counts) or np.any(counts <= 0):
+        array = np.asarray(counts, dtype=np.float64)
+        if array.ndim != 1 or not len(array) or np.any(array <= 0):
             raise ValueError(f"ClassBalancedMix.from_counts: `counts` must be positive "
-                             f"sample counts, one per class. Received: {counts.tolist()}")
+                             f"sample counts, one per class. Received: {array.tolist()}")
         if not 0.0 <= strength < 1.0:
             raise ValueError(f"ClassBalancedMix.from_counts: `strength` must be in [0, 1). "
                              f"Received: strength={strength!r}")
-        return cls((strength * (1.0 - counts.min() / counts)).tolist(), **kwargs)
+        return cls((strength * (1.0 - array.min() / array)).tolist(), **kwargs)
 
-    def _class_ids(self, labels):
+    def _class_ids(self, labels: Any) -> Any:
         labels = keras.ops.convert_to_tensor(labels)
         if len(labels.shape) > 1 and labels.shape[-1] not in (None, 1):
             return keras.ops.argmax(labels, axis=-1)  # one-hot or probabilities
         return keras.ops.reshape(keras.ops.cast(labels, "int32"), (-1,))
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Sequence[Any], training: Optional[bool] = None) -> Any:
         features, labels = inputs
         if not training:
             return features
@@ -90,11 +99,11 @@ class ClassBalancedMix(keras.layers.Layer):
         partner = keras.ops.roll(features, self.shift, axis=0)
         return (1.0 - rate) * features + rate * partner
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: Sequence[Any]) -> Any:
         return input_shape[0]
 
-    def compute_mask(self, inputs, mask=None):
+    def compute_mask(self, inputs: Any, mask: Optional[Sequence[Any]] = None) -> Any:
         return None if mask is None else mask[0]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return dict(super().get_config(), rates=list(self.rates), shift=self.shift)

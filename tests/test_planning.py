@@ -38,6 +38,15 @@ def test_every_balance_mode_trains_to_keras_weights(mode):
     assert max_diff(results[0][0], reference.get_weights()) <= 1e-5
 
 
+def test_speeds_other_than_measure_or_numbers_are_refused_by_name():
+    """A string for `speeds` other than "measure" was taken as one speed per character."""
+    model = models.mlp()
+    g = G.from_model(model)
+    with pytest.raises(ValueError, match="speeds='fast'"):
+        run_ranks(1, lambda comm: costs.resolve(g, model, comm, "params", Layout(num_stages=2),
+                                                speeds="fast"))
+
+
 def test_speeds_and_memory_limit_shape_the_cut():
     model = models.mlp()
     g = G.from_model(model)

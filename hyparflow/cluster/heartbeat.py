@@ -34,12 +34,17 @@ answer within `probe_seconds` (the peer's machine froze, died or was cut off), o
 ask (the peer is alone on its machine), is a verdict.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import threading
 import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
+import numpy.typing as npt
+
 from .. import settings
 
 __all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE", "start",
@@ -59,18 +64,18 @@ _next_generation = 0                      # the generation of this process's nex
 _ALIVE, _LOST = 1, 0                     # a probe's answer
 
 
-def interval_seconds():
+def interval_seconds() -> float:
     """Seconds between beats: HYPARFLOW_HEARTBEAT_SECONDS (default 2)."""
     return settings.heartbeat_seconds()
 
 
-def peer_timeout_seconds():
+def peer_timeout_seconds() -> Optional[float]:
     """Silence after which a peer is lost: HYPARFLOW_PEER_TIMEOUT (default 20; 0 turns the
     heartbeat off)."""
     return settings.peer_timeout()
 
 
-def neighbours(rank, size):
+def neighbours(rank: int, size: int) -> List[int]:
     """The ranks `rank` beats to and watches (the same set: the relation is symmetric):
     rank +-1 around the ring, and rank +-size//2 (half way round) from 4 ranks on."""
     out = {(rank + 1) % size, (rank - 1) % size}
@@ -80,14 +85,14 @@ def neighbours(rank, size):
     return sorted(out)
 
 
-def machine():
+def machine() -> List[int]:
     """What identifies this rank's machine for /proc: the kernel (its boot id) and the
     process and network namespaces (emulated hosts share a kernel but not a network,
     so a link cut between them must be seen as a host's loss). Then this process's id
     and start time (a pid reused by another process is not this rank)."""
     import zlib
 
-    def inode(path):
+    def inode(path: str) -> int:
         try:
             return os.stat(path).st_ino
         except OSError:
@@ -102,7 +107,7 @@ def machine():
             _started(os.getpid()) or 0]
 
 
-def _stat(pid):
+def _stat(pid: int) -> Optional[List[str]]:
     """The fields of /proc/PID/stat after the command name, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -112,12 +117,12 @@ def _stat(pid):
     return text.rsplit(")", 1)[1].split()
 
 
-def _started(pid):
+def _started(pid: int) -> Optional[int]:
     fields = _stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
-def probe(pid, started):
+def probe(pid: int, started: int) -> int:
     """_ALIVE when process `pid` (started at `started`, in clock ticks after boot) runs
     or sleeps here, _LOST when it is stopped, a zombie or gone."""
     fields = _stat(pid)
@@ -126,7 +131,13 @@ def probe(pid, started):
     return _LOST if fields[0] in "TtZXx" else _ALIVE
 
 
-def _lost_message(rank, lost, hosts, found_by, silence, why=None):
+def _probe_machine(row: npt.NDArray[np.int64]) -> int:
+    """`probe` of the process in a `machine()` row (its pid and start time)."""
+    return probe(int(row[3]), int(row[4]))
+
+
+def _lost_message(rank: int, lost: Iterable[int], hosts: Sequence[str], found_by: Optional[int],
+                  silence: float, why: Optional[Mapping[int, str]] = None) -> str:
     why = why or {}
     names = ", ".join(f"rank {r} on host {hosts[r]}" for r in sorted(lost))
     places = sorted({hosts[r] for r in lost})
@@ -143,24 +154,30 @@ def _lost_message(rank, lost, hosts, found_by, silence, why=None):
 
 class Heartbeat:
     """The beating thread of one rank. `comm`: an mpi4py communicator of which this
-    rank duplicates its own (collective); `hosts`: every rank's host name."""
+    rank duplicates its own (collective); `hosts`: every rank's host name; `describe()`:
+    what this rank was doing, for the message. mpi4py is untyped: its communicators and
+    requests are Any here."""
 
-    def __init__(self, comm, hosts, interval=None, limit=None, describe=None):
+    def __init__(self, comm: Any, hosts: Sequence[str], interval: Optional[float] = None,
+                 limit: Optional[float] = None,
+                 describe: Optional[Callable[[], str]] = None) -> None:
         from mpi4py import MPI
 
         from ..engine.comm import poll, timeout_seconds
 
-        self._MPI = MPI
+        self._MPI: Any = MPI
         new, req = comm.Idup()
         poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
-        self.comm = new
+        self.comm: Any = new
         # An error about a dead peer (a reset connection) is ours to report, not fatal here.
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank, self.size = new.Get_rank(), new.Get_size()
-        top = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        self.rank: int = new.Get_rank()
+        self.size: int = new.Get_size()
+        top: int = self.comm.Get_attr(MPI.TAG_UB) or 32767
         self.hosts = list(hosts)
         self.interval = interval or interval_seconds()
-        self.limit = limit or peer_timeout_seconds()
+        # `start` makes none when the timeout is off (None).
+        self.limit: float = limit or peer_timeout_seconds() or 0.0
         # How long the ranks on a silent peer's machine get to answer for it.
         self.probe_seconds = min(10.0, max(2 * self.interval, self.limit / 2))
         self.describe = describe        # what this rank was doing, for the message
@@ -171,7 +188,7 @@ class Heartbeat:
         gathered = np.zeros((self.size, len(mine)), np.int64)
         req = new.Iallgather(mine, gathered)
         poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
-        self.machines = gathered[:, :-1]
+        self.machines: npt.NDArray[np.int64] = gathered[:, :-1]
         # One generation for all: the ranks may have started different numbers before.
         generation = int(gathered[:, -1].max())
         _next_generation = generation + 1
@@ -179,11 +196,11 @@ class Heartbeat:
         self.tags = {kind: base + kind for kind in (_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER)}
         now = time.monotonic()
         self.heard = {r: now for r in self.peers}
-        self.gone = set()               # peers that said goodbye
-        self.asked = {}                 # silent peer -> when its machine's ranks must answer
-        self.why = {}                   # lost peer -> what the probe saw
+        self.gone: Set[int] = set()     # peers that said goodbye
+        self.asked: Dict[int, float] = {}   # silent peer -> when its machine's ranks must answer
+        self.why: Dict[int, str] = {}   # lost peer -> what the probe saw
         self._one = np.ones(1, np.uint8)
-        self._sends = {}                # peer -> its last beat's request
+        self._sends: Dict[int, Any] = {}    # peer -> its last beat's request
         self._beat_in = np.zeros(1, np.uint8)
         self._verdict_in = np.zeros(self.size, np.uint8)
         self._probe_in = np.zeros(1, np.int64)
@@ -195,18 +212,20 @@ class Heartbeat:
         self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, self.tags[_ANSWER])
         self._stop = threading.Event()
         self.beats = 0
-        self.lost = set()               # ranks found lost, here or by a verdict
-        self.finders = set()            # who found them (None: this rank)
-        self._reason = None
-        self._deadline = None           # when to report and end, once a loss is known
-        self._sending, self._masks = [], []   # verdicts in flight, their buffers
-        self._small = []                # probes and answers in flight, with their buffers
+        self.lost: Set[int] = set()     # ranks found lost, here or by a verdict
+        self.finders: Set[Optional[int]] = set()   # who found them (None: this rank)
+        self._reason: Optional[str] = None
+        self._deadline: Optional[float] = None   # when to report and end, once a loss is known
+        self._sending: List[Any] = []   # verdicts in flight (requests)
+        self._masks: List[npt.NDArray[np.uint8]] = []   # their buffers
+        # Probes and answers in flight, with their buffers.
+        self._small: List[Tuple[Any, npt.NDArray[np.int64]]] = []
         self._thread = threading.Thread(target=self._run, name="hyparflow-heartbeat",
                                         daemon=True)
         self._thread.start()
 
     # -- the thread
-    def _run(self):
+    def _run(self) -> None:
         MPI = self._MPI
         next_beat = 0.0
         while not self._stop.is_set():
@@ -237,15 +256,15 @@ class Heartbeat:
                 self._end()
             self._stop.wait(min(0.25, self.interval / 4))
 
-    def _same_machine(self, r):
+    def _same_machine(self, r: int) -> bool:
         return bool((self.machines[r][:3] == self.machines[self.rank][:3]).all())
 
-    def _probe(self, r, now):
+    def _probe(self, r: int, now: float) -> bool:
         """Whether silent peer `r` is lost now: a peer on this machine by /proc; for one
         elsewhere, the ranks on its machine are asked (the verdict comes with their
         answer, or when none came in time), or it is lost at once when it is alone."""
         if self._same_machine(r):
-            if probe(*self.machines[r][3:]) == _ALIVE:
+            if _probe_machine(self.machines[r]) == _ALIVE:
                 self.heard[r] = now - self.limit + self.interval   # busy: look again soon
                 return False
             self.why[r] = "its process is stopped or gone"
@@ -260,7 +279,7 @@ class Heartbeat:
             self._send(np.array([r], np.int64), m, self.tags[_PROBE])
         return False
 
-    def _send(self, data, to, tag):
+    def _send(self, data: npt.NDArray[np.int64], to: int, tag: int) -> None:
         """A small message that must not be waited for (its buffer kept until sent)."""
         try:
             self._small = [(q, b) for q, b in self._small if not q.Test()]
@@ -268,7 +287,7 @@ class Heartbeat:
         except self._MPI.Exception:
             pass
 
-    def _found(self, lost, finder):
+    def _found(self, lost: Sequence[int], finder: Optional[int]) -> None:
         """Ranks found lost (by this rank: `finder` None): tell the others, and report
         once the other finders' verdicts have had time to come."""
         for r in lost:
@@ -281,12 +300,12 @@ class Heartbeat:
         if finder is None and new:
             self._tell(sorted(self.lost))
 
-    def _tell(self, lost):
+    def _tell(self, lost: Sequence[int]) -> None:
         """The verdict to every rank not counted lost (not only the neighbours: each must
         name the lost ranks); a moment for it to leave, never a wait on a dead link."""
         mask = np.zeros(self.size, np.uint8)
         mask[lost] = 1
-        reqs = []
+        reqs: List[Any] = []
         for r in range(self.size):
             if r != self.rank and r not in self.lost and r not in self.gone:
                 try:
@@ -296,7 +315,7 @@ class Heartbeat:
         self._sending += reqs
         self._masks.append(mask)        # alive until sent
 
-    def _receive(self, now):
+    def _receive(self, now: float) -> None:
         MPI = self._MPI
         status = MPI.Status()
         while self._recv.Test(status):
@@ -307,7 +326,7 @@ class Heartbeat:
             # Another rank asks about a silent rank on this machine: look it up here.
             r = int(self._probe_in[0])
             self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, self.tags[_PROBE])
-            self._send(np.array([r, probe(*self.machines[r][3:])], np.int64),
+            self._send(np.array([r, _probe_machine(self.machines[r])], np.int64),
                        status.Get_source(), self.tags[_ANSWER])
         while self._recv_answer.Test(status):
             r, state = (int(v) for v in self._answer_in)
@@ -327,7 +346,7 @@ class Heartbeat:
             self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, self.tags[_VERDICT])
             self._found(lost, status.Get_source())
 
-    def _beat(self):
+    def _beat(self) -> None:
         for r in self.peers:
             if r in self.gone:
                 continue
@@ -337,7 +356,7 @@ class Heartbeat:
                 self._sends[r] = self.comm.Isend(self._one, r, self.tags[_BEAT])
         self.beats += 1
 
-    def _end(self):
+    def _end(self) -> None:
         """Report the lost peers (the union of the verdicts), end the process."""
         lost = sorted(self.lost)
         others = sorted(f for f in self.finders if f is not None)
@@ -370,14 +389,14 @@ class Heartbeat:
         os._exit(EXIT_CODE)
 
     # -- the main thread
-    def stop(self):
+    def stop(self) -> None:
         """End the thread and say goodbye (this rank's silence from now on is no loss)."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()
         MPI = self._MPI
-        byes = []
+        byes: List[Any] = []
         for r in self.peers:
             if r not in self.gone:
                 try:
@@ -406,7 +425,8 @@ class Heartbeat:
             pass
 
 
-def start(comm, hosts, describe=None):
+def start(comm: object, hosts: Sequence[str],
+          describe: Optional[Callable[[], str]] = None) -> Optional[Heartbeat]:
     """A Heartbeat for an MPICommunicator of more than one rank (None otherwise, or when
     HYPARFLOW_PEER_TIMEOUT=0)."""
     from ..engine.comm import MPICommunicator

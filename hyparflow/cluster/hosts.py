@@ -8,11 +8,17 @@ activations never cross a link) and only the once-per-step gradient sums cross h
 Pure Python.
 """
 
+from __future__ import annotations
+
 import re
+from typing import Iterable, List, Sequence, Tuple
 
 from ..topology import Topology
 
-__all__ = ["HostError", "parse_hosts", "read_hostfile", "place", "describe_placement"]
+__all__ = ["HostError", "HostSlots", "parse_hosts", "read_hostfile", "place", "describe_placement"]
+
+# [(host name, slots)], in the order mpiexec fills them.
+HostSlots = List[Tuple[str, int]]
 
 
 class HostError(ValueError):
@@ -22,7 +28,7 @@ class HostError(ValueError):
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
-def _entry(text, where):
+def _entry(text: str, where: str) -> Tuple[str, int]:
     """'host', 'host:N' or 'host slots=N' -> (host, N)."""
     text = text.strip()
     match = re.match(r"^(\S+?)(?::(\S+)|\s+slots\s*=\s*(\S+))?$", text)
@@ -36,8 +42,8 @@ def _entry(text, where):
     return host, int(slots)
 
 
-def _merge(entries, where):
-    hosts = {}
+def _merge(entries: Iterable[Tuple[str, int]], where: str) -> HostSlots:
+    hosts: dict[str, int] = {}
     for host, slots in entries:
         if host in hosts:
             raise HostError(f"{where}: host {host!r} is listed twice; give it once with "
@@ -48,20 +54,20 @@ def _merge(entries, where):
     return list(hosts.items())
 
 
-def parse_hosts(text):
+def parse_hosts(text: str | None) -> HostSlots:
     """`h1:2,h2:2` -> [('h1', 2), ('h2', 2)] (a host without `:N` has one slot)."""
     parts = [p for p in (text or "").split(",") if p.strip()]
     return _merge([_entry(p, "--hosts") for p in parts], "--hosts")
 
 
-def read_hostfile(path):
+def read_hostfile(path: str) -> HostSlots:
     """A hostfile: one host per line, `NAME`, `NAME:SLOTS` or `NAME slots=SLOTS`; # comments."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
     except OSError as error:
         raise HostError(f"cannot read the hostfile {path!r}: {error.strerror or error}") from None
-    entries = []
+    entries: HostSlots = []
     for number, line in enumerate(lines, 1):
         line = line.split("#", 1)[0].strip()
         if line:
@@ -69,7 +75,7 @@ def read_hostfile(path):
     return _merge(entries, path)
 
 
-def place(hosts, ranks):
+def place(hosts: Sequence[Tuple[str, int]], ranks: int) -> List[str]:
     """The host of each of `ranks` ranks, filling `hosts` [(name, slots)] in order as
     mpiexec does. More ranks than slots is refused (mpiexec would wrap around and put
     a pipeline's stages on hosts hyparflow did not plan)."""
@@ -82,7 +88,8 @@ def place(hosts, ranks):
     return where[:ranks]
 
 
-def describe_placement(where, stages, replicas, tensor=1):
+def describe_placement(where: Sequence[str], stages: int, replicas: int,
+                       tensor: int = 1) -> List[str]:
     """Lines saying where each rank runs and what it holds, then a warning for each
     pipeline that crosses hosts (its activations then travel between hosts)."""
     topo = Topology(stages, replicas, tensor)

@@ -1,14 +1,20 @@
 """Pick a launcher (srun or mpiexec) and build the command and environment of a run."""
 
+from __future__ import annotations
+
 import os
 import re
 import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple, Union, overload
 
 from .. import settings
-from ..layout import resolve
+from ..layout import Layout, resolve
+
+if TYPE_CHECKING:
+    from .hosts import HostSlots
 
 __all__ = ["LaunchError", "CommandLine", "in_slurm_allocation", "find_mpiexec", "usable_cores",
            "layout", "requested", "run_environment", "describe_layout", "command_line", "describe",
@@ -24,21 +30,21 @@ class CommandLine:
     """What `hyparflow run` executes: argv and the variables it adds to the environment."""
 
     launcher: str                      # "srun" or "mpiexec"
-    argv: list
-    env: dict = field(default_factory=dict)   # only the variables set or changed
+    argv: List[str]
+    env: Dict[str, str] = field(default_factory=dict)   # only the variables set or changed
     reason: str = ""                   # why this launcher
     layout: str = ""                   # how the ranks will be used, as far as the flags say
-    placement: list = field(default_factory=list)  # "rank k: host (stage, replica)" lines
+    placement: List[str] = field(default_factory=list)  # "rank k: host (stage, replica)" lines
     supervise: bool = False            # run under `supervise` (ranks on other hosts)
 
 
-def in_slurm_allocation(environ=None):
+def in_slurm_allocation(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True inside an sbatch/salloc job with srun on PATH."""
     environ = os.environ if environ is None else environ
     return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun", path=environ.get("PATH")) is not None
 
 
-def find_mpiexec(environ=None):
+def find_mpiexec(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The mpiexec beside this Python (the venv's, from the mpich wheel), else on PATH."""
     environ = os.environ if environ is None else environ
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -47,7 +53,7 @@ def find_mpiexec(environ=None):
     return shutil.which("mpiexec", path=environ.get("PATH"))
 
 
-def usable_cores():
+def usable_cores() -> int:
     """Cores this process may run on (its affinity), else the machine's count."""
     try:
         return len(os.sched_getaffinity(0))
@@ -55,7 +61,15 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
-def _positive(name, value):
+# A count as a flag gives it (int) or as text (an environment variable, a flag not yet parsed).
+Count = Union[int, str]
+
+
+@overload
+def _positive(name: str, value: None) -> None: ...
+@overload
+def _positive(name: str, value: Count) -> int: ...
+def _positive(name: str, value: Optional[Count]) -> Optional[int]:
     if value is None:
         return None
     try:
@@ -67,7 +81,9 @@ def _positive(name, value):
     return number
 
 
-def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, tensor=None):
+def layout(ranks: Count, stages: Optional[Count] = None, replicas: Optional[Count] = None,
+           microbatches: Optional[Count] = None, environ: Optional[Mapping[str, str]] = None,
+           tensor: Optional[Count] = None) -> Layout:
     """Check (ranks, stages, replicas, microbatches) against each other and complete them.
 
     Only counts the user gave (a flag, or HYPARFLOW_NUM_* in `environ`) are checked; the
@@ -108,10 +124,12 @@ def layout(ranks, stages=None, replicas=None, microbatches=None, environ=None, t
                    num_microbatches=microbatches, num_tensor=tensor, environ={})
 
 
-def requested(stages=None, replicas=None, microbatches=None, tensor=None, environ=None):
+def requested(stages: Optional[Count] = None, replicas: Optional[Count] = None,
+              microbatches: Optional[Count] = None, tensor: Optional[Count] = None,
+              environ: Optional[Mapping[str, str]] = None) -> Dict[str, int]:
     """{name: count} of the counts the user gave, checked: flags, else HYPARFLOW_NUM_*
     already set. What is not here, `fit` takes from its own arguments or derives."""
-    out = {}
+    out: Dict[str, int] = {}
     try:
         exported = settings.layout_counts(os.environ if environ is None else environ)
     except settings.SettingError as error:
@@ -119,14 +137,17 @@ def requested(stages=None, replicas=None, microbatches=None, tensor=None, enviro
     for name, value, flag in (("stages", stages, "--stages"), ("replicas", replicas, "--replicas"),
                               ("microbatches", microbatches, "--microbatches"),
                               ("tensor", tensor, "--tensor")):
-        value = value if value is not None else exported.get(f"num_{name}")
-        if value is not None:
-            out[name] = _positive(flag, value)
+        count = value if value is not None else exported.get(f"num_{name}")
+        if count is not None:
+            out[name] = _positive(flag, count)
     return out
 
 
-def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
-                    ranks_on_node=None, environ=None, tensor=None):
+def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None,
+                    microbatches: Optional[int] = None, threads: Optional[Count] = None,
+                    ranks_on_node: Optional[int] = None,
+                    environ: Optional[Mapping[str, str]] = None,
+                    tensor: Optional[int] = None) -> Dict[str, str]:
     """The variables a run sets: the S, R, M, T the user asked for (none else: a count
     that is only derived, like the replicas = ranks // S, must be derived again where the
     script's own S is known), threads per rank, quiet unbuffered Python.
@@ -136,7 +157,7 @@ def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
     this node); otherwise left unset and each rank works it out at start-up.
     """
     environ = os.environ if environ is None else environ
-    env = {}
+    env: Dict[str, str] = {}
     for name, value in (("STAGES", stages), ("REPLICAS", replicas),
                         ("MICROBATCHES", microbatches), ("TENSOR", tensor)):
         if value is not None:
@@ -145,24 +166,24 @@ def run_environment(stages=None, replicas=None, microbatches=None, threads=None,
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     })
-    threads = _positive("--threads", threads)
-    if threads is None:
+    count = _positive("--threads", threads)
+    if count is None:
         try:
-            threads = settings.threads(environ)
+            count = settings.threads(environ)
         except settings.SettingError as error:
             raise LaunchError(str(error)) from None
-    if threads is None and (environ.get("SLURM_CPUS_PER_TASK") or "").isdigit():
-        threads = max(1, int(environ["SLURM_CPUS_PER_TASK"]))
-    if threads is None and ranks_on_node:
-        threads = max(1, usable_cores() // ranks_on_node)
-    if threads is not None:
-        env["HYPARFLOW_THREADS"] = str(threads)
+    if count is None and (environ.get("SLURM_CPUS_PER_TASK") or "").isdigit():
+        count = max(1, int(environ["SLURM_CPUS_PER_TASK"]))
+    if count is None and ranks_on_node:
+        count = max(1, usable_cores() // ranks_on_node)
+    if count is not None:
+        env["HYPARFLOW_THREADS"] = str(count)
         if "OMP_NUM_THREADS" not in environ:
-            env["OMP_NUM_THREADS"] = str(threads)
+            env["OMP_NUM_THREADS"] = str(count)
     return env
 
 
-def describe_layout(ranks, given):
+def describe_layout(ranks: int, given: Mapping[str, int]) -> str:
     """One line on how `ranks` ranks will be used, given the counts in `given`."""
     if not given:
         return (f"{ranks} ranks; stages, replicas and microbatches as the script's hf.fit "
@@ -172,8 +193,12 @@ def describe_layout(ranks, given):
     return f"{ranks} ranks; {', '.join(parts)} (the script's own hf.fit arguments win){rest}"
 
 
-def command_line(script, script_args=(), *, ranks=None, stages=None, replicas=None,
-                 microbatches=None, threads=None, launcher="auto", environ=None, python=None, tensor=None, hosts=None):
+def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optional[Count] = None,
+                 stages: Optional[Count] = None, replicas: Optional[Count] = None,
+                 microbatches: Optional[Count] = None, threads: Optional[Count] = None,
+                 launcher: str = "auto", environ: Optional[Mapping[str, str]] = None,
+                 python: Optional[str] = None, tensor: Optional[Count] = None,
+                 hosts: Optional[Sequence[Tuple[str, int]]] = None) -> CommandLine:
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
 
     `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
@@ -199,7 +224,7 @@ def command_line(script, script_args=(), *, ranks=None, stages=None, replicas=No
     if not os.path.isfile(script):
         raise LaunchError(f"script not found: {script!r} (from {os.getcwd()})")
 
-    placement = []
+    placement: List[str] = []
     if hosts is not None:
         from . import hosts as _hosts
 
@@ -251,7 +276,7 @@ def command_line(script, script_args=(), *, ranks=None, stages=None, replicas=No
                 supervise=hosts is not None)
 
 
-def describe(line):
+def describe(line: CommandLine) -> str:
     """Shell text for --dry-run: the exports, then the command."""
     lines = [f"# launcher: {line.launcher} ({line.reason})"]
     if line.layout:
@@ -262,7 +287,7 @@ def describe(line):
     return "\n".join(lines)
 
 
-def execute(line, environ=None):
+def execute(line: CommandLine, environ: Optional[Mapping[str, str]] = None) -> NoReturn:
     """Replace this process by the launcher (its exit code and signals are the run's)."""
     environ = dict(os.environ if environ is None else environ)
     environ.update(line.env)
@@ -275,7 +300,7 @@ LOST_GRACE = 3.0   # seconds mpiexec gets to end by itself once a rank reported 
 _LOST = re.compile(r"^hyparflow: rank \d+ on host \S+: lost ")
 
 
-def named_hosts(line):
+def named_hosts(line: str) -> List[str]:
     """The hosts a heartbeat report names lost: 'hyparflow: rank 0 on host a: lost rank 1
     on host b, rank 2 on host c (silent ...' -> ['b', 'c']; [] for any other line."""
     if not _LOST.match(line):
@@ -284,7 +309,8 @@ def named_hosts(line):
     return list(dict.fromkeys(re.findall(r"on host (\S+?),?(?= |$)", named)))
 
 
-def supervise(line, environ=None, lost_hosts=None):
+def supervise(line: CommandLine, environ: Optional[Mapping[str, str]] = None,
+              lost_hosts: Optional[List[str]] = None) -> int:
     """Run the launcher as a child, passing its output through; return its exit code.
 
     When a host is lost, the ranks that remain end themselves (hyparflow.heartbeat), but
@@ -305,18 +331,20 @@ def supervise(line, environ=None, lost_hosts=None):
     sys.stdout.flush()
     sys.stderr.flush()
     child = subprocess.Popen(line.argv, env=environ, stderr=subprocess.PIPE)
-    lost = []
+    lost: List[float] = []   # when the first rank reported a lost peer
+    stderr = child.stderr
+    assert stderr is not None   # stderr=PIPE
 
-    def relay():
-        for raw in iter(child.stderr.readline, b""):
+    def relay() -> None:
+        for raw in iter(stderr.readline, b""):
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
-            line = raw.decode(errors="replace")
-            if _LOST.match(line):
+            text = raw.decode(errors="replace")
+            if _LOST.match(text):
                 if not lost:
                     lost.append(time.monotonic())
                 if lost_hosts is not None:
-                    lost_hosts.extend(h for h in named_hosts(line) if h not in lost_hosts)
+                    lost_hosts.extend(h for h in named_hosts(text) if h not in lost_hosts)
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
@@ -341,7 +369,7 @@ def supervise(line, environ=None, lost_hosts=None):
     return 128 - child.returncode if child.returncode < 0 else child.returncode
 
 
-def _version(module):
+def _version(module: str) -> str:
     try:
         from importlib.metadata import version
 
@@ -350,7 +378,7 @@ def _version(module):
         return "not installed"
 
 
-def _slurm_query(argv):
+def _slurm_query(argv: Sequence[str]) -> str:
     """A Slurm command's one-line answer, or why there is none (no config, no controller)."""
     import subprocess
 
@@ -378,7 +406,7 @@ print("mpi4py\t%s (%s)" % (mpi4py.__version__, os.path.dirname(mpi4py.__file__))
 """
 
 
-def _mpi_facts():
+def _mpi_facts() -> List[Tuple[str, str]]:
     """(key, value) pairs about the MPI library and mpi4py, from a child Python."""
     import subprocess
 
@@ -391,10 +419,11 @@ def _mpi_facts():
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["failed"])[-1]
         return [("MPI library", f"unavailable ({last})"), ("mpi4py", _version("mpi4py"))]
-    return [tuple(line.split("\t", 1)) for line in out.stdout.splitlines() if "\t" in line]
+    return [(key, value) for key, value in
+            (line.split("\t", 1) for line in out.stdout.splitlines() if "\t" in line)]
 
 
-def report(environ=None):
+def report(environ: Optional[Mapping[str, str]] = None) -> str:
     """The `hyparflow info` text: what a bug report needs about this machine and setup.
 
     Imports hyparflow (hence TensorFlow, quietly); asks a child process about MPI, so
@@ -403,9 +432,9 @@ def report(environ=None):
     environ = os.environ if environ is None else environ
     import platform
 
-    lines = []
+    lines: List[str] = []
 
-    def add(key, value):
+    def add(key: str, value: object) -> None:
         lines.append(f"{key + ':':<22}{value}")
 
     import hyparflow  # first: TensorFlow starts quietly, with hyparflow's threads
@@ -436,9 +465,10 @@ def report(environ=None):
     except Exception:  # noqa: BLE001
         pass
     sbatch, srun = shutil.which("sbatch"), shutil.which("srun")
-    if sbatch or srun:
+    slurm_tool = sbatch or srun
+    if slurm_tool:
         add("slurm", f"sbatch {sbatch or 'not found'}, srun {srun or 'not found'}")
-        add("slurm version", _slurm_query([sbatch or srun, "--version"]))
+        add("slurm version", _slurm_query([slurm_tool, "--version"]))
         add("slurm partitions", _slurm_query(
             [shutil.which("sinfo") or "sinfo", "-h", "-o", "%P %a %D nodes %T"]).replace("\n", "; "))
     else:

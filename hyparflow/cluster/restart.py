@@ -12,12 +12,18 @@ checkpoint, which loads into any layout (checkpoint.py).
 TensorFlow or MPI.
 """
 
+from __future__ import annotations
+
 import os
 import subprocess
 import sys
 import time
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+
 from .. import settings
 from ..layout import Layout
+from .hosts import HostSlots
+from .launch import CommandLine
 
 __all__ = ["RestartError", "host_slots", "pipelines_within", "reshape", "probe_seconds", "probe", "restartable",
            "describe_shape", "run"]
@@ -29,9 +35,9 @@ class RestartError(ValueError):
     """No layout fits the hosts that remain; the message says what is left."""
 
 
-def host_slots(layout):
+def host_slots(layout: Layout) -> HostSlots:
     """[(host, ranks)] of a placed layout, in rank order (consecutive ranks grouped)."""
-    grouped = []
+    grouped: HostSlots = []
     for host in layout.hosts or ():
         if grouped and grouped[-1][0] == host:
             grouped[-1] = (host, grouped[-1][1] + 1)
@@ -40,16 +46,18 @@ def host_slots(layout):
     return grouped
 
 
-def pipelines_within(layout):
+def pipelines_within(layout: Layout) -> bool:
     """Whether every pipeline (stages x tensor ranks, consecutive ranks) is on one host."""
     hosts, pipeline = layout.hosts or (), layout.pipeline
     return all(len(set(hosts[r:r + pipeline])) <= 1 for r in range(0, len(hosts), pipeline))
 
 
-def _fill(slots, pipeline, count, within):
+def _fill(slots: Sequence[Tuple[str, int]], pipeline: int, count: int,
+          within: bool) -> Tuple[Tuple[str, int], ...]:
     """Ranks taken from each host for `count` pipelines of `pipeline` ranks: whole
     pipelines per host (`within`), else the hosts filled in order."""
-    taken, left = [], count * pipeline
+    taken: HostSlots = []
+    left = count * pipeline
     for name, free in slots:
         take = min((free // pipeline) * pipeline if within else free, left)
         if take:
@@ -58,7 +66,8 @@ def _fill(slots, pipeline, count, within):
     return tuple(taken)
 
 
-def reshape(slots, stages, replicas, tensor=1):
+def reshape(slots: Sequence[Tuple[str, int]], stages: int, replicas: int,
+            tensor: int = 1) -> Layout:
     """The layout to restart with on hosts `slots` [(name, free slots)], from a run of
     `stages` x `replicas` x `tensor` ranks.
 
@@ -88,7 +97,7 @@ def reshape(slots, stages, replicas, tensor=1):
     raise AssertionError("unreachable: one rank always fits")  # pragma: no cover
 
 
-def describe_shape(layout):
+def describe_shape(layout: Layout) -> str:
     parts = [f"{layout.num_stages} stage{'s' if layout.num_stages > 1 else ''}",
              f"{layout.num_replicas} replica{'s' if layout.num_replicas > 1 else ''}"]
     if layout.num_tensor > 1:
@@ -97,24 +106,25 @@ def describe_shape(layout):
     return f"{' x '.join(parts)} on {hosts}"
 
 
-def probe_seconds(environ=None):
+def probe_seconds(environ: Optional[Mapping[str, str]] = None) -> float:
     """How long a host gets to answer the probe: HYPARFLOW_PROBE_SECONDS (default 10)."""
     return settings.probe_seconds(environ)
 
 
-def probe(hosts, mpiexec, environ=None, seconds=None):
+def probe(hosts: Sequence[str], mpiexec: str, environ: Optional[Mapping[str, str]] = None,
+          seconds: Optional[float] = None) -> Dict[str, bool]:
     """{host: True if it answered} for `hosts` [names], all probed at once: a one-rank
     mpiexec on the host running `true`, within `seconds`. A host whose link is down
     never answers (the proxy cannot reach back), and one whose launcher fails answers
     with an error: both count as lost."""
-    environ = dict(os.environ if environ is None else environ)
-    seconds = probe_seconds(environ) if seconds is None else seconds
-    procs = {h: subprocess.Popen([mpiexec, "-hosts", f"{h}:1", "-n", "1", "true"], env=environ,
+    env = dict(os.environ if environ is None else environ)
+    seconds = probe_seconds(env) if seconds is None else seconds
+    procs = {h: subprocess.Popen([mpiexec, "-hosts", f"{h}:1", "-n", "1", "true"], env=env,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True)
              for h in hosts}
     deadline = time.monotonic() + seconds
-    answered = {}
+    answered: Dict[str, bool] = {}
     while procs and time.monotonic() < deadline:
         for h, p in list(procs.items()):
             if p.poll() is not None:
@@ -127,7 +137,7 @@ def probe(hosts, mpiexec, environ=None, seconds=None):
     return {h: answered[h] for h in hosts}
 
 
-def _kill_group(proc):
+def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
     import signal
 
     try:
@@ -140,20 +150,27 @@ def _kill_group(proc):
         pass
 
 
-def restartable(code, lost_hosts):
+def restartable(code: int, lost_hosts: Collection[str]) -> bool:
     """Whether a run that ended with `code` is worth restarting: a lost peer (75), a rank
     killed by a signal, any other launcher failure, or any host lost. Not a script's own
     error (exit code 1 with every host answering): it would fail again the same way."""
     return code != 0 and (bool(lost_hosts) or code != SCRIPT_ERROR)
 
 
-def _say(text):
+def _say(text: str) -> None:
     sys.stderr.write(f"hyparflow run: {text}\n")
     sys.stderr.flush()
 
 
-def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, given,
-        environ=None):
+# make_line(hosts, stages, replicas, tensor): the command line for a layout (None: not given).
+MakeLine = Callable[[Optional[HostSlots], Optional[int], Optional[int], Optional[int]], CommandLine]
+# start(line, lost): run it, return its exit code, add the hosts the ranks reported lost.
+Start = Callable[[CommandLine, List[str]], int]
+
+
+def run(make_line: MakeLine, start: Start, restarts: int, hosts: Optional[HostSlots],
+        stages: int, replicas: int, tensor: int, mpiexec: str, given: Collection[str],
+        environ: Optional[Mapping[str, str]] = None) -> int:
     """Run, and after a failure restart up to `restarts` times on the hosts that answer.
 
     `make_line(hosts, stages, replicas, tensor)` -> a launch.CommandLine for that layout
@@ -167,9 +184,9 @@ def run(make_line, start, restarts, hosts, stages, replicas, tensor, mpiexec, gi
     line = make_line(hosts, stages if "stages" in given else None,
                      replicas if "replicas" in given else None,
                      tensor if "tensor" in given else None)
-    history = []
+    history: List[str] = []
     for attempt in range(restarts + 1):
-        reported = []
+        reported: List[str] = []
         code = start(line, reported)
         if code == 0:
             if history:

@@ -1,5 +1,7 @@
 """Render sbatch scripts from the templates in slurm/ and submit them."""
 
+from __future__ import annotations
+
 import os
 import re
 import shlex
@@ -9,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from .launch import LaunchError, layout
 from .. import settings
@@ -27,7 +30,7 @@ class JobSpec:
     """What to run and on what: the options of `hyparflow slurm`."""
 
     script: str
-    script_args: list = field(default_factory=list)
+    script_args: List[str] = field(default_factory=list)
     nodes: int = 1
     tasks_per_node: int = 1
     stages: int | None = None             # None: the script's hf.fit decides (nothing exported)
@@ -43,14 +46,14 @@ class JobSpec:
     array: str | None = None
     log: str | None = None                # the job's output file (sbatch --output)
     overcommit: bool = False
-    sbatch_options: list = field(default_factory=list)
+    sbatch_options: List[str] = field(default_factory=list)
     workdir: str | None = None
     rendered_by: str = ""
     sweep: str | None = None              # a JSON file of configs: one job running hf.sweep
     replicas: int | None = None           # with sweep: ranks per group (HYPARFLOW_NUM_REPLICAS)
 
 
-def template_dir():
+def template_dir() -> Path:
     """$HYPARFLOW_SLURM_TEMPLATES, else the repository's slurm/ beside the package (an
     editable install), else <prefix>/share/hyparflow/slurm (where a wheel puts them)."""
     configured = settings.slurm_templates()
@@ -62,7 +65,7 @@ def template_dir():
     return Path(sys.prefix) / "share" / "hyparflow" / "slurm"
 
 
-def template_path(name):
+def template_path(name: str) -> Path:
     """The file of template `name` (a built-in name or a path)."""
     if name not in TEMPLATES:
         path = Path(name)
@@ -77,7 +80,7 @@ def template_path(name):
     return path
 
 
-def parse_time(text):
+def parse_time(text: str) -> int:
     """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if not match:
@@ -97,27 +100,27 @@ def parse_time(text):
     return total
 
 
-def signal_lead(limit_seconds):
+def signal_lead(limit_seconds: int) -> int:
     """Seconds before the limit for USR1: 120, or a fifth of a limit under 10 minutes
     (a signal due at start would requeue the job for ever)."""
     return 120 if limit_seconds >= 600 else max(10, limit_seconds // 5)
 
 
-def _quote_arg(arg, array):
+def _quote_arg(arg: str, array: bool) -> str:
     if array and TASK_TOKEN in arg:
         pieces = arg.split(TASK_TOKEN)
         return '"$SLURM_ARRAY_TASK_ID"'.join(shlex.quote(p) if p else "" for p in pieces)
     return shlex.quote(arg)
 
 
-def _command(spec, python, array):
+def _command(spec: JobSpec, python: str, array: bool) -> str:
     args = [_quote_arg(a, array) for a in spec.script_args]
     if array and not any(TASK_TOKEN in a for a in spec.script_args):
         args.append('"$SLURM_ARRAY_TASK_ID"')
     return " ".join([shlex.quote(python), shlex.quote(spec.script), *args])
 
 
-def _launch_lines(spec, command):
+def _launch_lines(spec: JobSpec, command: str) -> Tuple[str, str]:
     srun = f"srun --mpi=pmi2 --kill-on-bad-exit=1 --distribution=block:block {command}"
     mpiexec = f'mpiexec -n "$SLURM_NTASKS" {command}'
     if spec.launcher == "srun":
@@ -125,7 +128,7 @@ def _launch_lines(spec, command):
     return mpiexec, f"or, started by Slurm through PMI-2: {srun}"
 
 
-def _environment_lines():
+def _environment_lines() -> Tuple[str, str]:
     prefix = Path(sys.prefix)
     activate = prefix / "bin" / "activate"
     if activate.is_file():
@@ -134,7 +137,7 @@ def _environment_lines():
     return f'export PATH={shlex.quote(bindir)}:"$PATH"', sys.executable
 
 
-def _choose_template(spec):
+def _choose_template(spec: JobSpec) -> str:
     if spec.template:
         return spec.template
     if spec.sweep:
@@ -144,7 +147,7 @@ def _choose_template(spec):
     return "single" if spec.nodes == 1 else "hybrid"
 
 
-def _layout_text(ntasks, spec, replicas):
+def _layout_text(ntasks: int, spec: JobSpec, replicas: int) -> str:
     if spec.stages is None:
         text = f"{ntasks} ranks; stages and replicas as the script's hf.fit says"
         if spec.tensor is not None:
@@ -159,7 +162,7 @@ def _layout_text(ntasks, spec, replicas):
     return text
 
 
-def _layout_exports(spec):
+def _layout_exports(spec: JobSpec) -> str:
     """Only what was asked for: a replica count derived here from --stages would be
     imposed on a script that chooses its own stages (fit derives it where S is known)."""
     exports = [f"HYPARFLOW_NUM_{name}={value}" for name, value in
@@ -170,13 +173,13 @@ def _layout_exports(spec):
     return "export " + " ".join(exports)
 
 
-def read_sweep(path):
-    """The configs of a sweep file: a non-empty JSON list of objects."""
+def read_sweep(path: str) -> List[Dict[str, Any]]:
+    """The configs of a sweep file: a non-empty JSON list of objects (any JSON values)."""
     import json
 
     try:
         with open(path) as f:
-            configs = json.load(f)
+            configs: Any = json.load(f)
     except OSError as error:
         raise LaunchError(f"--sweep {path}: cannot read it ({error.strerror or error}).") from None
     except ValueError as error:
@@ -188,9 +191,19 @@ def read_sweep(path):
     return configs
 
 
-def _sweep_layout(spec, ntasks, warnings):
-    """(layout sentence, exports, members, groups, replicas) of a --sweep job."""
-    members = len(read_sweep(spec.sweep))
+class SweepShape(NamedTuple):
+    """How a --sweep job spreads its members over its ranks."""
+
+    text: str          # the layout sentence
+    exports: str       # the `export ...` line
+    members: int
+    groups: int
+    replicas: int      # ranks per group
+
+
+def _sweep_layout(spec: JobSpec, sweep: str, ntasks: int, warnings: List[str]) -> SweepShape:
+    """The shape of a --sweep job of the configs in file `sweep`."""
+    members = len(read_sweep(sweep))
     replicas = spec.replicas or 1
     if not isinstance(replicas, int) or replicas < 1 or ntasks % replicas:
         raise LaunchError(f"--replicas {spec.replicas} must divide the {ntasks} ranks.")
@@ -206,15 +219,15 @@ def _sweep_layout(spec, ntasks, warnings):
     text = (f"{members} members over {ntasks} ranks = {groups} groups x {replicas} "
             f"replica(s), about {members / groups:.3g} members per group")
     exports = "export HYPARFLOW_SWEEP_CONFIGS=" + shlex.quote(
-        os.path.abspath(os.path.join(spec.workdir or os.getcwd(), spec.sweep)))
+        os.path.abspath(os.path.join(spec.workdir or os.getcwd(), sweep)))
     if spec.replicas:
         exports += f" HYPARFLOW_NUM_REPLICAS={spec.replicas}"
-    return text, exports, members, groups, replicas
+    return SweepShape(text, exports, members, groups, replicas)
 
 
-def render(spec):
+def render(spec: JobSpec) -> Tuple[str, List[str]]:
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
-    warnings = []
+    warnings: List[str] = []
     for name in ("nodes", "tasks_per_node", "stages", "microbatches", "tensor"):
         value = getattr(spec, name)
         if value is None and name in ("stages", "microbatches", "tensor"):
@@ -242,7 +255,7 @@ def render(spec):
     if spec.replicas is not None and not spec.sweep:
         raise LaunchError("--replicas is for --sweep jobs (hf.fit derives its replicas from "
                           "the ranks and --stages).")
-    sweep = _sweep_layout(spec, ntasks, warnings) if spec.sweep else None
+    sweep = _sweep_layout(spec, spec.sweep, ntasks, warnings) if spec.sweep else None
     if template == "array" and not spec.array:
         raise LaunchError("the array template needs --array, e.g. --array 0-7 or --array 1,3,5%2.")
     if spec.array and template in ("single", "hybrid"):
@@ -267,7 +280,7 @@ def render(spec):
     job_name = spec.job_name or Path(spec.script).stem or "hyparflow"
     array = template == "array" or bool(spec.array)
     log = spec.log or (f"{job_name}-%A_%a.out" if array else f"{job_name}-%j.out")
-    options = []
+    options: List[str] = []
     if spec.partition:
         options.append(f"#SBATCH --partition={spec.partition}")
     if spec.account:
@@ -282,15 +295,15 @@ def render(spec):
             options.append(option if option.startswith("#SBATCH") else f"#SBATCH {option}")
     activate, python = _environment_lines()
     launch, other = _launch_lines(spec, _command(spec, python, array))
-    values = {
+    values: Dict[str, Union[str, int]] = {
         "job_name": job_name, "nodes": spec.nodes, "tasks_per_node": spec.tasks_per_node,
         "ntasks": ntasks, "stages": spec.stages or "S",
-        "replicas": (sweep[4] if sweep else replicas) if (spec.stages or sweep) else "N // S",
+        "replicas": (sweep.replicas if sweep else replicas) if (spec.stages or sweep) else "N // S",
         "microbatches": spec.microbatches or "M",
-        "layout": sweep[0] if sweep else _layout_text(ntasks, spec, replicas),
+        "layout": sweep.text if sweep else _layout_text(ntasks, spec, replicas),
         "layout_exports": _layout_exports(spec),
-        "sweep_exports": sweep[1] if sweep else "",
-        "members": sweep[2] if sweep else "", "groups": sweep[3] if sweep else "",
+        "sweep_exports": sweep.exports if sweep else "",
+        "members": sweep.members if sweep else "", "groups": sweep.groups if sweep else "",
         "time": spec.time, "log": log, "workdir": spec.workdir or os.getcwd(),
         "signal_lead": signal_lead(limit), "sbatch_options": "\n".join(options),
         "activate": activate, "launch": launch, "other_launch": other,
@@ -305,7 +318,8 @@ def render(spec):
     return string.Template(text).safe_substitute(values), warnings
 
 
-def submit(text, *, path=None, sbatch=None):
+def submit(text: str, *, path: Union[str, Path, None] = None,
+           sbatch: Optional[str] = None) -> str:
     """sbatch the script (the file at `path`, else `text` on stdin); return the job id."""
     sbatch = sbatch or shutil.which("sbatch")
     if sbatch is None:

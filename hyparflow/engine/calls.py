@@ -18,10 +18,13 @@ that waits long for peers that have not finished (rank 0 only, so a rank that lo
 alone does not make every other rank print) says what it waits for, once.
 """
 
+from __future__ import annotations
+
 import atexit
 import pickle
 import sys
 import time
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -32,38 +35,50 @@ NOTICE_SECONDS = 30.0        # a wait this long to enter a call is said (rank 0 
 _CHECK_EVERY = 0.05          # seconds between looks at the side channel while waiting
 
 
+class _Gathers(Protocol):
+    """What `Calls.agree` needs of a call's communicator (engine.comm.Communicator,
+    which imports this module)."""
+
+    rank: int
+
+    def allgather_obj(self, obj: Any) -> List[Any]: ...
+
+
 class CollectiveMismatch(RuntimeError):
     """The ranks are not in the same collective hyparflow call (one finished, or is in
     another call)."""
 
 
-def _ordinal(n):
+def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
 
-def _fix(call):
+def _fix(call: str) -> str:
     return (f"{call} is collective, as hf.fit: call it on every rank (not inside `if "
             f"hf.is_main():`), or pass comm=MPI.COMM_SELF to run it on one rank alone.")
 
 
 class Calls:
-    """This rank's calls over one parent communicator (an mpi4py communicator)."""
+    """This rank's calls over one parent communicator (an mpi4py communicator; mpi4py
+    is untyped, so its communicators and requests are Any here)."""
 
-    def __init__(self, parent):
+    def __init__(self, parent: Any) -> None:
         from mpi4py import MPI
 
-        self.MPI = MPI
-        self.rank, self.size = parent.Get_rank(), parent.Get_size()
+        self.MPI: Any = MPI
+        self.rank: int = parent.Get_rank()
+        self.size: int = parent.Get_size()
         self.count = 0
-        self.last = None
-        self.finished = {}          # peer -> (its calls, its last call)
-        self.channel, self._pending = None, None   # the side channel (see `open`)
+        self.last: Optional[str] = None
+        self.finished: Dict[int, Tuple[int, Optional[str]]] = {}  # peer -> (its calls, its last call)
+        self.channel: Any = None                 # the side channel (see `open`)
+        self._pending: Optional[Tuple[Any, Any]] = None   # (communicator, request) being made
         self._said = False
         atexit.register(self._finish)
 
     # -- the waiting rank
-    def enter(self, call):
+    def enter(self, call: str) -> int:
         """Count a call (`call`: its name, e.g. "hf.evaluate"); returns its number."""
         self.count += 1
         self.last = call
@@ -72,7 +87,7 @@ class Calls:
         self._looked = 0.0
         return self.count
 
-    def _channel(self):
+    def _channel(self) -> Any:
         if self.channel is None and self._pending is not None:
             new, req = self._pending
             if req.Test():
@@ -80,7 +95,7 @@ class Calls:
                 self.channel, self._pending = new, None
         return self.channel
 
-    def _read(self):
+    def _read(self) -> None:
         channel = self._channel()
         if channel is None:
             return
@@ -90,7 +105,7 @@ class Calls:
             channel.Recv(buf, status.Get_source(), _FINISHED)
             self.finished[status.Get_source()] = pickle.loads(buf.tobytes())
 
-    def check(self, number, call, timeout):
+    def check(self, number: int, call: str, timeout: Optional[float]) -> bool:
         """While waiting to enter call `number`: raise when a peer finished before it, say
         once what this rank waits for when it waits long. Returns False (not done)."""
         now = time.monotonic()
@@ -118,18 +133,18 @@ class Calls:
             sys.stderr.flush()
         return False
 
-    def open(self, comm):
+    def open(self, comm: Any) -> None:
         """Start the side channel from the first call's own communicator (an mpi4py
         communicator every rank has entered), if not made yet; then poll `ready`."""
         if self.channel is None and self._pending is None:
             self._pending = comm.Idup()
 
-    def ready(self):
+    def ready(self) -> bool:
         """Whether the side channel is made (every rank starts it in its first call,
         once all are there: wait for it then, so that a rank that ends can say so)."""
         return self._channel() is not None
 
-    def agree(self, comm, number, call):
+    def agree(self, comm: _Gathers, number: int, call: str) -> None:
         """Once every rank has entered (on the call's own communicator, a
         `hyparflow.comm.Communicator`): the same call everywhere, or every rank raises."""
         everyone = comm.allgather_obj((call, number))
@@ -152,7 +167,7 @@ class Calls:
         raise error
 
     # -- the ending process
-    def _finish(self):
+    def _finish(self) -> None:
         """Tell every other rank this process is ending, and after how many calls."""
         try:
             channel = self._channel()
@@ -168,10 +183,10 @@ class Calls:
             pass
 
 
-_CALLS: dict = {}
+_CALLS: Dict[int, Calls] = {}   # the parent communicator's Fortran handle -> its Calls
 
 
-def calls_for(parent):
+def calls_for(parent: Any) -> Calls:
     """The `Calls` of an mpi4py communicator (made at its first hyparflow call)."""
     key = parent.py2f()
     if key not in _CALLS:

@@ -363,7 +363,7 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
 
 
-def export(directory, output):
+def export(directory: str, output: str) -> str:
     """Write the newest valid checkpoint in `directory` (or a checkpoint path) as a
     normal `.keras` model file; returns the checkpoint used. Custom layers must be
     registered (imported) first, as for `keras.saving.load_model`."""

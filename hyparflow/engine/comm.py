@@ -6,26 +6,43 @@ a rank waiting for a message does not spin a core on an oversubscribed node,
 and gives up after a timeout instead of hanging.
 """
 
+from __future__ import annotations
+
 import pickle
 import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
 from .. import settings
+
+if TYPE_CHECKING:
+    from .calls import Calls
 
 __all__ = ["Communicator", "MPICommunicator", "CommTimeout", "wait_all", "wrap", "timeout_seconds",
            "sum_in_order", "poll"]
+
+
+# A message buffer: a contiguous numpy array of any dtype.
+Buffer = npt.NDArray[Any]
+
+
+class Request(Protocol):
+    """A non-blocking operation in flight: `test()` advances it, true once done."""
+
+    def test(self) -> bool: ...
 
 
 class CommTimeout(RuntimeError):
     """A wait for a message or collective took longer than the watchdog allows."""
 
 
-def timeout_seconds():
+def timeout_seconds() -> Optional[float]:
     """The watchdog: HYPARFLOW_TIMEOUT seconds (default 600; 0 disables)."""
     return settings.timeout()
 
 
-def _spin_seconds():
+def _spin_seconds() -> float:
     """How long a wait polls without sleeping before it backs off.
 
     MPI moves large messages and non-blocking collectives forward only inside
@@ -41,10 +58,11 @@ def _spin_seconds():
     return 0.0 if _env.oversubscribed() else 0.02
 
 
-_SPIN = None
+_SPIN: Optional[float] = None
 
 
-def poll(test, timeout, what, spin=None):
+def poll(test: Callable[[], object], timeout: Optional[float], what: str,
+         spin: Optional[float] = None) -> None:
     """Wait until `test()` is true: spin for a while (`spin` seconds, default from
     `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
     waiting rank leaves its core to others."""
@@ -68,10 +86,11 @@ def poll(test, timeout, what, spin=None):
         pause = min(pause * 2, 1e-3)
 
 
-def wait_all(requests, timeout=None, what="messages", spin=None):
+def wait_all(requests: Iterable[Optional[Request]], timeout: Optional[float] = None,
+             what: str = "messages", spin: Optional[float] = None) -> None:
     pending = [r for r in requests if r is not None]
 
-    def test():
+    def test() -> bool:
         # Every request, not up to the first unfinished one: a ring allreduce posts
         # its next round only inside its own test, so stopping early would run the
         # buckets one after another.
@@ -81,7 +100,7 @@ def wait_all(requests, timeout=None, what="messages", spin=None):
     poll(test, timeout, what, spin)
 
 
-def sum_in_order(values):
+def sum_in_order(values: Sequence[Buffer]) -> Buffer:
     """Arrays added in rank order: every rank that adds the same list gets the same bits."""
     total = values[0].copy()
     for v in values[1:]:
@@ -96,40 +115,43 @@ class Communicator:
     size: int
     spin: float | None = None  # seconds a wait may spin; None: the default for MPI processes
 
-    def isend(self, buf, dest, tag): raise NotImplementedError
-    def irecv(self, buf, source, tag): raise NotImplementedError
-    def allreduce(self, buf, timeout=None): raise NotImplementedError
+    def isend(self, buf: Buffer, dest: int, tag: int) -> Request: raise NotImplementedError
+    def irecv(self, buf: Buffer, source: int, tag: int) -> Request: raise NotImplementedError
+    def allreduce(self, buf: Buffer, timeout: Optional[float] = None) -> Buffer:
+        raise NotImplementedError
 
-    def iallreduce(self, buf):
+    def iallreduce(self, buf: Buffer) -> Request:
         """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
         self.allreduce(buf)
         return _Done()
-    def iallgatherv(self, send, recv, counts):
+    def iallgatherv(self, send: Buffer, recv: Buffer, counts: Sequence[int]) -> Request:
         """Start gathering every rank's 1-D `send` (`counts[p]` values from rank p) into
         `recv`, in rank order; returns a request (`test()`)."""
         raise NotImplementedError
-    def bcast(self, buf, root): raise NotImplementedError
-    def bcast_obj(self, obj, root): raise NotImplementedError
-    def allgather_obj(self, obj): raise NotImplementedError
+    def bcast(self, buf: Buffer, root: int) -> Buffer: raise NotImplementedError
+    # Objects travel pickled: any picklable value, so Any.
+    def bcast_obj(self, obj: Any, root: int) -> Any: raise NotImplementedError
+    def allgather_obj(self, obj: Any) -> List[Any]: raise NotImplementedError
 
-    def gather_obj(self, obj, root):
+    def gather_obj(self, obj: Any, root: int) -> Optional[List[Any]]:
         """`obj` of every rank as a list on `root`, None elsewhere."""
         everyone = self.allgather_obj(obj)
         return everyone if self.rank == root else None
-    def split(self, color, key): raise NotImplementedError
-    def abort(self, code=1): raise NotImplementedError
-    def free(self): pass
+    def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+        raise NotImplementedError
+    def abort(self, code: int = 1) -> None: raise NotImplementedError
+    def free(self) -> None: pass
 
-    def barrier(self):
+    def barrier(self) -> None:
         self.allgather_obj(None)
 
 
 class _Done:
-    def test(self):
+    def test(self) -> bool:
         return True
 
 
-def _bytes(buf):
+def _bytes(buf: Buffer) -> Buffer:
     """A flat byte view of a contiguous array (any dtype, bfloat16 included)."""
     return buf.reshape(-1).view(np.uint8)
 
@@ -137,11 +159,12 @@ def _bytes(buf):
 class _MPIRequest:
     __slots__ = ("req", "buf")
 
-    def __init__(self, req, buf):
+    # `req`: an mpi4py request (untyped); `buf`: what it reads or writes, kept alive.
+    def __init__(self, req: Any, buf: Union[Buffer, Tuple[Buffer, ...]]) -> None:
         self.req, self.buf = req, buf  # keep the buffer alive until completion
 
-    def test(self):
-        return self.req.Test()
+    def test(self) -> bool:
+        return bool(self.req.Test())
 
 
 RING_BYTES = 1 << 20  # allreduces of at least this many bytes use the ring below
@@ -156,30 +179,31 @@ class _RingAllreduce:
     single-copy; the collective copies them through shared cells). Each chunk is
     summed on one rank and copied to the others, so every rank gets the same bits."""
 
-    def __init__(self, comm, buf, tag):
-        self.comm, self.tag = comm, tag
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+    def __init__(self, comm: Any, buf: Buffer, tag: int) -> None:
+        self.comm, self.tag = comm, tag   # an mpi4py communicator (untyped)
+        self.size: int = comm.Get_size()
+        self.rank: int = comm.Get_rank()
         self.chunks = np.array_split(buf.reshape(-1), self.size)
         self.tmp = np.empty(max(len(c) for c in self.chunks), buf.dtype)
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         self.step, self.done = 0, False
         self._post()
 
-    def _indices(self):
+    def _indices(self) -> Tuple[int, int, bool]:
         r, n, s = self.rank, self.size, self.step
         if s < n - 1:
             return (r - s) % n, (r - s - 1) % n, True      # reduce-scatter
         t = s - (n - 1)
         return (r + 1 - t) % n, (r - t) % n, False         # allgather
 
-    def _post(self):
+    def _post(self) -> None:
         send, recv, reducing = self._indices()
         self.recv, self.reducing = recv, reducing
         target = self.tmp[:len(self.chunks[recv])] if reducing else self.chunks[recv]
         self.reqs = [self.comm.Isend(self.chunks[send], self.right, self.tag),
                      self.comm.Irecv(target, self.left, self.tag)]
 
-    def test(self):
+    def test(self) -> bool:
         while not self.done:
             if not all(r.Test() for r in self.reqs):
                 return False
@@ -197,13 +221,14 @@ class _RingAllreduce:
 class MPICommunicator(Communicator):
     """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
 
-    def __init__(self, comm, dup=True, call=None):
+    def __init__(self, comm: Any, dup: bool = True, call: Optional[str] = None) -> None:
         """`call`: the public collective call this communicator is made for (e.g.
         "hf.fit"), which every rank of `comm` must be entering (hyparflow.calls)."""
         from mpi4py import MPI
 
-        self._MPI = MPI
-        calls = number = None
+        self._MPI: Any = MPI
+        calls: Optional[Calls] = None   # the side channel of a collective call (with `call`)
+        number, name = 0, call or ""
         if dup and comm.Get_size() > 1:
             # Non-blocking, so a rank alone in a call every rank must make (say
             # `if hf.is_main(): hf.evaluate(...)`) is told so instead of hanging: at
@@ -215,35 +240,35 @@ class MPICommunicator(Communicator):
                 number = calls.enter(call)
             new, req = comm.Idup()
             timeout = timeout_seconds()
-            test = req.Test if calls is None else (
-                lambda: req.Test() or calls.check(number, call, timeout))
+            test: Callable[[], object] = req.Test if calls is None else (
+                lambda: req.Test() or calls.check(number, name, timeout))
             poll(test, timeout, f"the other ranks to enter {call or 'the same hyparflow call'}"
                   " (fit, evaluate and predict are collective: every rank must call them)")
             comm = new
         elif dup:
             comm = comm.Dup()
-        self.comm = comm
+        self.comm: Any = comm
         self._owned = dup
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag_ub: int = self.comm.Get_attr(MPI.TAG_UB) or 32767
         if calls is not None:
             try:
                 calls.open(self.comm)
                 poll(calls.ready, timeout, "the other ranks to make hyparflow's side channel")
-                calls.agree(self, number, call)
+                calls.agree(self, number, name)
             except BaseException:
                 self.free()
                 raise
 
-    def isend(self, buf, dest, tag):
+    def isend(self, buf: Buffer, dest: int, tag: int) -> Request:
         buf = np.ascontiguousarray(buf)
         return _MPIRequest(self.comm.Isend([_bytes(buf), self._MPI.BYTE], dest, tag % self.tag_ub), buf)
 
-    def irecv(self, buf, source, tag):
+    def irecv(self, buf: Buffer, source: int, tag: int) -> Request:
         return _MPIRequest(self.comm.Irecv([_bytes(buf), self._MPI.BYTE], source, tag % self.tag_ub), buf)
 
-    def allreduce(self, buf, timeout=None):
+    def allreduce(self, buf: Buffer, timeout: Optional[float] = None) -> Buffer:
         # One implementation: the blocking sum is the non-blocking one, waited for
         # under the watchdog (large sums take the ring too).
         req = self.iallreduce(buf)
@@ -251,7 +276,7 @@ class MPICommunicator(Communicator):
               self.spin)
         return buf
 
-    def iallreduce(self, buf):
+    def iallreduce(self, buf: Buffer) -> Request:
         if self.size == 1:
             return _Done()
         if buf.nbytes >= RING_BYTES and buf.size >= self.size:
@@ -259,13 +284,13 @@ class MPICommunicator(Communicator):
             return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
 
-    def iallgatherv(self, send, recv, counts):
+    def iallgatherv(self, send: Buffer, recv: Buffer, counts: Sequence[int]) -> Request:
         if self.size == 1:
             recv[...] = send
             return _Done()
         return _MPIRequest(self.comm.Iallgatherv(send, [recv, list(counts)]), (send, recv))
 
-    def bcast(self, buf, root, timeout=None):
+    def bcast(self, buf: Buffer, root: int, timeout: Optional[float] = None) -> Buffer:
         if self.size == 1:
             return buf
         req = self.comm.Ibcast([_bytes(buf), self._MPI.BYTE], root=root)
@@ -275,10 +300,10 @@ class MPICommunicator(Communicator):
 
     # Small metadata travels pickled (between our own ranks only), through
     # non-blocking buffer collectives so the watchdog covers these waits too.
-    def _wait(self, req, what):
+    def _wait(self, req: Any, what: str) -> None:
         poll(req.Test, timeout_seconds(), what, self.spin)
 
-    def bcast_obj(self, obj, root):
+    def bcast_obj(self, obj: Any, root: int) -> Any:
         if self.size == 1:
             return obj
         data = np.frombuffer(pickle.dumps(obj), np.uint8) if self.rank == root else None
@@ -288,7 +313,7 @@ class MPICommunicator(Communicator):
         self._wait(self.comm.Ibcast(buf, root=root), f"set-up data from rank {root}")
         return obj if self.rank == root else pickle.loads(buf.tobytes())
 
-    def allgather_obj(self, obj):
+    def allgather_obj(self, obj: Any) -> List[Any]:
         if self.size == 1:
             return [obj]
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
@@ -301,20 +326,20 @@ class MPICommunicator(Communicator):
         starts = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(out[a:b].tobytes()) for a, b in zip(starts[:-1], starts[1:])]
 
-    def gather_obj(self, obj, root):
+    def gather_obj(self, obj: Any, root: int) -> Optional[List[Any]]:
         everyone = self.allgather_obj(obj)
         return everyone if self.rank == root else None
 
-    def split(self, color, key):
+    def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         sub = self.comm.Split(self._MPI.UNDEFINED if color is None else color, key)
         if sub == self._MPI.COMM_NULL:
             return None
         return MPICommunicator(sub, dup=False)
 
-    def abort(self, code=1):
+    def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
 
-    def free(self):
+    def free(self) -> None:
         if self._owned or self.comm != self._MPI.COMM_WORLD:
             try:
                 self.comm.Free()
@@ -322,7 +347,7 @@ class MPICommunicator(Communicator):
                 pass
 
 
-def wrap(comm, call=None):
+def wrap(comm: Any, call: Optional[str] = None) -> Tuple[Communicator, bool]:
     """`None` -> COMM_WORLD; an mpi4py communicator -> MPICommunicator (for the
     collective `call`, e.g. "hf.fit"); ours as is."""
     if isinstance(comm, Communicator):

@@ -21,10 +21,15 @@ those masks (`Stage`), and a tensor crossing a stage carries its producer's
 mask, whatever a layer on the sending stage did to it since.
 """
 
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
 import keras
 import tensorflow as tf
 
 from .. import _compat
+from ..graph import LayerGraph, Shape
 
 __all__ = ["MaskRun", "of"]
 
@@ -36,18 +41,19 @@ class MaskRun:
     reads it; `shapes[tensor]`: the mask shape (batch first, None where open) of
     each tensor whose producer attaches one."""
 
-    def __init__(self, present, final, shapes):
+    def __init__(self, present: Dict[int, Dict[int, bool]], final: Dict[int, bool],
+                 shapes: Dict[int, Shape]) -> None:
         self.present, self.final, self.shapes = present, final, shapes
 
 
-def _cache(graph):
-    cache = graph.__dict__.get("_mask_runs")
+def _cache(graph: LayerGraph) -> Dict[bool, Optional[MaskRun]]:
+    cache: Optional[Dict[bool, Optional[MaskRun]]] = graph.__dict__.get("_mask_runs")
     if cache is None:
         cache = graph.__dict__["_mask_runs"] = {}
     return cache
 
 
-def of(graph, training):
+def of(graph: LayerGraph, training: bool) -> Optional[MaskRun]:
     """The `MaskRun` of `graph`'s model in training (or inference) mode, recorded
     at the first call, or None when the model has no Keras mask anywhere (then
     nothing needs following). Tensors that carry a mask in training also get
@@ -62,24 +68,26 @@ def of(graph, training):
         if graph.functional is None or not any(t.mask is not None for t in graph.tensors):
             cache[key] = None
         else:
-            cache[key] = _record(graph, key)
-            for t, shape in cache[key].shapes.items() if key else ():
+            run = cache[key] = _record(graph, key)
+            for t, shape in run.shapes.items() if key else ():
                 if graph.tensors[t].mask is None:
                     graph.tensors[t].mask = shape
     return cache[key]
 
 
-def _record(graph, training):
+def _record(graph: LayerGraph, training: bool) -> MaskRun:
     """Trace the model's layer calls in `Functional.call`'s order (no data runs),
     noting the masks each call and the loss find."""
     tensor_of = {id(t.keras_tensor): t.index for t in graph.tensors}
     node_of = {id(n.keras_node): n.index for n in graph.nodes}
     inputs = [graph.tensors[t].keras_tensor for t in graph.inputs]
-    present, final, shapes = {}, {}, {}
+    present: Dict[int, Dict[int, bool]] = {}
+    final: Dict[int, bool] = {}
+    shapes: Dict[int, Shape] = {}
 
-    def run(*flat):
-        values = {id(kt): v for kt, v in zip(inputs, flat)}
-        produced = {}  # tensor -> the mask its producer attached (or None)
+    def run(*flat: Any) -> List[Any]:
+        values = {id(kt): v for kt, v in zip(inputs, flat)}   # symbolic tensors
+        produced: Dict[int, Any] = {}  # tensor -> the mask its producer attached (or None)
         # Assignments (BatchNorm statistics, seed generators) and losses made by
         # these calls are kept in the scope, away from the layers.
         with keras.StatelessScope(collect_losses=True):

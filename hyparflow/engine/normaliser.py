@@ -18,7 +18,16 @@ each forward's tape instead of fusing it with its backward, and the last stage's
 replicas meet once per step in the allreduce.
 """
 
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
 import numpy as np
+import numpy.typing as npt
+
+from .comm import Communicator, Request
+
+Vector = npt.NDArray[np.float64]
 
 __all__ = ["Normaliser"]
 
@@ -30,29 +39,30 @@ class Normaliser:
     `comm`: the last stage's replicas at this tensor rank (None: one replica, or
     a rank not on the last stage, which only needs to know the step's order)."""
 
-    def __init__(self, weights, comm=None):
-        self.weights = np.asarray(weights, np.float64)
+    def __init__(self, weights: Sequence[float], comm: Optional[Communicator] = None) -> None:
+        self.weights: Vector = np.asarray(weights, np.float64)
         self.comm = comm
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         k = len(self.weights)
-        self.sums, self.counts = np.zeros(k), np.zeros(k)
+        self.sums: Vector = np.zeros(k)
+        self.counts: Vector = np.zeros(k)
         self.share = 0.0
-        self.totals = None
+        self.totals: Optional[Vector] = None
 
     @property
-    def agreed(self):
+    def agreed(self) -> bool:
         return self.totals is not None
 
-    def add(self, terms, share):
+    def add(self, terms: npt.NDArray[Any], share: float) -> None:
         """One microbatch's [sums..., counts...] (`Stage.terms`), `share` of the batch."""
         k = len(self.weights)
         self.sums += terms[:k]
         self.counts += terms[k:]
         self.share += share
 
-    def agree(self, wait):
+    def agree(self, wait: Callable[[List[Request]], object]) -> None:
         """The global counts: this rank's summed with its replicas' (a collective
         over `comm`, waited for with `wait(requests)`)."""
         totals = self.counts.copy()
@@ -60,13 +70,14 @@ class Normaliser:
             wait([self.comm.iallreduce(totals)])
         self.totals = totals
 
-    def scales(self):
+    def scales(self) -> Vector:
         """What each microbatch's sum is multiplied by: weight / global count (0 where
-        the batch has nothing to count, as Keras's `divide_no_nan`)."""
+        the batch has nothing to count, as Keras's `divide_no_nan`); after `agree`."""
+        assert self.totals is not None, "Normaliser.scales before agree"
         out = np.zeros(len(self.weights))
         np.divide(self.weights, self.totals, out=out, where=self.totals != 0)
         return out
 
-    def contribution(self):
+    def contribution(self) -> float:
         """This rank's part of the step's loss from the GLOBAL losses."""
         return float(np.sum(self.sums * self.scales()))

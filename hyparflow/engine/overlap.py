@@ -15,17 +15,43 @@ group then chooses the order for its group, and the buckets are cut again
 (as PyTorch's DDP rebuilds its buckets after its first iteration).
 """
 
+from __future__ import annotations
+
 import threading
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
+
 from .. import settings
+from .comm import Buffer, Communicator, Request
+
+
+class _Gradients(Protocol):
+    """What the buckets need of a stage's gradient buffers (engine.grads)."""
+
+    def set_buckets(self, buckets: List[List[int]], sparse: Collection[int] = ...) -> None: ...
+    def flat_grads(self, positions: List[int]) -> Buffer: ...
+
+
+class _Stage(Protocol):
+    """What the buckets need of a stage (engine.stage.Stage): its trainable variables
+    (Keras's, untyped) and its gradient buffers."""
+
+    trainable: Sequence[Any]
+    grads: _Gradients
+
+
+# A group's variables: (its communicator, None or one rank: nothing to sum; positions).
+Group = Tuple[Optional[Communicator], List[int]]
+# ZeRO's sum of a bucket on its owner only: reduce(comm, bucket, flat) -> request.
+Reduce = Callable[[Communicator, List[int], Buffer], Optional[Request]]
 
 __all__ = ["Buckets", "BUCKET_BYTES", "enabled"]
 
 BUCKET_BYTES = 8 << 20  # gradient allreduce bucket size
 
 
-def enabled(default):
+def enabled(default: object) -> bool:
     """Whether buckets start inside the backward: HYPARFLOW_OVERLAP=1 or 0, else
     `default` (the runtime's: when the ranks span several nodes).
 
@@ -37,11 +63,14 @@ def enabled(default):
     return bool(default) if forced is None else forced
 
 
-def cut(positions, variables, nbytes=None):
+def cut(positions: Iterable[int], variables: Sequence[Any],
+        nbytes: Optional[int] = None) -> List[List[int]]:
     """Consecutive runs of `positions` of about `nbytes` (default BUCKET_BYTES) each,
     one variable at least."""
     nbytes = BUCKET_BYTES if nbytes is None else nbytes
-    out, current, size = [], [], 0
+    out: List[List[int]] = []
+    current: List[int] = []
+    size = 0
     for k in positions:
         n = 4 * int(np.prod(variables[k].shape))
         if current and size + n > nbytes:
@@ -58,18 +87,18 @@ class Buckets:
     """The allreduce buckets of one rank's stage: [(communicator, [positions in
     stage.trainable])] for each group of `groups`, started as they complete."""
 
-    def __init__(self, stage, groups):
+    def __init__(self, stage: _Stage, groups: Iterable[Group]) -> None:
         self.stage, self.groups = stage, list(groups)
         self._lock = threading.Lock()
-        self.sparse = set()  # positions whose pairs are gathered instead (`hyparflow.sparse`)
+        self.sparse: Set[int] = set()  # positions whose pairs are gathered instead (`hyparflow.sparse`)
         self._lay([positions for _, positions in self.groups])
         self.learned = False
         # How a shared bucket is summed: comm.iallreduce by default; ZeRO sums each
         # row range on its owner only (`hyparflow.zero`): reduce(comm, bucket, flat).
-        self.reduce = None
+        self.reduce: Optional[Reduce] = None
         self.arm()
 
-    def _lay(self, orders):
+    def _lay(self, orders: Sequence[Sequence[int]]) -> None:
         orders = [[k for k in order if k not in self.sparse] for order in orders]
         self.buckets = [(comm, bucket) for (comm, _), order in zip(self.groups, orders)
                         for bucket in cut(order, self.stage.trainable) if bucket]
@@ -81,28 +110,28 @@ class Buckets:
                           for comm, bucket in self.buckets if _shares(comm) for k in bucket)
         self.stage.grads.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
 
-    def exclude(self, positions):
+    def exclude(self, positions: Iterable[int]) -> None:
         """Take sparse variables out of the buckets (between steps)."""
         self.sparse |= set(positions)
         self._lay(self._orders)
         self.arm()
 
     @property
-    def shared(self):
+    def shared(self) -> bool:
         """Whether any variable is summed with another rank."""
         return any(_shares(comm) for comm, _ in self.groups)
 
-    def arm(self):
+    def arm(self) -> None:
         """Before a step: nothing arrived, nothing started."""
         self._missing = [len(bucket) for _, bucket in self.buckets]
-        self._requests = [None] * len(self.buckets)
+        self._requests: List[Optional[Request]] = [None] * len(self.buckets)
         self._next = 0  # the first bucket not started
-        self._arrivals = []
+        self._arrivals: List[int] = []
         self._left = sum(self._missing)  # variables still to arrive
         self._early = 0  # buckets started while others were still being computed
         self.early = self.inside = 0
 
-    def arrive(self, k):
+    def arrive(self, k: int) -> None:
         """Variable k's gradient is final (called from inside the backward)."""
         with self._lock:
             self._arrivals.append(k)
@@ -114,10 +143,10 @@ class Buckets:
                     self._start(self._next)
             self._progress()
 
-    def _start(self, j):
+    def _start(self, j: int) -> None:
         comm, bucket = self.buckets[j]
         flat = self.stage.grads.flat_grads(bucket)
-        if not _shares(comm):
+        if comm is None or not _shares(comm):
             self._requests[j] = None
         elif self.reduce is not None:
             self._requests[j] = self.reduce(comm, bucket, flat)
@@ -126,12 +155,12 @@ class Buckets:
         self._next = j + 1
         self._early += self._left > 0
 
-    def _progress(self):
+    def _progress(self) -> None:
         for request in self._requests[:self._next]:
             if request is not None:
                 request.test()
 
-    def finish(self):
+    def finish(self) -> List[Request]:
         """After the step's backwards: start the buckets that have not started; returns
         every request, to wait for. `inside`: how many had started inside the
         backward; `early`: how many while others were still being computed."""
@@ -141,24 +170,24 @@ class Buckets:
                 self._start(self._next)
             return [r for r in self._requests if r is not None]
 
-    def learn(self):
+    def learn(self) -> None:
         """After the first step: lay the buckets out in the order gradients arrived
         on each group's rank 0. Collective over each group (every member calls it
         at the same point of the same step)."""
         self.learned = True
         seen = {k: n for n, k in enumerate(self._arrivals)}
-        orders = []
+        orders: List[List[int]] = []
         for comm, positions in self.groups:
             # Never-arrived variables last, in the model's order.
             mine = sorted(range(len(positions)),
                           key=lambda j: (seen.get(positions[j], len(seen)), j))
-            if _shares(comm):
+            if comm is not None and _shares(comm):
                 mine = comm.bcast_obj(mine, 0)
             orders.append([positions[j] for j in mine])
         self._lay(orders)
         self.arm()
 
-    def early_positions(self):
+    def early_positions(self) -> List[int]:
         """The variables whose gradients are worth reporting as they arrive: those of
         every shared bucket but the last to start (which starts after the backward
         anyway). Each report costs some tens of microseconds."""
@@ -166,5 +195,5 @@ class Buckets:
         return sorted(k for bucket in shared[:-1] for k in bucket)
 
 
-def _shares(comm):
+def _shares(comm: Optional[Communicator]) -> bool:
     return comm is not None and comm.size > 1

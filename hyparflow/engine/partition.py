@@ -1,10 +1,19 @@
 """Cut a LayerGraph into contiguous stages and list what crosses between them."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import balance as _balance
+from ..graph import LayerGraph
 
-__all__ = ["StageCut", "Edge", "Partition", "partition"]
+__all__ = ["StageCut", "Edge", "Partition", "partition", "Balance"]
+
+# What `partition` takes as `balance`: None (the nodes' estimated costs), a mode
+# resolved into numbers (loop.costs.resolve), or layer-call counts per stage. A mode
+# name (str) is refused here with the fix.
+Balance = Union[None, _balance.Resolved, Sequence[int], str]
 
 
 @dataclass(frozen=True)
@@ -20,35 +29,35 @@ class Edge:
 @dataclass
 class StageCut:
     index: int
-    nodes: list                 # node indices, in execution order
-    data_inputs: list           # tensor indices of model inputs this stage reads from data
-    recv: list                  # Edges arriving here, sorted by index
-    send: list                  # Edges leaving here, sorted by index
-    outputs: list = field(default_factory=list)  # model-output tensors (last stage only)
+    nodes: List[int]            # node indices, in execution order
+    data_inputs: List[int]      # tensor indices of model inputs this stage reads from data
+    recv: List[Edge]            # Edges arriving here, sorted by index
+    send: List[Edge]            # Edges leaving here, sorted by index
+    outputs: List[int] = field(default_factory=list)  # model-output tensors (last stage only)
 
     @property
-    def sources(self):
+    def sources(self) -> List[int]:
         return sorted({e.src for e in self.recv})
 
     @property
-    def dests(self):
+    def dests(self) -> List[int]:
         return sorted({e.dst for e in self.send})
 
 
 @dataclass
 class Partition:
-    counts: list
-    stages: list
-    edges: list
-    owner: dict   # id(variable) -> lowest stage using it
-    users: dict   # id(variable) -> tuple of stages using it
+    counts: List[int]
+    stages: List[StageCut]
+    edges: List[Edge]
+    owner: Dict[int, int]               # id(variable) -> lowest stage using it
+    users: Dict[int, Tuple[int, ...]]   # id(variable) -> tuple of stages using it
 
     @property
-    def num_stages(self):
+    def num_stages(self) -> int:
         return len(self.stages)
 
 
-def _counts(graph, num_stages, balance):
+def _counts(graph: LayerGraph, num_stages: int, balance: Balance) -> List[int]:
     n = len(graph.nodes)
     if num_stages > n:
         raise ValueError(
@@ -70,13 +79,14 @@ def _counts(graph, num_stages, balance):
     return _balance.check_counts(balance, n, num_stages)
 
 
-def partition(graph, num_stages, balance=None):
+def partition(graph: LayerGraph, num_stages: int, balance: Balance = None) -> Partition:
     """Stages of consecutive layer calls; every tensor needed by a later stage is
     sent straight from its producer's stage to each consumer's stage, and model
     outputs go to the last stage, where the loss is computed."""
     counts = _counts(graph, num_stages, balance)
-    stage_of_node, start = {}, 0
-    groups = []
+    stage_of_node: Dict[int, int] = {}
+    start = 0
+    groups: List[List[int]] = []
     for s, c in enumerate(counts):
         groups.append(list(range(start, start + c)))
         for i in range(start, start + c):
@@ -84,12 +94,12 @@ def partition(graph, num_stages, balance=None):
         start += c
     last = num_stages - 1
 
-    def stage_of_tensor(t):
+    def stage_of_tensor(t: int) -> Optional[int]:
         producer = graph.tensors[t].producer
         return None if producer is None else stage_of_node[producer]
 
-    needs = {}  # (tensor, dst) pairs
-    data_inputs = [set() for _ in range(num_stages)]
+    needs: Dict[Tuple[int, int], int] = {}  # (tensor, dst) -> src
+    data_inputs: List[Set[int]] = [set() for _ in range(num_stages)]
     for node in graph.nodes:
         dst = stage_of_node[node.index]
         for t in node.inputs:
@@ -114,13 +124,14 @@ def partition(graph, num_stages, balance=None):
             list(graph.outputs) if s == last else [],
         ))
 
-    owner, users = {}, {}
+    owner: Dict[int, int] = {}
+    using: Dict[int, List[int]] = {}
     for s, group in enumerate(groups):
         for trainable in (True, False):
             for v in graph.variables_of(group, trainable):
-                users.setdefault(id(v), [])
-                if s not in users[id(v)]:
-                    users[id(v)].append(s)
+                using.setdefault(id(v), [])
+                if s not in using[id(v)]:
+                    using[id(v)].append(s)
                 owner.setdefault(id(v), s)
-    users = {k: tuple(v) for k, v in users.items()}
+    users = {k: tuple(v) for k, v in using.items()}
     return Partition(counts, stages, edges, owner, users)

@@ -5,10 +5,49 @@ chrome://tracing): one track (`tid`) per rank, complete events (`ph: "X"`)
 with microsecond times from a common zero taken after a barrier.
 """
 
+from __future__ import annotations
+
 import json
 import time
+from typing import Any, Dict, List, Mapping, Protocol, Tuple, TypedDict, cast
 
-__all__ = ["Timeline", "load", "bubble", "theoretical_bubble", "draw", "COLOURS"]
+__all__ = ["Timeline", "TraceEvent", "Trace", "load", "bubble", "theoretical_bubble", "draw",
+           "COLOURS"]
+
+
+class TraceEvent(TypedDict, total=False):
+    """One Chrome-trace event: a complete action (ph "X") or a track's name (ph "M")."""
+
+    name: str
+    cat: str
+    ph: str
+    ts: float                # microseconds from the common zero
+    dur: float
+    pid: int
+    tid: int                 # the rank
+    args: Dict[str, Any]     # JSON: what the recorder attached (e.g. the microbatch)
+
+
+class Trace(TypedDict, total=False):
+    """The file fit(trace=...) writes."""
+
+    traceEvents: List[TraceEvent]
+    displayTimeUnit: str
+    otherData: Dict[str, Any]   # JSON metadata: num_stages, num_microbatches, schedule, ...
+
+
+class _Comm(Protocol):
+    """What a timeline needs of a communicator (engine.comm.Communicator)."""
+
+    rank: int
+    size: int
+
+    def barrier(self) -> Any: ...
+    def allgather_obj(self, obj: Any) -> Any: ...
+
+
+# (name, category, start, end, args) in seconds from the timeline's zero.
+_Event = Tuple[str, str, float, float, Dict[str, Any]]
 
 COLOURS = {
     "forward": "#4c72b0", "backward": "#dd8452", "weight": "#64b5cd", "send": "#55a868",
@@ -20,48 +59,49 @@ COLOURS = {
 class Timeline:
     """Events of one rank: (name, category, start, end, args) in seconds from `zero`."""
 
-    def __init__(self, rank):
+    def __init__(self, rank: int) -> None:
         self.rank = rank
         self.zero = time.perf_counter()
-        self.events = []
+        self.events: List[_Event] = []
 
-    def start(self, comm):
+    def start(self, comm: _Comm) -> None:
         """Agree on time zero: every rank takes it right after the same barrier."""
         comm.barrier()
         self.zero = time.perf_counter()
 
-    def add(self, name, category, start, end, **args):
+    def add(self, name: str, category: str, start: float, end: float, **args: Any) -> None:
         self.events.append((name, category, start - self.zero, end - self.zero, args))
 
-    def chrome_events(self):
+    def chrome_events(self) -> List[TraceEvent]:
         return [{"name": n, "cat": c, "ph": "X", "ts": round(s * 1e6, 1),
                  "dur": round((e - s) * 1e6, 1), "pid": 0, "tid": self.rank, "args": a}
                 for n, c, s, e, a in self.events]
 
-    def write(self, comm, path, metadata):
+    def write(self, comm: _Comm, path: str, metadata: Mapping[str, Any]) -> None:
         """Gather every rank's events on rank 0 and write one JSON file there."""
-        everyone = comm.allgather_obj(self.chrome_events())
+        everyone: List[List[TraceEvent]] = comm.allgather_obj(self.chrome_events())
         if comm.rank == 0:
             events = [ev for rank_events in everyone for ev in rank_events]
-            names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+            names: List[TraceEvent] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
                       "args": {"name": f"rank {r}"}} for r in range(comm.size)]
             with open(path, "w") as f:
                 json.dump({"traceEvents": names + events, "displayTimeUnit": "ms",
                            "otherData": metadata}, f)
 
 
-def load(path):
+def load(path: str) -> Trace:
+    """A trace file (JSON, taken to have the shape `Trace` describes)."""
     with open(path) as f:
-        return json.load(f)
+        return cast(Trace, json.load(f))
 
 
-def theoretical_bubble(num_stages, num_microbatches, chunks=1):
+def theoretical_bubble(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
     """Idle share of a pipeline of equal stages: (S-1) / (M+S-1), with `chunks` per rank
     (interleaved) (S-1) / (vM+S-1)."""
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
-def bubble(trace, skip_first=True):
+def bubble(trace: Trace, skip_first: bool = True) -> float:
     """Measured idle share of the pipeline part of each step, averaged over ranks.
 
     The pipeline part of a step runs from its start to the start of its
@@ -69,7 +109,7 @@ def bubble(trace, skip_first=True):
     warm-up) is left out when there are others."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     ranks = sorted({e["tid"] for e in events})
-    fractions = []
+    fractions: List[float] = []
     for r in ranks:
         mine = [e for e in events if e["tid"] == r]
         steps = sorted((e for e in mine if e["cat"] == "step"), key=lambda e: e["ts"])
@@ -87,7 +127,7 @@ def bubble(trace, skip_first=True):
     return sum(fractions) / len(fractions) if fractions else 0.0
 
 
-def draw(trace, path, steps=2):
+def draw(trace: Trace, path: str, steps: int = 2) -> None:
     """One row per rank, actions coloured by kind, idle time left blank; the last
     `steps` steps (so the picture is readable)."""
     import matplotlib

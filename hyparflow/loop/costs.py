@@ -3,18 +3,28 @@ layer calls profiled on this machine (forward+backward time, parameter, optimize
 activation bytes) and a rank's calibrated speed, for heterogeneous balancing.
 
 On the training path (the trainer resolves `balance` with it); the planner's `profile`
-builds on it, never the other way round."""
+builds on it, never the other way round. Models, layers and tensors are Keras's and TensorFlow's
+(untyped: Any)."""
+
+from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
 from .. import _compat
 from .. import settings
+from ..balance import Resolved
+from ..graph import LayerGraph, Tensor
 from ..topology import Topology
+
+if TYPE_CHECKING:
+    from ..engine.comm import Communicator
+    from ..layout import Layout
 
 __all__ = ["MODES", "resolve", "measured_shares", "LayerProfile", "profile", "calibrate",
            "optimizer_slots", "slowdown"]
@@ -22,14 +32,17 @@ __all__ = ["MODES", "resolve", "measured_shares", "LayerProfile", "profile", "ca
 MODES = ("estimate", "params", "time", "memory")
 
 
-def resolve(graph, model, comm, balance, layout, *, speeds=None, memory_limit=None,
-            microbatch=32):
+def resolve(graph: LayerGraph, model: Any, comm: Communicator,
+            balance: Union[None, str, Sequence[int]], layout: Layout, *,
+            speeds: Union[None, str, Sequence[float]] = None,
+            memory_limit: Optional[float] = None,
+            microbatch: int = 32) -> Union[Sequence[int], Resolved]:
     """Turn `balance` (None, a mode, or counts) and `speeds` (None, "measure" or one
     number per stage) into what `partition` takes. Collective: profiling and
     calibration run on this machine's ranks and their results are shared, so every
     rank cuts the model the same way. `layout`: the run's (hyparflow.layout.Layout)."""
     num_stages = layout.num_stages
-    chunks = getattr(layout, "num_chunks", 1)
+    chunks: int = getattr(layout, "num_chunks", 1)
     if chunks > 1 and memory_limit is not None:
         raise NotImplementedError(
             f"memory_limit={memory_limit} with schedule='interleaved' is not supported yet (the "
@@ -41,48 +54,55 @@ def resolve(graph, model, comm, balance, layout, *, speeds=None, memory_limit=No
     if mode not in MODES:
         raise ValueError(f"`balance` must be one of {MODES}, None or a list of counts. "
                          f"Received: balance={balance!r}")
-    profiles = None
+    profiles: List[LayerProfile] = []
     if mode in ("time", "memory") or memory_limit is not None:
         profiles = comm.bcast_obj(profile(graph, model, batch=microbatch)
                                   if comm.rank == 0 else None, 0)
+    costs: List[float]
     if mode == "estimate":
         costs = [n.cost for n in graph.nodes]
     elif mode == "params":
-        costs = [max(n.params, 1) for n in graph.nodes]  # weightless calls still count a little
+        costs = [float(max(n.params, 1)) for n in graph.nodes]  # weightless calls still count a little
     elif mode == "time":
         costs = [p.seconds for p in profiles]
     else:
         costs = [_memory(p, microbatch, num_stages) for p in profiles]
+    per_stage: Optional[Sequence[float]]
     if speeds == "measure":
-        rates = comm.allgather_obj(calibrate())
+        rates: List[float] = comm.allgather_obj(calibrate())
         # A stage is as fast as its slowest rank (its T tensor ranks share the work).
         topo = _topology(layout)
-        speeds = [min(rate for r, rate in enumerate(rates) if topo.stage(r) == s)
-                  for s in range(num_stages)]
+        per_stage = [min(rate for r, rate in enumerate(rates) if topo.stage(r) == s)
+                     for s in range(num_stages)]
+    elif isinstance(speeds, str):
+        raise ValueError(f"`speeds` must be \"measure\", None or one number per stage. "
+                         f"Received: speeds={speeds!r}")
     elif speeds is not None and len(speeds) != num_stages:
         raise ValueError(f"`speeds` needs one value per stage ({num_stages}). Received: {speeds}")
-    memory = [_memory(p, microbatch, num_stages) for p in profiles] if memory_limit else None
-    if speeds is not None and chunks > 1:
-        speeds = [speeds[j % num_stages] for j in range(num_stages * chunks)]  # per chunk
-    return {"costs": costs, "speeds": list(speeds) if speeds is not None else None,
+    else:
+        per_stage = speeds
+    memory = [float(_memory(p, microbatch, num_stages)) for p in profiles] if memory_limit else None
+    if per_stage is not None and chunks > 1:
+        per_stage = [per_stage[j % num_stages] for j in range(num_stages * chunks)]  # per chunk
+    return {"costs": costs, "speeds": list(per_stage) if per_stage is not None else None,
             "memory": memory, "limit": memory_limit}
 
 
-def measured_shares(comm, layout):
+def measured_shares(comm: Communicator, layout: Layout) -> List[float]:
     """tensor_shares="measure": each rank's calibrated speed, shared by all; a tensor
     rank's share is its speed (the slowest over replicas, whose parts must match),
     per stage. Returns this rank's stage's shares (collective)."""
-    rates = comm.allgather_obj(calibrate())
+    rates: List[float] = comm.allgather_obj(calibrate())
     topo = _topology(layout)
     stage = topo.stage(comm.rank)
     return [min(rates[r] for r in topo.stage_ranks(stage, t)) for t in range(layout.num_tensor)]
 
 
-def _topology(layout):
+def _topology(layout: Layout) -> Topology:
     return Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
 
 
-def _memory(p, microbatch, num_stages):
+def _memory(p: LayerProfile, microbatch: int, num_stages: int) -> int:
     """Bytes a layer call holds on its rank: weights, optimizer state, and the
     activations of the microbatches in flight (at most S with 1F1B)."""
     return p.param_bytes + p.optimizer_bytes + p.activation_bytes * microbatch * num_stages
@@ -97,17 +117,17 @@ class LayerProfile:
     optimizer_bytes: int    # optimizer state for those weights
     activation_bytes: int   # output bytes per sample (kept for the backward)
 
-    def to_dict(self):
+    def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-def slowdown():
+def slowdown() -> float:
     """HYPARFLOW_SLOWDOWN=f makes this rank f times slower (a test stand-in for a slower
     CPU: every stage computation and the calibration sleep (f-1) times their duration)."""
     return settings.slowdown()
 
 
-def optimizer_slots(optimizer):
+def optimizer_slots(optimizer: Any) -> int:
     """How many per-weight state tensors `optimizer` keeps (SGD 0, momentum 1, Adam 2)."""
     import keras
 
@@ -117,24 +137,26 @@ def optimizer_slots(optimizer):
     return sum(1 for v in probe.variables if tuple(v.shape) == (3,))
 
 
-def _dummy(tensor, batch):
+def _dummy(tensor: Tensor, batch: int) -> Any:
     shape = (batch,) + tuple(d if d is not None else 8 for d in tensor.shape[1:])
     if tensor.floating:
         return tf.random.normal(shape, dtype=tf.as_dtype(tensor.dtype))
     return tf.zeros(shape, dtype=tf.as_dtype(tensor.dtype))
 
 
-def profile(graph, model, batch=32, repeats=3):
+def profile(graph: LayerGraph, model: Any, batch: int = 32, repeats: int = 3) -> List[LayerProfile]:
     """Measure every layer call of `graph` alone, eagerly, on random inputs of `batch`
     samples (median of `repeats` after one warm-up)."""
     slots = optimizer_slots(model.optimizer) if getattr(model, "optimizer", None) else 0
-    seen, out = set(), []
+    seen: set[int] = set()
+    out: List[LayerProfile] = []
     factor = slowdown()
     for node in graph.nodes:
         op = node.op
         if graph.functional is None:
             inputs = [_dummy(graph.tensors[t], batch) for t in node.inputs]
-            args, kwargs = ([inputs[0] if len(inputs) == 1 else inputs], {})
+            args: Any = [inputs[0] if len(inputs) == 1 else inputs]
+            kwargs: Any = {}
             floats = inputs
         else:
             values = {id(graph.tensors[t].keras_tensor): _dummy(graph.tensors[t], batch)
@@ -143,7 +165,7 @@ def profile(graph, model, batch=32, repeats=3):
             floats = [v for v in values.values() if v.dtype.is_floating]
         variables = list(getattr(op, "trainable_weights", ()))
 
-        def run():
+        def run() -> None:
             with tf.GradientTape() as tape:
                 tape.watch(floats)
                 out_ = _compat.call_operation(op, args, kwargs, True)
@@ -153,7 +175,7 @@ def profile(graph, model, batch=32, repeats=3):
                 tape.gradient(target, variables + floats)
 
         run()
-        times = []
+        times: List[float] = []
         for _ in range(repeats):
             start = time.perf_counter()
             run()
@@ -170,7 +192,7 @@ def profile(graph, model, batch=32, repeats=3):
     return out
 
 
-def calibrate(seconds=0.2):
+def calibrate(seconds: float = 0.2) -> float:
     """This rank's speed: matrix multiplies per second on its threads (relative units)."""
     a = tf.random.normal((256, 256))
     fn = tf.function(lambda x: tf.matmul(x, x))

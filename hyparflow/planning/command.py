@@ -1,23 +1,32 @@
 """`hyparflow plan`: profile a model, measure this node (network, compute, stages),
-search the plans (`planner.search`) and print or write the best (a plan file)."""
+search the plans (`planner.search`) and print or write the best (a plan file).
+
+A ranked plan is a JSON record (a dict of str to numbers, lists and names) as
+`planner.search` makes it: `Plan` here."""
+
+from __future__ import annotations
 
 import argparse
 import json
 import os
 import re
 import sys
+from types import TracebackType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
-from .costmodel import Compute, Network
+from .costmodel import Compute, Network, Row
 from ..schedules import PLANNED
 from .planner import as_layout, search
 
 __all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches"]
 
+Plan = Dict[str, Any]   # one ranked plan (JSON)
+
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12}
 
 
-def parse_bytes(text):
+def parse_bytes(text: object) -> float:
     """'12.5GB' -> 12.5e9; '4GiB' -> 4 * 2**30; a plain number is bytes."""
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
     if not match or match.group(2).lower() not in UNITS:
@@ -25,14 +34,15 @@ def parse_bytes(text):
     return float(match.group(1)) * UNITS[match.group(2).lower()]
 
 
-def parse_seconds(text):
+def parse_seconds(text: object) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us|ns)?\s*", str(text))
     if not match:
         raise ValueError(f"Cannot read {text!r} as a time (e.g. 2us, 0.5ms).")
-    return float(match.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[match.group(2)]
+    scale: Dict[Optional[str], float] = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}
+    return float(match.group(1)) * scale[match.group(2)]
 
 
-def measure_network(ranks=None):
+def measure_network(ranks: Optional[int] = None) -> Network:
     """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
     `ranks`, also each ring size's own alpha and beta (`measure.rings`)."""
     from . import measure
@@ -44,13 +54,14 @@ def measure_network(ranks=None):
     return Network(alpha, beta, groups=groups, exchanges=exchanges, wait=wait)
 
 
-def _schedule_name(plan):
+def _schedule_name(plan: Mapping[str, Any]) -> str:
     """"1f1b", or "interleaved:2" with its model chunks per rank."""
-    chunks = plan.get("chunks", 1)
-    return plan["schedule"] + (f":{chunks}" if chunks > 1 else "")
+    chunks: int = plan.get("chunks", 1)
+    return str(plan["schedule"]) + (f":{chunks}" if chunks > 1 else "")
 
 
-def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=None):
+def profile_batches(batch: int, ranks: int, microbatches: Sequence[int], most: int = 512,
+                    per_sample: float = 0, memory: Optional[float] = None) -> Tuple[int, int]:
     """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
     most `most` samples), so their times are interpolated, not extrapolated. With
     `per_sample` activation bytes and `memory` bytes, at most what an eighth of the
@@ -64,7 +75,7 @@ def profile_batches(batch, ranks, microbatches, most=512, per_sample=0, memory=N
     return lo, hi
 
 
-def _memory():
+def _memory() -> Optional[int]:
     """Bytes of this machine's memory (None where the OS does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -76,19 +87,20 @@ class _Phase:
     """Say what is being measured, then how long it took (`hyparflow plan` runs for
     minutes on a shared node; silence looked like a hang)."""
 
-    def __init__(self, what):
+    def __init__(self, what: str) -> None:
         self.what = what
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         import time
 
         self.start = time.monotonic()
         print(f"{self.what} ...", flush=True)
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
+                 traceback: Optional[TracebackType]) -> None:
         import time
 
-        if exc[0] is None:
+        if kind is None:
             print(f"  done in {time.monotonic() - self.start:.1f} s", flush=True)
 
 
@@ -101,7 +113,7 @@ _DESCRIPTION = ("Profile a model, search (stages, tensor ranks, replicas, microb
                 "profiles and a ping-pong (seconds, less accurate on a shared node).")
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     from .. import schedules as sched
 
     parser = argparse.ArgumentParser(prog="hyparflow plan", description=_DESCRIPTION)
@@ -137,7 +149,7 @@ def main(argv=None):
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
                                                 "profile once, plan for many clusters")
     parser.add_argument("--output", help="write the best plan that fits here (JSON)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)   # a Namespace: untyped attributes
     hosts = None
     if args.hosts:
         from ..cluster import hosts as H
@@ -172,9 +184,12 @@ def main(argv=None):
               f"{1 / within[1] / 1e9:.3f} GB/s; {h1} to {h2} alpha {between[0] * 1e6:.1f} us, "
               f"{1 / between[1] / 1e9:.3f} GB/s", flush=True)
     elif args.bandwidth or args.latency:
-        probe = measure_network() if not (args.bandwidth and args.latency) else None
-        network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
-                          1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
+        if args.bandwidth and args.latency:
+            network = Network(parse_seconds(args.latency), 1 / parse_bytes(args.bandwidth))
+        else:   # the one not given, measured
+            probe = measure_network()
+            network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
+                              1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
     else:
         with _Phase("measuring the network: a ping-pong of 2 ranks under mpiexec"
                     + ("" if args.quick or args.nodes != 1 else
@@ -196,7 +211,8 @@ def main(argv=None):
             cached = json.load(f)
         if len(cached["rows"]) != len(graph.nodes):
             raise ValueError(f"{args.profile_cache} profiles another model.")
-        rows, opt_per_byte = [tuple(r) for r in cached["rows"]], cached["optimizer_s_per_byte"]
+        rows: List[Row] = [Row(*r) for r in cached["rows"]]
+        opt_per_byte: float = cached["optimizer_s_per_byte"]
         extra = cached.get("stage_costs")
     else:
         with _Phase(f"profiling {len(graph.nodes)} layer calls of {model.name} (forward and "
@@ -208,7 +224,7 @@ def main(argv=None):
             with open(args.profile_cache, "w") as f:
                 json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte,
                            "stage_costs": extra}, f)
-    compute = None
+    compute: Optional[Compute] = None
     if here and ranks > 1:
         # This node, as the plan will run it: the model's step with 1 .. ranks ranks
         # computing at once (they share memory bandwidth, and cores beyond --cores).
@@ -229,13 +245,13 @@ def main(argv=None):
                                    function=args.function, ranks=ranks)
     with _Phase("searching the plans" + (", timing every candidate pipeline's stages whole"
                                          if timer else "")):
-        plans = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
+        plans: List[Plan] = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
                        microbatches=args.microbatches, schedules=args.schedules,
                        chunks=tuple(args.chunks),
                        ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
                        cores=args.cores if args.nodes == 1 or hosts else None,
                        compute=compute, stage_costs=extra, stage_timer=timer)
-        one = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
+        one: Plan = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
                                  tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
     if args.json:
         with open(args.json, "w") as f:

@@ -2,12 +2,18 @@
 call a cost model `Row` fitted at two batch sizes (`fit_model`); the model a plan is
 made for, loaded from a file. The per-call profiles and a rank's calibrated speed
 that training's balance modes use live in `costs` (the training path must not load
-the planning wing); they are re-exported here."""
+the planning wing); they are re-exported here. Models and tensors are Keras's and
+TensorFlow's (untyped: Any)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from ..clock import timed
+from ..graph import LayerGraph
 from .costmodel import Row
 from ..loop.costs import LayerProfile, _dummy, calibrate, optimizer_slots, profile, slowdown
 
@@ -15,14 +21,14 @@ __all__ = ["LayerProfile", "profile", "optimizer_slots", "calibrate", "slowdown"
            "model_step", "optimizer_step", "timed", "load_model"]
 
 
-def model_step(graph, model, batch):
+def model_step(graph: LayerGraph, model: Any, batch: int) -> Callable[[], Any]:
     """The whole model's forward and backward on `batch` random samples, compiled as a
     stage compiles its own (traced and run once here): a callable."""
     xs = [_dummy(graph.tensors[t], batch) for t in graph.inputs]
     variables = model.trainable_weights
 
     @tf.function
-    def step(xs):
+    def step(xs: List[Any]) -> Any:
         with tf.GradientTape() as tape:
             out = model(xs[0] if len(xs) == 1 else xs, training=True)
             flat = [o for o in tf.nest.flatten(out) if o.dtype.is_floating]
@@ -33,7 +39,7 @@ def model_step(graph, model, batch):
     return lambda: step(xs)
 
 
-def optimizer_step(model):
+def optimizer_step(model: Any) -> Tuple[Callable[[], Any], int]:
     """A copy of the model's optimizer applying gradients to copies of its weights,
     compiled and run once: (callable, bytes of trainable weights it updates)."""
     probe = model.optimizer.__class__.from_config(model.optimizer.get_config())
@@ -47,7 +53,8 @@ def optimizer_step(model):
     return (lambda: apply(grads)), sum(int(np.prod(v.shape)) * 4 for v in variables) or 1
 
 
-def fit_model(graph, model, batches=(8, 32), repeats=5):
+def fit_model(graph: LayerGraph, model: Any, batches: Sequence[int] = (8, 32),
+              repeats: int = 5) -> Tuple[List[Row], float]:
     """Per layer call a `planner.Row` (fixed s, s per sample, param bytes, optimizer
     bytes, activation bytes per sample); and the optimizer step's seconds per
     parameter byte.
@@ -57,8 +64,8 @@ def fit_model(graph, model, batches=(8, 32), repeats=5):
     run, with far less overhead per call), then fitted affine in the batch. The
     compiled whole is steady where one eager call is not, so the sum is right and
     the profiles only share it out."""
-    rows = []
-    scaled = []
+    rows: List[Row] = []
+    scaled: List[List[float]] = []
     for b in batches:
         layers = profile(graph, model, batch=b, repeats=3)
         whole = timed(model_step(graph, model, b), repeats) * slowdown()
@@ -74,13 +81,13 @@ def fit_model(graph, model, batches=(8, 32), repeats=5):
     return rows, timed(step, 3) / nbytes
 
 
-def load_model(source, function="build_model"):
+def load_model(source: str, function: str = "build_model") -> Any:
     """A model from a `.keras` file, or from calling `function` in a Python file."""
     import keras
 
     if source.endswith(".keras"):
         return keras.saving.load_model(source)
-    namespace = {"__name__": "hyparflow_plan_model", "__file__": source}
+    namespace: Dict[str, Any] = {"__name__": "hyparflow_plan_model", "__file__": source}
     with open(source) as f:
         exec(compile(f.read(), source, "exec"), namespace)  # the user's own model file
     if function not in namespace:

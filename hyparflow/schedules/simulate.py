@@ -1,12 +1,22 @@
 """Playing a lowered schedule with per-stage times: makespan, bubble, peak live
 activations, and on shared cores, processor sharing (`simulate`)."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .actions import (ALLREDUCE, B, F, FB, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, STEP, W,
                       Action, chunks_of, message, splits)
 
 __all__ = ["Simulation", "simulate"]
+
+Lowered = Sequence[Sequence[Action]]          # one action list per rank
+# A time for every stage, or one per (virtual) stage: a list or a tuple (anything else
+# is one number for all).
+Times = Union[float, List[float], Tuple[float, ...]]
+WeightCost = Callable[[int, int], float]      # (stage, microbatches) -> seconds of a W
+Message = Tuple[object, ...]                  # actions.message: (kind, source, destination, microbatch)
 
 
 @dataclass
@@ -15,23 +25,27 @@ class Simulation:
     bubble fraction (idle share of stage-time), peak activations in flight."""
 
     makespan: float
-    busy: list
+    busy: List[float]
     bubble: float
-    peak_activations: list
+    peak_activations: List[int]
     finish: float | None = None  # with every stage's tail (None: no tails, the makespan)
-    peak_kept: list | None = None  # microbatches between B and W (split backward) at most
+    peak_kept: List[int] | None = None  # microbatches between B and W (split backward) at most
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.finish is None:
             self.finish = self.makespan
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"makespan={self.makespan:g} bubble={self.bubble:.3f} "
                 f"peak_activations={self.peak_activations}")
 
 
-def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies=1,
-             latency=0.0, tail=None, waits=None, weight_time=0.0, transfer=None):
+def simulate(lowered: Lowered, forward_time: Times = 1.0, backward_time: Times = 2.0,
+             slowdown: Optional[Callable[[int], float]] = None, copies: int = 1,
+             latency: float = 0.0, tail: Optional[Sequence[float]] = None,
+             waits: Optional[Sequence[Tuple[float, float]]] = None,
+             weight_time: Union[Times, WeightCost] = 0.0,
+             transfer: Optional[Mapping[Message, float]] = None) -> Simulation:
     """Play lowered lists with blocking receives and instant, buffered sends.
 
     `forward_time` / `backward_time` / `weight_time`: one number for every
@@ -75,6 +89,7 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     b_times = list(backward_time) if isinstance(backward_time, (list, tuple)) else [backward_time] * n
     tails = list(tail) if tail is not None else [0.0] * n
     waits = list(waits) if waits is not None else [(0.0, 0.0)] * n
+    w_cost: WeightCost
     if callable(weight_time):
         w_cost = weight_time
     else:
@@ -93,7 +108,7 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     busy = [0.0] * n
     alive = [0] * n
     peak = [0] * n
-    sent = {}  # (kind, src, dst, micro) -> time the message is available
+    sent: Dict[Message, float] = {}  # (kind, src, dst, micro) -> time the message is available
     while any(pos[s] < len(lowered[s]) for s in range(n)):
         moved = False
         for s in range(n):
@@ -124,7 +139,8 @@ def simulate(lowered, forward_time=1.0, backward_time=2.0, slowdown=None, copies
     return Simulation(makespan, busy, bubble, peak, finish, kept)
 
 
-def _cost(a, s, f_times, b_times, w_cost, n=None):
+def _cost(a: Action, s: int, f_times: Sequence[float], b_times: Sequence[float],
+          w_cost: WeightCost, n: Optional[int] = None) -> float:
     """Seconds of work action `a` takes on stage `s` (of `n` ranks); times given per
     virtual stage (more than one per rank: chunks) are read at the action's."""
     v = s + a.chunk * n if n is not None and len(f_times) > n else s
@@ -137,9 +153,9 @@ def _cost(a, s, f_times, b_times, w_cost, n=None):
     return w_cost(s, a.count)
 
 
-def _kept(lowered):
+def _kept(lowered: Lowered) -> List[int]:
     """Per stage, the most microbatches whose weight gradients wait (after B, before W)."""
-    out = []
+    out: List[int] = []
     for actions in lowered:
         now = peak = 0
         for a in actions:
@@ -157,10 +173,12 @@ class _Links:
     (`transfer`), once the link has carried the messages sent on it before and
     then this one."""
 
-    def __init__(self, transfer, latency):
-        self.transfer, self.latency, self.free = transfer or {}, latency, {}
+    def __init__(self, transfer: Optional[Mapping[Message, float]], latency: float) -> None:
+        self.transfer: Mapping[Message, float] = transfer or {}
+        self.latency = latency
+        self.free: Dict[Message, float] = {}   # link (source, destination) -> when it is free
 
-    def __call__(self, key, now):
+    def __call__(self, key: Message, now: float) -> float:
         seconds = self.transfer.get(key[:3])
         if not seconds:
             return now + self.latency
@@ -170,8 +188,10 @@ class _Links:
         return max(done, now + self.latency)
 
 
-def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, waits=None,
-            w_cost=None):
+def _shared(lowered: Lowered, f_times: Sequence[float], b_times: Sequence[float],
+            slowdown: Callable[[int], float], copies: int, arrive: _Links,
+            tails: Sequence[float], waits: Sequence[Tuple[float, float]],
+            w_cost: WeightCost) -> Simulation:
     """`simulate` on shared cores: between two events (a computation ends, a message
     arrives, a wait ends) every computing stage moves at 1 / slowdown(busy ranks) of
     its own speed (processor sharing); a stage in an F/B's wait (`waits`) moves at
@@ -179,12 +199,13 @@ def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, wai
     n = len(lowered)
     tails = tails or [0.0] * n
     waits = waits or [(0.0, 0.0)] * n
-    pos, left = [0] * n, [None] * n  # left: work still to do in the F/B (or tail) under way
+    pos = [0] * n
+    left: List[Optional[float]] = [None] * n  # work still to do in the F/B (or tail) under way
     hold = [0.0] * n  # seconds of the F/B under way still to wait, before its work
     in_tail = [False] * n
     now, end, finish = 0.0, [0.0] * n, [0.0] * n
     busy, alive, peak = [0.0] * n, [0] * n, [0] * n
-    sent = {}  # message -> when it arrives
+    sent: Dict[Message, float] = {}  # message -> when it arrives
     while True:
         moved = True
         while moved:  # every action that takes no time, until none can go
@@ -213,7 +234,8 @@ def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, wai
                     in_tail[s] = True
                     if tails[s] > 0:
                         left[s] = tails[s]
-        running = [s for s in range(n) if left[s] is not None]
+        work = {s: w for s, w in enumerate(left) if w is not None}   # of the running stages
+        running = list(work)
         arrivals = [t for t in sent.values() if t > now]
         if not running and not arrivals:
             if all(pos[s] == len(lowered[s]) for s in range(n)):
@@ -222,13 +244,17 @@ def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, wai
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
         working = [s for s in running if hold[s] <= 0]
         rate = 1.0 / max(slowdown(len(working) * copies), 1e-12)
-        ends = {s: hold[s] if hold[s] > 0 else left[s] / rate for s in running}
-        first = min(running, key=lambda s: ends[s]) if running else None
-        step = ends[first] if running else float("inf")
+        ends = {s: hold[s] if hold[s] > 0 else work[s] / rate for s in running}
+        first: Optional[int] = min(running, key=lambda s: ends[s]) if running else None
+        step = ends[first] if first is not None else float("inf")
         arrival = min(arrivals) if arrivals else None
         if arrival is not None and arrival - now < step:
             step, first = arrival - now, None  # a message arrives first
-        now = arrival if first is None else now + step
+        if first is None:
+            assert arrival is not None   # nothing ends first: a message is on its way
+            now = arrival
+        else:
+            now += step
         for s in running:
             tailing = pos[s] == len(lowered[s])
             if not tailing:
@@ -236,8 +262,8 @@ def _shared(lowered, f_times, b_times, slowdown, copies, arrive, tails=None, wai
             if hold[s] > 0:  # waiting: its work starts once the wait is over
                 hold[s] = 0.0 if s == first else hold[s] - step
                 continue
-            left[s] = 0.0 if s == first else left[s] - step * rate
-            if left[s] <= 1e-12 * max(f_times[s], b_times[s], tails[s], 1e-30):
+            remaining = left[s] = 0.0 if s == first else work[s] - step * rate
+            if remaining <= 1e-12 * max(f_times[s], b_times[s], tails[s], 1e-30):
                 left[s] = None
                 if tailing:
                     finish[s] = now

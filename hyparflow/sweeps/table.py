@@ -1,20 +1,27 @@
 """The sweep's progress table, printed by rank 0: one row per member, its config and
 its latest logs, and whether it stopped (early stopping) and when."""
 
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
 __all__ = ["config_columns", "render"]
 
+# A member's row: (sweep index, its latest logs or None, status).
+Row = Tuple[int, Optional[Mapping[str, Any]], str]
 
-def _short(value):
+
+def _short(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     text = str(value)
     return text if len(text) <= 12 else text[:11] + "~"
 
 
-def config_columns(configs):
+def config_columns(configs: Sequence[Mapping[str, Any]]) -> List[str]:
     """The config keys worth a column: those whose values differ between members (all of
     them when every member has the same)."""
-    keys = []
+    keys: List[str] = []
     for config in configs:
         for k in config:
             if k not in keys:
@@ -23,11 +30,12 @@ def config_columns(configs):
     return varying or keys
 
 
-def render(epoch, epochs, rows, configs, seconds=None, samples=None):
+def render(epoch: int, epochs: int, rows: Sequence[Row], configs: Sequence[Mapping[str, Any]],
+           seconds: Optional[float] = None, samples: Optional[float] = None) -> str:
     """The table's text: `rows` [(sweep index, logs dict or None, status)] for every
     member, by index."""
     keys = config_columns(configs)
-    metrics = []
+    metrics: List[str] = []
     for _, logs, _ in rows:
         for k in (logs or {}):
             if k not in metrics:
@@ -39,7 +47,10 @@ def render(epoch, epochs, rows, configs, seconds=None, samples=None):
                     + [_short(logs[k]) if logs and k in logs else "" for k in metrics]
                     + [status])
     widths = [max(len(r[c]) for r in [header] + body) for c in range(len(header))]
-    line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) for v, w in zip(r, widths))
+
     title = f"hyparflow sweep: epoch {epoch + 1}/{epochs}"
     if seconds is not None:
         title += f" - {seconds:.1f} s"
