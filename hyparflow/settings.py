@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
-           "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "poll_pause",
+           "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs"]
@@ -48,9 +48,6 @@ VARIABLES = (
              "(0 = off)"),
     Variable("HYPARFLOW_SPIN_SECONDS", "0.02, or 0 when oversubscribed",
              "how long a wait polls before it sleeps between polls"),
-    Variable("HYPARFLOW_POLL_PAUSE", "0.001",
-             "the longest sleep, in seconds, between two polls of a waiting rank once it "
-             "stopped spinning (shorter: messages noticed sooner, more CPU while waiting)"),
     Variable("HYPARFLOW_PEER_TIMEOUT", "20",
              "a peer silent this many seconds is lost: every remaining rank ends with "
              "exit code 75, naming it and its host (0 = no heartbeat)"),
@@ -171,12 +168,6 @@ def spin_seconds() -> Optional[float]:
     """HYPARFLOW_SPIN_SECONDS, if set (the caller decides the default)."""
     value = _number("HYPARFLOW_SPIN_SECONDS", float, minimum=0)
     return None if value is None else float(value)
-
-
-def poll_pause() -> float:
-    """HYPARFLOW_POLL_PAUSE: the longest sleep between two polls of a wait (seconds)."""
-    value = _number("HYPARFLOW_POLL_PAUSE", float, minimum=1e-6)
-    return 1e-3 if value is None else float(value)
 
 
 def heartbeat_seconds() -> float:

@@ -42,14 +42,13 @@ def _spin_seconds():
 
 
 _SPIN = None
-_PAUSE = None
 
 
 def poll(test, timeout, what, spin=None):
     """Wait until `test()` is true: spin for a while (`spin` seconds, default from
     `_spin_seconds`), then sleep a little longer each round (at most 1 ms) so a
     waiting rank leaves its core to others."""
-    global _SPIN, _PAUSE
+    global _SPIN
     if test():
         return
     if spin is None:
@@ -61,15 +60,12 @@ def poll(test, timeout, what, spin=None):
     while time.monotonic() < spin_until:
         if test():
             return
-    if _PAUSE is None:
-        _PAUSE = settings.poll_pause()
-    longest = _PAUSE
-    pause = min(2e-5, longest)
+    pause = 2e-5
     while not test():
         if timeout is not None and time.monotonic() - start > timeout:
             raise CommTimeout(f"waited more than {timeout:g} s for {what}")
         time.sleep(pause)
-        pause = min(pause * 2, longest)
+        pause = min(pause * 2, 1e-3)
 
 
 def wait_all(requests, timeout=None, what="messages", spin=None):
