@@ -6,7 +6,7 @@
 Each configuration runs under `mpiexec -n S*T*R` with one intra-op thread per rank
 (HYPARFLOW_THREADS=1); the baselines are plain Keras `model.fit` in one process, with
 one thread and with every core (what a user would run instead), measured in the same
-run. Step time is the median of the traced steps after the first (which includes
+run; each row's speed is given relative to both ("x 1 thread", "x all cores"). Step time is the median of the traced steps after the first (which includes
 tracing); the bubble and the gradient bytes each rank exchanges per step (dense
 buckets plus sparse pairs received) come from the same trace.
 """
