@@ -6,7 +6,7 @@
 Each configuration runs under `mpiexec -n S*T*R` with one intra-op thread per rank
 (HYPARFLOW_THREADS=1); the baselines are plain Keras `model.fit` in one process, with
 one thread and with every core (what a user would run instead), measured in the same
-run. Step time is the median of the traced steps after the first (which includes
+run; each row's speed is given relative to both ("x 1 thread", "x all cores"). Step time is the median of the traced steps after the first (which includes
 tracing); the bubble and the gradient bytes each rank exchanges per step (dense
 buckets plus sparse pairs received) come from the same trace.
 """
@@ -29,6 +29,7 @@ PLANS = {
                   (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b"), (2, 1, 8, "zb-h1"), (2, 1, 8, "zb-batched"),
                   (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched")]),
     "cnnmlp": (128, [(1, 2, 1, "gpipe"), (2, 1, 4, "auto")]),
+    "resnet56": (64, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b")]),  # issue 40's ResNet row
     "resnet110": (32, [(1, 2, 1, "gpipe"), (2, 1, 4, "1f1b"), (2, 1, 4, "zb-batched"),
                        (2, 1, 8, "1f1b")]),
     "resnet1001": (8, [(2, 1, 4, "1f1b")]),
@@ -93,9 +94,10 @@ def main():
                     dict(env, HYPARFLOW_THREADS=str(cores)))
         results[workload] = {"baseline": base, "all_cores": every, "runs": []}
         rows.append((workload, "Keras 1 proc x 1 thread", base["step_s"], base["samples_s"], 1.0,
-                     "", "", "", f"{base['peak_mb']:.0f}", f"{base['state_mb']:.1f}"))
+                     base["samples_s"] / every["samples_s"], "", "", "", f"{base['peak_mb']:.0f}",
+                     f"{base['state_mb']:.1f}"))
         rows.append((workload, f"Keras 1 proc x {cores} threads", every["step_s"],
-                     every["samples_s"], every["samples_s"] / base["samples_s"], "", "", "",
+                     every["samples_s"], every["samples_s"] / base["samples_s"], 1.0, "", "", "",
                      f"{every['peak_mb']:.0f}", f"{every['state_mb']:.1f}"))
         for s, r, m, schedule, *more in configs:
             t = more[0] if more else 1
@@ -109,14 +111,16 @@ def main():
                 dict(env, **extra))
             results[workload]["runs"].append(res)
             rows.append((workload, name, res["step_s"], res["samples_s"],
-                         res["samples_s"] / base["samples_s"], f"{res['bubble']:.3f}",
+                         res["samples_s"] / base["samples_s"],
+                         res["samples_s"] / every["samples_s"], f"{res['bubble']:.3f}",
                          f"{res['theory_bubble']:.3f}", f"{res['grad_mb']:.1f}",
                          "/".join(f"{v:.0f}" for v in res["peak_mb"]),
                          "/".join(f"{v:.1f}" for v in res["state_mb"])))
     if "transfer" in args.only:
         res = run([MPIEXEC, "-n", "2", *worker_cmd("transfer")], env)
         results["transfer"] = res
-    header = ("workload", "configuration", "s/step", "samples/s", "x 1 thread", "bubble",
+    header = ("workload", "configuration", "s/step", "samples/s", "x 1 thread", "x all cores",
+              "bubble",
               "theory", "grad MB/step", "peak MB/rank", "params+opt MB/rank")
     widths = [max(len(str(c)) for c in col) for col in zip(header, *[
         tuple(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) for row in rows])]

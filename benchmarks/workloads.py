@@ -143,7 +143,8 @@ def make(name, samples):
     keras.utils.set_random_seed(0)
     if name in ("gpt", "embed"):
         return {"gpt": gpt, "embed": embed}[name](samples)
-    builders = {"mlp": mlp, "wide": wide, "cnnmlp": cnnmlp, "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
+    builders = {"mlp": mlp, "wide": wide, "cnnmlp": cnnmlp, "resnet56": lambda: resnet_cifar(56),
+                "resnet110": lambda: resnet_cifar(110), "resnet1001": resnet1001}
     model, x_shape, y_shape = builders[name]()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(samples,) + x_shape).astype("float32")

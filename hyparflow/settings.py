@@ -46,7 +46,7 @@ VARIABLES = (
     Variable("HYPARFLOW_TIMEOUT", "600",
              "communication watchdog in seconds: a wait longer than this ends the run "
              "(0 = off)"),
-    Variable("HYPARFLOW_SPIN_SECONDS", "0.02, or 0 when oversubscribed",
+    Variable("HYPARFLOW_SPIN_SECONDS", "0.2, or 0 when oversubscribed",
              "how long a wait polls before it sleeps between polls"),
     Variable("HYPARFLOW_PEER_TIMEOUT", "20",
              "a peer silent this many seconds is lost: every remaining rank ends with "

@@ -47,15 +47,19 @@ def _spin_seconds() -> float:
 
     MPI moves large messages and non-blocking collectives forward only inside
     Test calls, so sleeping between polls slows them; but on an oversubscribed
-    node a spinning rank steals the core another rank needs. Default: 20 ms of
+    node a spinning rank steals the core another rank needs. Default: 0.2 s of
     spinning when every rank has its own cores, none otherwise;
-    HYPARFLOW_SPIN_SECONDS overrides."""
+    HYPARFLOW_SPIN_SECONDS overrides. Why 0.2 s and not less: a rank that slept
+    through a long wait computes its next action slower (2-stage pipelines with one
+    microbatch, whose stages wait 40-100 ms for each other, ran 5-7 % slower with
+    20 ms of spinning; docs/performance.md), and with a core of its own the spinning
+    takes nothing from anyone."""
     value = settings.spin_seconds()
     if value is not None:
         return value
     from .. import _env
 
-    return 0.0 if _env.oversubscribed() else 0.02
+    return 0.0 if _env.oversubscribed() else 0.2
 
 
 _SPIN: Optional[float] = None
