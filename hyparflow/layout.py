@@ -43,6 +43,8 @@ class Layout:
     balance: Any = None
     tensor_layers: Optional[Tuple[str, ...]] = None
     tensor_shares: Union[None, str, Tuple[float, ...]] = None
+    # (q, q): the T = q * q tensor ranks of a stage as a 2D mesh (kinds/mesh), else 1D.
+    tensor_mesh: Optional[Tuple[int, int]] = None
     hosts: Optional[Tuple[str, ...]] = None
     plan: Optional[Mapping[str, Any]] = field(default=None, compare=False, repr=False)
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -61,6 +63,36 @@ class Layout:
                              f"{sorted(TABLE) + ['auto']}. "
                              f"Received: schedule={self.schedule!r}")
         self._check_chunks()
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        mesh = self.tensor_mesh
+        if mesh is None:
+            return
+        if (not isinstance(mesh, tuple) or len(mesh) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh)):
+            raise ValueError(f"`tensor_mesh` must be a pair of equal integers (q, q), e.g. "
+                             f"tensor_mesh=(2, 2) with num_tensor=4. Received: "
+                             f"tensor_mesh={mesh!r}")
+        q = mesh[0]
+        if mesh[1] != q:
+            raise ValueError(f"tensor_mesh={mesh!r} is not square: the mesh is q x q (SUMMA "
+                             f"cuts rows and columns alike). Use tensor_mesh=({q}, {q}) with "
+                             f"num_tensor={q * q}, or leave tensor_mesh out for a 1D split.")
+        if q < 2:
+            raise ValueError(f"tensor_mesh={mesh!r} is one rank, which splits nothing. Use "
+                             "tensor_mesh=(2, 2) or larger, or leave it out.")
+        if q * q != self.num_tensor:
+            raise ValueError(f"tensor_mesh={mesh!r} has {q * q} ranks but num_tensor="
+                             f"{self.num_tensor}. Pass num_tensor={q * q} (or leave it out: "
+                             f"the mesh sets it), or a mesh (r, r) with r * r = num_tensor.")
+        if self.tensor_shares is not None:
+            raise ValueError(f"tensor_shares={self.tensor_shares!r} with tensor_mesh={mesh!r}: "
+                             "the mesh cuts rows and columns evenly. Leave tensor_shares out, "
+                             "or leave tensor_mesh out for an uneven 1D split.")
+        if self.num_chunks > 1:
+            raise NotImplementedError("schedule='interleaved' with tensor_mesh is not "
+                                      "supported. Use schedule='1f1b'.")
 
     def _check_chunks(self) -> None:
         chunks = self.num_chunks
@@ -120,7 +152,9 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"]
         if self.num_tensor > 1:
-            parts.append(f"{self.num_tensor} tensor ranks")
+            mesh = self.tensor_mesh
+            parts.append(f"{self.num_tensor} tensor ranks"
+                         + (f" ({mesh[0]}x{mesh[1]} mesh)" if mesh else ""))
         parts.append(f"{self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}")
         parts.append(f"{self.num_microbatches} microbatch"
                      f"{'es' if self.num_microbatches != 1 else ''}")
@@ -138,7 +172,7 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
             num_tensor: Optional[int] = None, schedule: Optional[str] = None,
             num_chunks: Optional[int] = None, balance: Any = None,
             tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Any = None,
-            plan: Any = None,
+            plan: Any = None, tensor_mesh: Any = None,
             environ: Optional[Mapping[str, str]] = None) -> Layout:
     """The layout for `world_size` ranks, from the arguments, then the plan file (a
     path or an already read plan), then the environment, then the world size."""
@@ -178,6 +212,9 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
             values[name], origin[name] = value, source
     if source is not None and settings.reshaped(environ):
         plan = _after_restart(world_size, values, origin, source, plan)
+    mesh = _mesh(tensor_mesh, environ)
+    if mesh is not None and "num_tensor" not in values and isinstance(mesh[0], int):
+        values["num_tensor"], origin["num_tensor"] = mesh[0] * mesh[0], "tensor_mesh"
     from_env = settings.layout_counts(environ)
     overridden = []
     for name, value in from_env.items():
@@ -214,7 +251,17 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                   num_chunks=values.get("num_chunks", 1), balance=_as_tuple(balance),
                   tensor_layers=_as_tuple(values.get("tensor_layers")),
                   tensor_shares=_as_tuple(tensor_shares), plan=plan, origin=origin,
-                  overridden=tuple(overridden))
+                  overridden=tuple(overridden), tensor_mesh=mesh)
+
+
+def _mesh(value: Any, environ: Optional[Mapping[str, str]]) -> Any:
+    """`tensor_mesh` as a tuple: the argument ((2, 2), [2, 2] or "2x2"), else
+    $HYPARFLOW_TENSOR_MESH (`hyparflow run --tensor-mesh`); checked by `Layout`."""
+    if value is None:
+        return settings.tensor_mesh(environ)
+    if isinstance(value, str):
+        return settings.parse_mesh(value, "tensor_mesh")
+    return _as_tuple(value)
 
 
 _WARNED: set[Tuple[str, Any, Any]] = set()

@@ -15,7 +15,7 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
-           "sweep_configs"]
+           "sweep_configs", "tensor_mesh", "parse_mesh"]
 
 
 class Variable(NamedTuple):
@@ -35,6 +35,9 @@ VARIABLES = (
              "microbatches M per replica per step (`hyparflow run --microbatches`)"),
     Variable("HYPARFLOW_NUM_TENSOR", "1",
              "tensor ranks T per stage (`hyparflow run --tensor`)"),
+    Variable("HYPARFLOW_TENSOR_MESH", "unset (a 1D split)",
+             "`QxQ`: the T = Q * Q tensor ranks of a stage as a 2D mesh "
+             "(`hyparflow run --tensor-mesh`)"),
     Variable("HYPARFLOW_THREADS", "cores // ranks on the node",
              "intra-op threads per rank"),
     Variable("HYPARFLOW_INTER_OP_THREADS", "1",
@@ -134,6 +137,21 @@ def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict[str, int]
         if value is not None:
             out[key] = value
     return out
+
+
+def parse_mesh(text: str, name: str) -> tuple[int, int]:
+    """"2x2" -> (2, 2); anything else is an error naming `name` and the form."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise SettingError(f"{name} takes QxQ (e.g. 2x2 for 4 tensor ranks). Received: "
+                           f"{text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def tensor_mesh(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
+    """HYPARFLOW_TENSOR_MESH as (q, q), if set."""
+    value = (os.environ if environ is None else environ).get("HYPARFLOW_TENSOR_MESH")
+    return None if not value else parse_mesh(value, "HYPARFLOW_TENSOR_MESH")
 
 
 def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:

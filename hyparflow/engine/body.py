@@ -18,6 +18,20 @@ __all__ = ["StageBody"]
 _PRODUCED = "produced masks"  # the key of `_run_nodes`' masks by tensor
 
 
+def _kept_per_sample(args, part, seen):
+    """Bytes per sample of the values a layer call takes as inputs, which its backward
+    keeps (each value once, `seen`); a part of a split layer that holds less (the
+    mesh's blocks) says its own (`kept_per_row`). Unknown lengths count as 1."""
+    if part is not None and hasattr(part, "kept_per_row"):
+        return part.kept_per_row(args, seen)
+    total = 0.0
+    for x in tf.nest.flatten(args):
+        if tf.is_tensor(x) and x.dtype.is_floating and id(x) not in seen:
+            seen.add(id(x))
+            total += float(np.prod([d or 1 for d in x.shape.as_list()[1:]])) * x.dtype.size
+    return total
+
+
 class StageBody:
     """The computation of a stage (mixed into `Stage`)."""
 
@@ -83,6 +97,7 @@ class StageBody:
                 produced[t] = next(masks)
                 _compat.set_mask(values[id(g.tensors[t].keras_tensor)], produced[t])
         run = _masks.of(g, training)
+        kept, seen = 0.0, set()
         for i in self.plan.nodes:
             node = g.nodes[i]
             if run is not None:
@@ -90,6 +105,7 @@ class StageBody:
                     _compat.set_mask(values[id(g.tensors[t].keras_tensor)],
                                      produced.get(t) if present else None)
             args, kwargs = _compat.fill_in(node.keras_node, values)
+            kept += _kept_per_sample(args, self.shards.get(i), seen)
             if i in self.shards:
                 out = self.shards[i](args, kwargs, training)
             elif i in z_of and training:
@@ -104,6 +120,8 @@ class StageBody:
                 values[id(kt)] = v
                 produced[t] = _compat.get_mask(v)
         values[_PRODUCED] = produced
+        if training:  # counted as the function is traced (or run eagerly)
+            self.kept_per_sample = kept
         if run is not None and self.is_last:
             for t in self.plan.outputs:  # as the loss finds them in model.fit
                 _compat.set_mask(self._value(values, t), produced.get(t) if run.final[t] else None)

@@ -15,6 +15,7 @@ from ..cluster import heartbeat as _heartbeat
 from . import normaliser as _normaliser
 from . import overlap
 from . import partition as _partition
+from ..kinds import mesh as _mesh
 from ..kinds import tensor as _tensor
 from . import weights
 from ..kinds import zero as _zero
@@ -310,24 +311,32 @@ class Runtime:
             if missing:
                 raise ValueError(f"tensor_layers names layers the model does not have: "
                                  f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
+        kinds = self._kinds
         every = {i: sp for p in part.stages
-                 for i, sp in _tensor.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+                 for i, sp in kinds.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
         if not every:
             raise ValueError(
                 f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none of "
-                f"its {_tensor.describe('or')} with at least {_tensor.MIN_PARAMS} weights "
+                f"its {kinds.describe('or')} with at least {kinds.MIN_PARAMS} weights "
                 "can be. Name the layers to split with tensor_layers=[...], or use "
                 "num_tensor=1.")
         mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
         return ({i: sp for i, sp in every.items() if i in mine},
                 sorted(graph.nodes[i].op.name for i in every))
 
+    @property
+    def _kinds(self):
+        """The split kinds of this layout: the 1D ones (`kinds.tensor`) or, with
+        `tensor_mesh`, the mesh's (`kinds.mesh`); both give choose, shard, describe."""
+        return _mesh if self.layout.tensor_mesh else _tensor
+
     def _shards(self, shares):
         """This rank's parts of the split layers of its stage (none without num_tensor)."""
-        self.collectives = _tensor.Collectives()
+        mesh = self.layout.tensor_mesh
+        self.collectives = _mesh.Mesh(mesh[0]) if mesh else _tensor.Collectives()
         t, num = self.topo.tensor(self.comm.rank), self.topo.num_tensor
-        shares = _tensor.shares_of(shares, num)
-        return {i: _tensor.shard(self.graph.nodes[i].op, sp, t, shares, self.collectives)
+        shares = _tensor.shares_of(shares if not mesh else None, num)
+        return {i: self._kinds.shard(self.graph.nodes[i].op, sp, t, shares, self.collectives)
                 for i, sp in self.splits.items()}
 
     def connect(self):

@@ -81,7 +81,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         speeds: Union[None, str, Sequence[float]] = None, memory_limit: Optional[float] = None,
         plan: Optional[str] = None, num_tensor: Optional[int] = None,
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-        num_chunks: Optional[int] = None, replica_sync: Any = "allreduce") -> Any:
+        num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
+        tensor_mesh: Any = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -114,6 +115,9 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             None: every one with at least `hyparflow.tensor.MIN_PARAMS` weights.
         tensor_shares: each tensor rank's share of a split layer (T numbers,
             e.g. relative speeds; "measure": a short calibration); None: even.
+        tensor_mesh: (q, q) (or "qxq"): the T = q * q tensor ranks of a stage as a
+            2D mesh (Optimus), activations cut by rows and features too; None:
+            $HYPARFLOW_TENSOR_MESH, else the 1D split (docs/tensor.md).
         shuffle: one permutation per epoch, the same on every rank, from `seed`.
         seed: the shuffling seed; None draws one on rank 0 and shares it.
         verbose: 0, 1, 2 or "auto", as in `model.fit`; the progress bar is
@@ -201,7 +205,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,
-        tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan)
+        tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan,
+        tensor_mesh=tensor_mesh)
     return _call("hf.fit", comm, layout_arguments, lambda communicator, layout: trainer.train(
         model, x, y, comm=communicator, layout=layout, options=options))
 
@@ -214,7 +219,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
              num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
              balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
              tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-             plan: Optional[str] = None) -> Any:
+             plan: Optional[str] = None, tensor_mesh: Any = None) -> Any:
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
     with the metrics, or a dict with `return_dict=True`), the same on every rank.
@@ -228,7 +233,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
-        tensor_shares=tensor_shares, plan=plan)
+        tensor_shares=tensor_shares, plan=plan, tensor_mesh=tensor_mesh)
     return _call("hf.evaluate", comm, layout_arguments, lambda communicator, layout:
                  inference.evaluate(model, x, y, comm=communicator, layout=layout,
                                     batch_size=batch_size, sample_weight=sample_weight,
@@ -243,7 +248,7 @@ def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str
             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
             balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
             tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-            plan: Optional[str] = None) -> Any:
+            plan: Optional[str] = None, tensor_mesh: Any = None) -> Any:
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
     rank 0 (`gather="main"`, None elsewhere) for big outputs.
@@ -254,7 +259,7 @@ def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
-        tensor_shares=tensor_shares, plan=plan)
+        tensor_shares=tensor_shares, plan=plan, tensor_mesh=tensor_mesh)
     return _call("hf.predict", comm, layout_arguments, lambda communicator, layout:
                  inference.predict(model, x, comm=communicator, layout=layout,
                                    batch_size=batch_size, steps=steps, gather=gather,

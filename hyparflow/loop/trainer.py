@@ -114,6 +114,8 @@ def train(model, x, y, *, comm, layout, options):
     state["stop_flag"] = stop_flag
     try:
         history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
+        # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
+        history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
         if runtime.replicas is not None:
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history

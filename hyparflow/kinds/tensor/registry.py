@@ -39,10 +39,11 @@ def describe(conjunction="and"):
     return f"{text} layers" + (f" ({', '.join(extra)})" if extra else "")
 
 
-def why_not(graph, i, num_tensor):
-    """Why node `i` cannot be split (a sentence), or None if it can."""
+def why_not(graph, i, num_tensor, kind=None):
+    """Why node `i` cannot be split (a sentence), or None if it can. `kind`: the kind
+    asked (another layout's, the mesh's), else the registry's for the layer."""
     op = graph.nodes[i].op
-    kind = kind_of(op)
+    kind = kind_of(op) if kind is None else kind
     if kind is None:
         return f"only {describe()} can be split"
     if sum(node.op is op for node in graph.nodes) != 1:

@@ -11,7 +11,7 @@ from ... import _compat
 from .collectives import WEIGHTS, site_tag
 from .split import split_sizes
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "part_variable"]
 
 
 def _axis(cut):
@@ -19,6 +19,22 @@ def _axis(cut):
     kind's `size`; (axis, n) holds n (grouped-query attention's query heads, cut by
     key/value groups)."""
     return cut if isinstance(cut, tuple) else (cut, 1)
+
+
+def part_variable(var, value):
+    """A rank's part of layer variable `var` holding `value`, named as `var` (its
+    optimizer slots then carry the names a checkpoint knows)."""
+    prefix = var.path.rsplit("/", 1)[0] if "/" in var.path else ""
+    with contextlib.ExitStack() as scopes:
+        for name in prefix.split("/") if prefix else ():  # one scope per level
+            scopes.enter_context(keras.name_scope(name))
+        part = keras.Variable(value, dtype=var.dtype, trainable=True, name=var.name)
+    if part.path != var.path:  # its optimizer state would not be found by name
+        raise RuntimeError(
+            f"hyparflow could not name this rank's part of {var.path!r} as the "
+            f"variable (it got {part.path!r}); call hyparflow.fit outside any "
+            "keras.name_scope.")
+    return part
 
 
 class Shard:
@@ -48,18 +64,7 @@ class Shard:
             if axis is None:
                 self.cuts.append((var, var, None))
                 continue
-            prefix = var.path.rsplit("/", 1)[0] if "/" in var.path else ""
-            value = self._slice(var.numpy(), axis)
-            with contextlib.ExitStack() as scopes:
-                for name in prefix.split("/") if prefix else ():  # one scope per level
-                    scopes.enter_context(keras.name_scope(name))
-                shard = keras.Variable(value, dtype=var.dtype, trainable=True, name=var.name)
-            if shard.path != var.path:  # its optimizer state would not be found by name
-                raise RuntimeError(
-                    f"hyparflow could not name this rank's part of {var.path!r} as the "
-                    f"variable (it got {shard.path!r}); call hyparflow.fit outside any "
-                    "keras.name_scope.")
-            self.cuts.append((var, shard, axis))
+            self.cuts.append((var, part_variable(var, self._slice(var.numpy(), axis)), axis))
         self.what = f"layer {op.name!r}"
         self.part_of = {id(var): part for var, part, _ in self.cuts}
 

@@ -1,0 +1,118 @@
+"""Dense on the mesh (SUMMA, as Optimus's 2D layers): rank (i, j) holds kernel block
+(i, j), [in/q, out/q]; its input is the [batch/q, in/q] block (i, j) of the layer's
+input and its output the [batch/q, out/q] block (i, j), so consecutive mesh layers pass
+blocks with no gather in between.
+
+Forward, for k = 0..q-1: the input's block (i, k) is broadcast in row i and the
+kernel's block (k, j) in column j; Y_ij = sum_k X_ik W_kj. Backward: the input's
+gradient dX_ik = sum_j dY_ij W_kj^T (W_kj broadcast in column j, the products summed
+in row i onto (i, k)), the kernel's dW_kj = sum_i X_ik^T dY_ij (X_ik broadcast in row
+i, the products summed in column j onto (k, j)). The bias block j is one copy per rank
+of column j, its gradient summed over the column."""
+
+import keras
+import tensorflow as tf
+
+from ..tensor.split import common_why_not, weights_of
+from .base import ENTER, GATHER, MeshKind, elementwise
+from .grid import is_block, mark, sizes_of, whole_of
+from .part import BLOCK, COLUMN
+
+__all__ = ["MeshDense", "summa"]
+
+# Roles of a Dense's collectives (`grid.mesh_tag`).
+_X, _W, _BW, _BDX, _BX, _BDW, _BIAS = range(8, 15)
+
+
+class MeshDense(MeshKind):
+    name = "mesh-dense"
+    what = "Dense"
+
+    def claims(self, op):
+        return isinstance(op, keras.layers.Dense)
+
+    def why_not(self, op, q):
+        reason = common_why_not(op, [op])
+        if reason is not None:
+            return reason
+        if op.units < q or int(op.kernel.shape[0]) < q:
+            return (f"it has fewer input features ({int(op.kernel.shape[0])}) or units "
+                    f"({op.units}) than the mesh's {q} columns")
+        if not elementwise(op.activation):
+            return (f"its activation {getattr(op.activation, '__name__', op.activation)!r} "
+                    "reads a whole row of features, which a block does not hold")
+        return None
+
+    def cuts(self, op):
+        return [(op.kernel, BLOCK)] + ([(op.bias, COLUMN)] if op.use_bias else [])
+
+    def run(self, part, args, kwargs, training):
+        op, mesh = part.op, part.coll
+        x = args[0] if args else kwargs["inputs"]
+        if not is_block(x):
+            x = mesh.to_block(x, part.what, part.tag(ENTER))
+        batch, _ = whole_of(x)
+        x = tf.cast(x, op.compute_dtype) if x.dtype.is_floating else x
+        weights = weights_of(part)
+        y = summa(mesh, x, weights[0], sizes_of(int(op.kernel.shape[0]), mesh.q), part)
+        if op.use_bias:
+            y = y + mesh.shared(weights[1], mesh.column, part.what, part.tag(_BIAS))
+        if op.activation is not None:
+            y = op.activation(y)
+        y = mark(y, batch, op.units)
+        return mesh.to_whole(y, part.what, part.tag(GATHER)) if part.split.gather else y
+
+
+def summa(mesh, x, w, ins, part):
+    """Y_ij = sum_k X_ik W_kj on the q x q mesh (`ins`: the input features' block
+    sizes), with the SUMMA backward. Each direction runs its exchanges in one
+    `py_function`, step by step, so every rank makes them in the same order."""
+    q, what = mesh.q, part.what
+
+    def forward(xv, wv):
+        xv, wv = xv.numpy(), wv.numpy()
+        i, j = mesh.coords
+        x2 = xv.reshape(-1, xv.shape[-1])
+        y = None
+        for k in range(q):
+            a, ra = mesh.post_bcast(x2, i * q + k, mesh.row(), (x2.shape[0], ins[k]), x2.dtype,
+                                    part.tag(_X))
+            b, rb = mesh.post_bcast(wv, k * q + j, mesh.column(), (ins[k], wv.shape[1]),
+                                    wv.dtype, part.tag(_W))
+            mesh.wait(ra + rb, what)
+            y = a @ b if y is None else y + a @ b
+        return y.reshape(xv.shape[:-1] + (wv.shape[1],))
+
+    def backward(dyv, xv, wv):
+        dyv, xv, wv = dyv.numpy(), xv.numpy(), wv.numpy()
+        i, j = mesh.coords
+        dy2, x2 = dyv.reshape(-1, dyv.shape[-1]), xv.reshape(-1, xv.shape[-1])
+        dx = dw = None
+        for k in range(q):  # dX_ik = sum_j dY_ij W_kj^T, onto (i, k)
+            b, rb = mesh.post_bcast(wv, k * q + j, mesh.column(), (ins[k], wv.shape[1]),
+                                    wv.dtype, part.tag(_BW))
+            mesh.wait(rb, what)
+            total = mesh.reduce(dy2 @ b.T, i * q + k, mesh.row(), what, part.tag(_BDX))
+            dx = total if total is not None else dx
+        for k in range(q):  # dW_kj = sum_i X_ik^T dY_ij, onto (k, j)
+            a, ra = mesh.post_bcast(x2, i * q + k, mesh.row(), (x2.shape[0], ins[k]),
+                                    x2.dtype, part.tag(_BX))
+            mesh.wait(ra, what)
+            total = mesh.reduce(a.T @ dy2, k * q + j, mesh.column(), what, part.tag(_BDW))
+            dw = total if total is not None else dw
+        return dx.reshape(xv.shape).astype(xv.dtype), dw.astype(wv.dtype)
+
+    @tf.custom_gradient
+    def op(x, w):
+        y = tf.py_function(forward, [x, w], x.dtype)
+        y.set_shape(x.shape[:-1].concatenate([w.shape[-1]]))
+
+        def grad(dy):
+            dx, dw = tf.py_function(backward, [dy, x, w], [x.dtype, w.dtype])
+            dx.set_shape(x.shape)
+            dw.set_shape(w.shape)
+            return dx, dw
+
+        return y, grad
+
+    return op(x, w)
