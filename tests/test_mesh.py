@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 import hyparflow  # noqa: E402
 from conftest import max_diff, reference, train_ranks  # noqa: E402
+from hyparflow.engine.local import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 
@@ -40,13 +41,111 @@ def data(n=32):
     return rng.normal(size=(n, 12)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
+def fit_ranks(build, x, y, start, ranks, **kwargs):
+    """hf.fit on `ranks` thread-ranks: [(weights, bytes per sample kept for the backward)]."""
+
+    def body(comm):
+        model = build()
+        model.set_weights(start)
+        history = hyparflow.fit(model, x, y, epochs=2, batch_size=16, shuffle=False, verbose=0,
+                                comm=comm, **kwargs)
+        return model.get_weights(), history.kept_per_sample
+
+    return run_ranks(ranks, body, timeout=300)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_mlp_on_a_2x2_mesh_trains_as_model_fit(optimizer):
     x, y = data()
     build = lambda: mlp(optimizer)  # noqa: E731
     start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
-    got = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
-                      weights=start, num_tensor=4, tensor_mesh=(2, 2), tensor_layers=REGION,
-                      epochs=2, batch_size=16, shuffle=False)
+    got = fit_ranks(build, x, y, start, 4, num_microbatches=2, num_tensor=4,
+                    tensor_mesh=(2, 2), tensor_layers=REGION)
     for weights, _ in got:
         assert max_diff(weights, want) < 2e-5
+
+
+def test_activations_kept_are_a_quarter_on_a_2x2_mesh_and_whole_in_1d():
+    """Bytes per sample each rank keeps for the backward: the mesh region's values in
+    blocks of 1/q of the rows and 1/q of the features, so 1/4 of one process's at 2x2;
+    outside it (the head's input) whole; the 1D split at T=4 keeps everything whole."""
+    x, y = data()
+    start, want, _ = reference(mlp, x, y, epochs=2, batch_size=16)
+    [(_, whole)] = fit_ranks(mlp, x, y, start, 1)
+    oned = fit_ranks(mlp, x, y, start, 4, num_tensor=4, tensor_layers=REGION)
+    mesh = fit_ranks(mlp, x, y, start, 4, num_tensor=4, tensor_mesh="2x2",
+                     tensor_layers=REGION)
+    head = 16 * 4  # the head's input: 16 float32 features, read outside the region
+    assert whole == (12 + 16 + 18 + 18 + 16 + 16 + 16) * 4  # every layer's input, once
+    for weights, kept in oned:
+        assert kept == whole and max_diff(weights, want) < 2e-5
+    for weights, kept in mesh:
+        assert kept == (whole - head) / 4 + head and max_diff(weights, want) < 2e-5
+
+
+def encoder_block(optimizer="adam"):
+    """Tokens [batch, 4, 8]: a feed-forward pair, a residual and LayerNorm on the mesh,
+    then pooling and a head that are not (the blocks gathered before them)."""
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((4, 8))
+    h = keras.layers.Dense(16, activation="gelu", name="ffn_up")(inp)
+    h = keras.layers.Dense(8, name="ffn_down")(h)
+    h = keras.layers.Add(name="res")([inp, h])
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.Dense(8, activation="relu", name="proj")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    out = keras.layers.Dense(3, name="head")(h)
+    model = keras.Model(inp, out)
+    opt = keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def test_encoder_block_with_layer_norm_on_the_mesh():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 4, 8)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    start, want, _ = reference(encoder_block, x, y, epochs=2, batch_size=8)
+    got = train_ranks(encoder_block, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
+                      weights=start, num_tensor=4, tensor_mesh=(2, 2),
+                      tensor_layers=["ffn_up", "ffn_down", "proj"], epochs=2, batch_size=8,
+                      shuffle=False)
+    for weights, _ in got:
+        assert max_diff(weights, want) < 2e-5
+
+
+def test_two_stages_of_2x2_meshes_train_as_model_fit():
+    """S=2 x a 2x2 mesh each: 8 thread-ranks, Adam, 2 microbatches."""
+    x, y = data()
+    build = lambda: mlp("adam")  # noqa: E731
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
+    got = fit_ranks(build, x, y, start, 8, num_stages=2, num_microbatches=2, num_tensor=4,
+                    tensor_mesh=(2, 2), tensor_layers=REGION, balance=[3, 4])
+    for weights, _ in got:
+        assert max_diff(weights, want) < 2e-5
+
+
+@pytest.mark.parametrize("mesh, tensor, words", [
+    ((2, 3), 6, "not square"), ((2, 2), 8, "Pass num_tensor=4"), ((1, 1), 1, "one rank"),
+    ("2by2", None, "QxQ"), ((2, 2.0), 4, "pair of equal integers")])
+def test_bad_meshes_are_refused_with_the_fix(mesh, tensor, words):
+    from hyparflow.layout import resolve
+
+    with pytest.raises(ValueError, match=words):
+        resolve(tensor or 4, num_tensor=tensor, tensor_mesh=mesh)
+
+
+def test_a_layer_that_cannot_run_on_the_mesh_is_refused_with_the_reason():
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((12,))
+    out = keras.layers.Dense(8, activation="softmax", name="soft")(inp)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((8, 12), "float32"), np.zeros((8, 8), "float32")
+
+    def body(comm):
+        hyparflow.fit(model, x, y, batch_size=8, verbose=0, comm=comm, num_tensor=4,
+                      tensor_mesh=(2, 2), tensor_layers=["soft"])
+
+    with pytest.raises(Exception, match="softmax"):
+        run_ranks(4, body, timeout=120)

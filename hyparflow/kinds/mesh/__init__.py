@@ -16,15 +16,17 @@ from ..tensor.split import MIN_PARAMS, Split
 from .dense import MeshDense
 from .elementwise import MeshMap
 from .grid import Mesh
+from .norm import MeshNorm
 from .part import MeshPart
 
 __all__ = ["KINDS", "BY_NAME", "Mesh", "MeshPart", "choose", "shard", "describe", "why_not",
            "MIN_PARAMS"]
 
-# Kinds that start a region (asked in order), and the kind that carries it on.
+# Kinds that start a region (asked in order), and the kinds that carry it on (chosen
+# only where the region feeds them).
 KINDS = (MeshDense(),)
-CARRY = MeshMap()
-BY_NAME = {kind.name: kind for kind in KINDS + (CARRY,)}
+CARRY = (MeshMap(), MeshNorm())
+BY_NAME = {kind.name: kind for kind in KINDS + CARRY}
 
 
 def describe(conjunction="and"):
@@ -67,12 +69,8 @@ def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
                     f"Layer {node.op.name!r} is in tensor_layers but cannot run on the "
                     f"{q}x{q} tensor mesh: {reason}. Remove it from tensor_layers, or "
                     "leave tensor_mesh out for the 1D split.")
-        elif (CARRY.claims(node.op) and node.inputs
-              and any(producers.get(t) in region for t in node.inputs)
-              and len({tuple(graph.tensors[t].shape) for t in node.inputs}) == 1
-              and all(graph.tensors[t].floating and graph.tensors[t].mask is None
-                      and len(graph.tensors[t].shape) >= 2 for t in node.inputs)):
-            region[i] = CARRY.name
+        elif _carries(graph, node, region, producers, q):
+            region[i] = next(k for k in CARRY if k.claims(node.op)).name
     readers = {}
     for node in graph.nodes:
         for t in node.inputs:
@@ -85,6 +83,18 @@ def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
                      for t in out)
         splits[i] = Split(i, kind, gather=gather)
     return splits
+
+
+def _carries(graph, node, region, producers, q):
+    """Whether `node` carries the region on: a carrying kind's layer fed by the region,
+    its inputs alike in shape, floating, unmasked, and it can run there."""
+    kind = next((k for k in CARRY if k.claims(node.op)), None)
+    tensors = [graph.tensors[t] for t in node.inputs]
+    return (kind is not None and bool(tensors)
+            and any(producers.get(t) in region for t in node.inputs)
+            and len({tuple(t.shape) for t in tensors}) == 1
+            and all(t.floating and t.mask is None and len(t.shape) >= 2 for t in tensors)
+            and (not node.op.weights or _tensor.why_not(graph, node.index, q, kind=kind) is None))
 
 
 def shard(op, split, rank, shares, collectives):
