@@ -1,0 +1,43 @@
+"""The 2x2 tensor mesh over real MPI messages; run under mpiexec by tests/test_mpi.py
+(with the rest of tests/mpi):
+
+    mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_mesh_mpi.py
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import hyparflow as hf  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from test_mesh import encoder_block  # noqa: E402
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_encoder_block_on_a_2x2_mesh_under_mpiexec():
+    """Feed-forward pair, residual and LayerNorm on a 2x2 mesh (replicas on the
+    other ranks at n=8), Adam, 2 microbatches: model.fit's weights."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 4, 8)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    reference = encoder_block()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = reference.get_weights()
+    model = encoder_block()
+    model.set_weights(start)
+    history = hf.fit(model, x, y, batch_size=8, epochs=2, num_tensor=4, tensor_mesh=(2, 2),
+                     num_microbatches=2, tensor_layers=["ffn_up", "ffn_down", "proj"],
+                     shuffle=False, verbose=0)
+    diff = max_diff(model.get_weights(), expected)
+    if hf.is_main():
+        print(f"\nencoder block on a 2x2 mesh: max weight difference {diff:.3g}, "
+              f"{history.kept_per_sample:.0f} bytes kept per sample")
+    assert diff <= 2e-5
