@@ -38,6 +38,10 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument("--tensor", type=int,
                    help="tensor ranks T per stage, which split its widest layers (default: "
                         "the script's num_tensor, else 1)")
+    p.add_argument("--tensor-mesh", metavar="QxQ",
+                   help="the T = Q x Q tensor ranks of a stage as a 2D mesh (exported as "
+                        "HYPARFLOW_TENSOR_MESH; sets --tensor; default: the script's "
+                        "tensor_mesh, else a 1D split)")
     p.add_argument("--replicas", type=int,
                    help="replicas R (default: derived by fit as N // (S x T))")
     p.add_argument("--microbatches", type=int,
@@ -68,6 +72,7 @@ def _add_run(sub: Subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    args.tensor, args.tensor_mesh = launch.mesh_flag(args.tensor_mesh, args.tensor)
     hosts: Optional[HostSlots] = None
     if args.hosts is not None or args.hostfile is not None:
         from .cluster import hosts as _hosts
@@ -80,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     line = launch.command_line(args.script, args.args, ranks=args.ranks, stages=args.stages,
                                replicas=args.replicas, microbatches=args.microbatches,
                                tensor=args.tensor, threads=args.threads,
-                               launcher=args.launcher, hosts=hosts)
+                               launcher=args.launcher, hosts=hosts, mesh=args.tensor_mesh)
     if args.restarts:
         return _run_restarting(args, line, hosts)
     if args.dry_run:
@@ -119,7 +124,8 @@ def _run_restarting(args: argparse.Namespace, first: CommandLine,
         return launch.command_line(args.script, args.args, ranks=None if on else args.ranks,
                                    stages=stages, replicas=replicas,
                                    microbatches=args.microbatches, tensor=tensor,
-                                   threads=args.threads, launcher=args.launcher, hosts=on)
+                                   threads=args.threads, launcher=args.launcher, hosts=on,
+                                   mesh=args.tensor_mesh)
 
     if args.dry_run:
         print(launch.describe(first))
@@ -163,6 +169,9 @@ def _add_slurm(sub: Subparsers) -> None:
     p.add_argument("--tensor", type=int,
                    help="tensor ranks T per stage, which split its widest layers (exported as "
                         "HYPARFLOW_NUM_TENSOR; default: the script's num_tensor, else 1)")
+    p.add_argument("--tensor-mesh", metavar="QxQ",
+                   help="the T = Q x Q tensor ranks of a stage as a 2D mesh (exported as "
+                        "HYPARFLOW_TENSOR_MESH; sets --tensor)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs (and threads) per rank")
     p.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS (default 01:00:00)")
     p.add_argument("--partition")
@@ -199,7 +208,7 @@ def _slurm(args: argparse.Namespace) -> int:
     spec = slurm.JobSpec(
         script=args.script, script_args=list(args.args), nodes=args.nodes,
         tasks_per_node=args.tasks_per_node, stages=args.stages, microbatches=args.microbatches,
-        tensor=args.tensor,
+        tensor=args.tensor, mesh=args.tensor_mesh,
         time=args.time, partition=args.partition, account=args.account,
         cpus_per_task=args.cpus_per_task, job_name=args.job_name, template=args.template,
         launcher=args.launcher, array=args.array, log=args.log, overcommit=args.overcommit,

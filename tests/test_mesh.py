@@ -149,3 +149,23 @@ def test_a_layer_that_cannot_run_on_the_mesh_is_refused_with_the_reason():
 
     with pytest.raises(Exception, match="softmax"):
         run_ranks(4, body, timeout=120)
+
+
+def test_the_launchers_pass_the_mesh_on(tmp_path):
+    """`hyparflow run --tensor-mesh 2x2` and `hyparflow slurm --tensor-mesh 2x2` export
+    HYPARFLOW_TENSOR_MESH (and T = 4), which fit's layout reads."""
+    from hyparflow.cluster import launch, slurm
+    from hyparflow.layout import resolve
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    line = launch.command_line(str(script), ranks=4, mesh="2x2", launcher="mpiexec",
+                               environ={"PATH": os.environ.get("PATH", "")})
+    assert line.env["HYPARFLOW_TENSOR_MESH"] == "2x2"
+    assert line.env["HYPARFLOW_NUM_TENSOR"] == "4"
+    with pytest.raises(launch.LaunchError, match="give --tensor 4"):
+        launch.command_line(str(script), ranks=4, tensor=2, mesh="2x2", launcher="mpiexec")
+    text, _ = slurm.render(slurm.JobSpec(script=str(script), tasks_per_node=4, mesh="2x2"))
+    assert "HYPARFLOW_TENSOR_MESH=2x2" in text and "HYPARFLOW_NUM_TENSOR=4" in text
+    layout = resolve(4, environ=line.env)
+    assert (layout.num_tensor, layout.tensor_mesh) == (4, (2, 2))

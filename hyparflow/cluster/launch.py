@@ -124,6 +124,26 @@ def layout(ranks: Count, stages: Optional[Count] = None, replicas: Optional[Coun
                    num_microbatches=microbatches, num_tensor=tensor, environ={})
 
 
+def mesh_flag(mesh: Optional[str],
+              tensor: Optional[Count] = None) -> Tuple[Optional[Count], Optional[str]]:
+    """(tensor ranks, "QxQ") from `--tensor-mesh QxQ` and `--tensor`, checked: the mesh
+    is square, of at least 2 x 2, and Q * Q is --tensor when both are given (without
+    --tensor the mesh sets it). (tensor, None) without a mesh."""
+    if mesh is None:
+        return tensor, None
+    try:
+        q, p = settings.parse_mesh(str(mesh), "--tensor-mesh")
+    except settings.SettingError as error:
+        raise LaunchError(str(error)) from None
+    if q != p or q < 2:
+        raise LaunchError(f"--tensor-mesh {mesh} must be square and at least 2x2 (QxQ, e.g. "
+                          "2x2 for 4 tensor ranks, 3x3 for 9).")
+    if tensor is not None and tensor != q * q:
+        raise LaunchError(f"--tensor-mesh {mesh} has {q * q} ranks but --tensor is {tensor}; "
+                          f"give --tensor {q * q}, or leave --tensor out (the mesh sets it).")
+    return q * q, f"{q}x{q}"
+
+
 def requested(stages: Optional[Count] = None, replicas: Optional[Count] = None,
               microbatches: Optional[Count] = None, tensor: Optional[Count] = None,
               environ: Optional[Mapping[str, str]] = None) -> Dict[str, int]:
@@ -147,7 +167,8 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
                     microbatches: Optional[int] = None, threads: Optional[Count] = None,
                     ranks_on_node: Optional[int] = None,
                     environ: Optional[Mapping[str, str]] = None,
-                    tensor: Optional[int] = None) -> Dict[str, str]:
+                    tensor: Optional[int] = None,
+                    mesh: Optional[str] = None) -> Dict[str, str]:
     """The variables a run sets: the S, R, M, T the user asked for (none else: a count
     that is only derived, like the replicas = ranks // S, must be derived again where the
     script's own S is known), threads per rank, quiet unbuffered Python.
@@ -162,6 +183,8 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
                         ("MICROBATCHES", microbatches), ("TENSOR", tensor)):
         if value is not None:
             env[f"HYPARFLOW_NUM_{name}"] = str(value)
+    if mesh is not None:  # "QxQ" (`mesh_flag`)
+        env["HYPARFLOW_TENSOR_MESH"] = mesh
     env.update({
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
@@ -198,13 +221,15 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
                  microbatches: Optional[Count] = None, threads: Optional[Count] = None,
                  launcher: str = "auto", environ: Optional[Mapping[str, str]] = None,
                  python: Optional[str] = None, tensor: Optional[Count] = None,
-                 hosts: Optional[Sequence[Tuple[str, int]]] = None) -> CommandLine:
+                 hosts: Optional[Sequence[Tuple[str, int]]] = None,
+                 mesh: Optional[str] = None) -> CommandLine:
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
 
     `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
     on, filled in order; -n defaults to their slots."""
     environ = os.environ if environ is None else environ
     python = python or sys.executable
+    tensor, mesh = mesh_flag(mesh, tensor)
     if hosts is not None:
         if launcher == "srun":
             raise LaunchError("--hosts/--hostfile start the ranks with mpiexec; inside a Slurm "
@@ -271,7 +296,7 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
     else:
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
-                          threads, ranks_on_node, environ, flags.get("tensor"))
+                          threads, ranks_on_node, environ, flags.get("tensor"), mesh)
     return CommandLine(launcher, argv, env, reason, describe_layout(ranks, given), placement,
                 supervise=hosts is not None)
 

@@ -9,11 +9,11 @@ import shutil
 import string
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from .launch import LaunchError, layout
+from .launch import LaunchError, layout, mesh_flag
 from .. import settings
 
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
@@ -36,6 +36,7 @@ class JobSpec:
     stages: int | None = None             # None: the script's hf.fit decides (nothing exported)
     microbatches: int | None = None
     tensor: int | None = None             # tensor ranks per stage; None: the script's hf.fit decides
+    mesh: str | None = None               # "QxQ": the tensor ranks as a 2D mesh (sets tensor)
     time: str = "01:00:00"
     partition: str | None = None
     account: str | None = None
@@ -168,6 +169,8 @@ def _layout_exports(spec: JobSpec) -> str:
     exports = [f"HYPARFLOW_NUM_{name}={value}" for name, value in
                (("STAGES", spec.stages), ("MICROBATCHES", spec.microbatches),
                 ("TENSOR", spec.tensor)) if value is not None]
+    if spec.mesh is not None:
+        exports.append(f"HYPARFLOW_TENSOR_MESH={spec.mesh}")
     if not exports:
         return "# (none given: the script's hf.fit arguments, else its defaults)"
     return "export " + " ".join(exports)
@@ -228,6 +231,9 @@ def _sweep_layout(spec: JobSpec, sweep: str, ntasks: int, warnings: List[str]) -
 def render(spec: JobSpec) -> Tuple[str, List[str]]:
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
     warnings: List[str] = []
+    if spec.mesh is not None:
+        tensor, mesh = mesh_flag(spec.mesh, spec.tensor)
+        spec = replace(spec, tensor=tensor, mesh=mesh)
     for name in ("nodes", "tasks_per_node", "stages", "microbatches", "tensor"):
         value = getattr(spec, name)
         if value is None and name in ("stages", "microbatches", "tensor"):
