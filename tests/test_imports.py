@@ -70,10 +70,11 @@ LAYERS = {
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare")},
-    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"}
+    "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
+              "kinds.replicas"}
     # A new split kind is one file there (docs/architecture.md): all of them belong here.
-    | {f"kinds.tensor.{p.stem}" for p in (PACKAGE / "kinds" / "tensor").glob("*.py")
-       if p.stem != "__init__"},
+    | {f"kinds.{d}.{p.stem}" for d in ("tensor", "mesh")
+       for p in (PACKAGE / "kinds" / d).glob("*.py") if p.stem != "__init__"},
     "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
                                                              "lower", "simulate")},
     "base": {"_compat", "_env", "graph"},
