@@ -4,17 +4,13 @@ Dense layers by SUMMA with activations in blocks; every layout trains to plain
 
 import os
 
-os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "4")
+import keras
+import numpy as np
+import pytest
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import hyparflow  # noqa: E402
-from conftest import max_diff, reference, train_ranks  # noqa: E402
-from hyparflow.engine.local import run_ranks  # noqa: E402
-
-pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+import hyparflow
+from conftest import check_resumes, max_diff, reference, train_ranks
+from hyparflow.engine.local import run_ranks
 
 REGION = ["up", "mid", "down"]
 
@@ -63,6 +59,28 @@ def test_mlp_on_a_2x2_mesh_trains_as_model_fit(optimizer):
                     tensor_mesh=(2, 2), tensor_layers=REGION)
     for weights, _ in got:
         assert max_diff(weights, want) < 2e-5
+
+
+def test_predict_on_the_mesh_and_a_checkpoint_resumed_as_replicas(tmp_path):
+    """Predictions at 2x2 are model.predict's; a checkpoint written at 2x2 (every
+    rank's blocks of the weights and Adam's state put together) resumes at T=1 with
+    4 replicas to model.fit's weights."""
+    x, y = data()
+    build = lambda: mlp("adam")  # noqa: E731
+    model = build()
+    start = model.get_weights()
+
+    def body(comm):
+        mine = build()
+        mine.set_weights(start)
+        return hyparflow.predict(mine, x, batch_size=16, verbose=0, comm=comm, num_tensor=4,
+                                 tensor_mesh=(2, 2), tensor_layers=REGION)
+
+    for got in run_ranks(4, body, timeout=120):
+        assert np.abs(got - model.predict(x, verbose=0)).max() < 1e-5
+    check_resumes(build, x, y, tmp_path, [
+        (1, dict(num_tensor=4, tensor_mesh=(2, 2), tensor_layers=REGION)),
+        (2, dict(resume=True, num_replicas=4))], batch_size=16, ranks=4, tol=2e-5)
 
 
 def test_activations_kept_are_a_quarter_on_a_2x2_mesh_and_whole_in_1d():
