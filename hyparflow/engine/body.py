@@ -26,7 +26,8 @@ def _kept_per_sample(args, part, seen):
         return part.kept_per_row(args, seen)
     total = 0.0
     for x in tf.nest.flatten(args):
-        if tf.is_tensor(x) and x.dtype.is_floating and id(x) not in seen:
+        if (tf.is_tensor(x) and x.dtype.is_floating and x.shape.rank is not None
+                and id(x) not in seen):
             seen.add(id(x))
             total += float(np.prod([d or 1 for d in x.shape.as_list()[1:]])) * x.dtype.size
     return total

@@ -44,7 +44,8 @@ class MeshKind(SplitKind):
         the features)."""
         q, total = part.q, 0.0
         for x in tf.nest.flatten(args):
-            if not tf.is_tensor(x) or not x.dtype.is_floating or id(x) in seen:
+            if (not tf.is_tensor(x) or not x.dtype.is_floating or x.shape.rank is None
+                    or id(x) in seen):
                 continue
             seen.add(id(x))
             entries = float(np.prod([d or 1 for d in x.shape.as_list()[1:]]))
