@@ -11,7 +11,6 @@ nodes, and whether each gathers its output), `shard` (a rank's part), `describe`
 """
 
 from ..tensor import registry as _tensor
-from ..tensor.collectives import SUBS
 from ..tensor.split import MIN_PARAMS, Split
 from .dense import MeshDense
 from .elementwise import MeshMap
@@ -107,5 +106,3 @@ def shard(op, split, rank, shares, collectives):
     cache[key].coll = collectives
     return cache[key]
 
-
-assert SUBS >= 8  # `grid.mesh_tag` uses 8 sub-sites of a node's 64

@@ -25,8 +25,8 @@ _ATTR = "_hyparflow_mesh_block"  # on a block tensor: (the whole's rows, its fea
 
 
 def mesh_tag(node, role):
-    """Role `role` (any small number) of the mesh layer at graph node `node`: the
-    tensor kinds' tags (`site_tag`) of the node's 64 sub-sites, 8 roles each."""
+    """Role `role` (0..63) of the mesh layer at graph node `node`: the tensor kinds'
+    tags (`site_tag`) of the node's first 8 sub-sites (of `SUBS`, 64), 8 roles each."""
     from ..tensor.collectives import SUBS
 
     return site_tag(node * SUBS + role // 8, role % 8)
@@ -133,8 +133,8 @@ class Mesh(Collectives):
 
     # -- whole values <-> blocks ------------------------------------------
 
-    def assemble(self, blocks, batch, features):
-        """The whole value from the q * q blocks (grid order) of a `batch`-row value."""
+    def assemble(self, blocks):
+        """The whole value from its q * q blocks, in grid order."""
         q = self.q
         rows = [np.concatenate(blocks[i * q:(i + 1) * q], axis=-1) for i in range(q)]
         return np.concatenate(rows, axis=0)
@@ -170,7 +170,7 @@ class Mesh(Collectives):
             batch = int(batch)
             blocks = self.allgather(dy.numpy(), self.everyone(),
                                     self.block_shapes(batch, middle, features), what, tag)
-            return self.assemble(blocks, batch, features)
+            return self.assemble(blocks)
 
         @tf.custom_gradient
         def op(x):
@@ -196,7 +196,7 @@ class Mesh(Collectives):
             rows = int(rows)
             blocks = self.allgather(value.numpy(), self.everyone(),
                                     self.block_shapes(rows, middle, features), what, tag)
-            return self.assemble(blocks, rows, features)
+            return self.assemble(blocks)
 
         @tf.custom_gradient
         def op(value):
