@@ -232,8 +232,8 @@ def render(spec: JobSpec) -> Tuple[str, List[str]]:
     """The sbatch script for `spec`, and warnings (a list of str) about it."""
     warnings: List[str] = []
     if spec.mesh is not None:
-        tensor, mesh = mesh_flag(spec.mesh, spec.tensor)
-        spec = replace(spec, tensor=tensor, mesh=mesh)
+        tensor, mesh = mesh_flag(spec.mesh, spec.tensor)  # with a mesh: Q * Q, an int
+        spec = replace(spec, tensor=None if tensor is None else int(tensor), mesh=mesh)
     for name in ("nodes", "tasks_per_node", "stages", "microbatches", "tensor"):
         value = getattr(spec, name)
         if value is None and name in ("stages", "microbatches", "tensor"):

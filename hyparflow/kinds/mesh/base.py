@@ -2,6 +2,8 @@
 and whose call takes and gives blocks), the roles of the collectives every kind has
 (entering the mesh, leaving it), and which activations work on blocks."""
 
+from typing import Any, List, Set, Tuple
+
 import numpy as np
 import tensorflow as tf
 
@@ -22,7 +24,7 @@ ELEMENTWISE = frozenset({
     "exponential", "mish", "log_sigmoid"})
 
 
-def elementwise(activation):
+def elementwise(activation: Any) -> bool:
     return activation is None or getattr(activation, "__name__", None) in ELEMENTWISE
 
 
@@ -32,17 +34,17 @@ class MeshKind(SplitKind):
     training)`: the layer's call on this rank's blocks (a whole input made a block
     first, the output made whole when `part.split.gather`)."""
 
-    def cuts(self, op):
+    def cuts(self, op: Any) -> List[Tuple[Any, str]]:
         return []
 
-    def run(self, part, args, kwargs, training):
+    def run(self, part: Any, args: Any, kwargs: Any, training: Any) -> Any:
         raise NotImplementedError
 
-    def kept_per_row(self, part, args, seen):
+    def kept_per_row(self, part: Any, args: Any, seen: Set[int]) -> float:
         """Bytes per sample of the values this rank's call keeps for the backward (its
         inputs, each once (`seen`), as blocks: a block holds 1/q of the rows and 1/q of
         the features)."""
-        q, total = part.q, 0.0
+        q, total = int(part.q), 0.0
         for x in tf.nest.flatten(args):
             if (not tf.is_tensor(x) or not x.dtype.is_floating or x.shape.rank is None
                     or id(x) in seen):

@@ -3,6 +3,8 @@ the blocks as they are: a mesh region stays partitioned through them. An input t
 arrives whole (a residual from before the region) is cut to this rank's block first
 (its gradient gathered back whole)."""
 
+from typing import Any, List
+
 import keras
 import tensorflow as tf
 
@@ -21,15 +23,16 @@ class MeshMap(MeshKind):
     name = "mesh-map"
     what = None  # chosen only inside a mesh region (`registry.choose`)
 
-    def claims(self, op):
+    def claims(self, op: Any) -> bool:
         if isinstance(op, keras.layers.Activation):
             return elementwise(op.activation)
         return isinstance(op, _MERGES + _ACTIVATIONS + (keras.layers.Identity,))
 
-    def run(self, part, args, kwargs, training):
-        mesh, entered = part.coll, [0]
+    def run(self, part: Any, args: Any, kwargs: Any, training: Any) -> Any:
+        mesh: Any = part.coll
+        entered: List[int] = [0]
 
-        def block(x):
+        def block(x: Any) -> Any:
             if not tf.is_tensor(x) or is_block(x):
                 return x
             entered[0] += 1

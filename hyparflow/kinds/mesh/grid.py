@@ -12,6 +12,8 @@ layer's whole forward or backward exchange runs in one, in a fixed order, so no 
 ranks can pair different messages), and the TensorFlow operations with gradients
 that move values into and out of the mesh (`to_block`, `to_whole`, `group_sum`)."""
 
+from typing import Any, List, Tuple
+
 import numpy as np
 import tensorflow as tf
 
@@ -24,38 +26,39 @@ __all__ = ["Mesh", "rows_of", "sizes_of", "mesh_tag", "is_block", "whole_of", "m
 _ATTR = "_hyparflow_mesh_block"  # on a block tensor: (the whole's rows, its features)
 
 
-def mesh_tag(node, role):
+def mesh_tag(node: int, role: int) -> int:
     """Role `role` (0..63) of the mesh layer at graph node `node`: the tensor kinds'
     tags (`site_tag`) of the node's first 8 sub-sites (of `SUBS`, 64), 8 roles each."""
     from ..tensor.collectives import SUBS
 
-    return site_tag(node * SUBS + role // 8, role % 8)
+    return int(site_tag(node * SUBS + role // 8, role % 8))
 
 
-def sizes_of(n, q):
+def sizes_of(n: int, q: int) -> List[int]:
     """`n` features in q even blocks (largest remainder)."""
-    return split_sizes(n, [1.0 / q] * q)
+    return list(split_sizes(n, [1.0 / q] * q))
 
 
-def rows_of(batch, q, i):
+def rows_of(batch: Any, q: int, i: int) -> Tuple[Any, Any]:
     """(start, stop) of batch rows block i of `batch` rows (any int or int tensor)."""
     return (i * batch) // q, ((i + 1) * batch) // q
 
 
-def mark(block, batch, features):
+def mark(block: Any, batch: Any, features: int) -> Any:
     """Note on `block` that it is a mesh block of a value of `batch` rows (an int
     tensor) and `features` features."""
     setattr(block, _ATTR, (batch, int(features)))
     return block
 
 
-def is_block(value):
+def is_block(value: Any) -> bool:
     return getattr(value, _ATTR, None) is not None
 
 
-def whole_of(block):
+def whole_of(block: Any) -> Tuple[Any, int]:
     """(rows, features) of the whole value `block` is a block of."""
-    return getattr(block, _ATTR)
+    batch, features = getattr(block, _ATTR)
+    return batch, int(features)
 
 
 class Mesh(Collectives):

@@ -3,6 +3,7 @@ layer's on the axes its kind cuts, and the layer's call with the kind's computat
 place. Generic over the kinds (`split.SplitKind`)."""
 
 import contextlib
+from typing import Any
 
 import keras
 import numpy as np
@@ -21,7 +22,7 @@ def _axis(cut):
     return cut if isinstance(cut, tuple) else (cut, 1)
 
 
-def part_variable(var, value):
+def part_variable(var: Any, value: Any) -> Any:
     """A rank's part of layer variable `var` holding `value`, named as `var` (its
     optimizer slots then carry the names a checkpoint knows)."""
     prefix = var.path.rsplit("/", 1)[0] if "/" in var.path else ""
