@@ -23,6 +23,7 @@ RULES = {
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.kinds.replicas": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.kinds.tables.plan": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.engine.comm": ["tensorflow", "keras"],
     "hyparflow.cluster.hosts": ["tensorflow", "mpi4py", "keras"],
@@ -70,7 +71,8 @@ LAYERS = {
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare")},
-    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas"}
+    "kinds": {"kinds", "kinds.tensor", "kinds.sparse", "kinds.zero", "kinds.replicas",
+              "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup", "kinds.tables.part"}
     # A new split kind is one file there (docs/architecture.md): all of them belong here.
     | {f"kinds.tensor.{p.stem}" for p in (PACKAGE / "kinds" / "tensor").glob("*.py")
        if p.stem != "__init__"},

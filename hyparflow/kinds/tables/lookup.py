@@ -78,7 +78,8 @@ class Lookup:
 
     # -- numpy, inside py_function -------------------------------------------
     def route(self, ids):
-        ids = ids.numpy().astype(np.int64, copy=False)
+        shape = tuple(ids.shape)
+        ids = ids.numpy().astype(np.int64, copy=False).reshape(-1)
         comm, size = self.router.comm, self.router.comm.size
         bad = np.flatnonzero((ids < 0) | (ids >= self.rows))
         owner = np.searchsorted(self.ends, ids, side="right")
@@ -92,15 +93,15 @@ class Lookup:
                                      self.what)
         for r, (_, where, value) in enumerate(heads):
             if where >= 0:
-                shape = tuple(ids.shape)
-                mine = "" if r == comm.rank else f" (on rank {r})"
-                raise tf.errors.InvalidArgumentError(
-                    None, None,
+                at = ",".join(str(int(i)) for i in np.unravel_index(where, shape)) \
+                    if r == comm.rank else "?"
+                mine = "" if r == comm.rank else f" (in replica {r}'s microbatch)"
+                # Keras's words (model.fit's GatherV2 error), naming the layer.
+                raise ValueError(
                     f"Exception encountered when calling Embedding.call() of layer "
-                    f"{self.part.op.name!r}{mine}: indices[{where}] = {value} is not in "
-                    f"[0, {self.rows}) (an id of {shape[0] if shape else 0} looked up is "
-                    f"outside the vocabulary of input_dim={self.rows}). Keep ids below "
-                    f"input_dim, or raise input_dim.")
+                    f"{self.part.op.name!r}: indices[{at}] = {value} is not in "
+                    f"[0, {self.rows}){mine}. Every id must be below the layer's "
+                    f"input_dim={self.rows}: fix the ids, or raise input_dim.")
         recv = np.array([h[0] for h in heads], np.int64)
         local = (ids[order] - self.starts[owner[order]]).astype(np.int64)
         off = _offsets(counts)
@@ -133,9 +134,8 @@ class Lookup:
     # -- TensorFlow ----------------------------------------------------------
     def __call__(self, ids):
         """The looked-up rows of `ids` (any shape), shape ids.shape + (dim,)."""
-        flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
         requested, sent, recv, order = tf.py_function(
-            self.route, [flat], [tf.int64, tf.int64, tf.int64, tf.int64])
+            self.route, [tf.cast(ids, tf.int64)], [tf.int64, tf.int64, tf.int64, tf.int64])
         requested.set_shape([None])
         table = self.part.variable.value
         rows = tf.gather(table, requested)

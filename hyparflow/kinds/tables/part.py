@@ -40,6 +40,8 @@ class TablePart:
         self.cuts = [(table, self.variable, 0)]
         self.what = f"layer {op.name!r}"
         self.lookup = Lookup(self, router, site)
+        # The layer knows its part while it trains (what a rank holds can be asked).
+        op.__dict__["_hyparflow_table_part"] = self
 
     @property
     def replaces(self):
