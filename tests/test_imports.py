@@ -23,7 +23,6 @@ RULES = {
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.kinds.replicas": ["tensorflow", "mpi4py", "keras"],
-    "hyparflow.kinds.tables.plan": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.balance": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.engine.comm": ["tensorflow", "keras"],
     "hyparflow.cluster.hosts": ["tensorflow", "mpi4py", "keras"],
