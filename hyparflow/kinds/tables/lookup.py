@@ -42,6 +42,7 @@ class Router:
     def __init__(self):
         self.comm = None
         self.bytes = 0
+        self.largest = 0  # the largest message sent, in bytes
 
     def alltoall(self, blocks, counts_in, tail, dtype, tag, what):
         """Send blocks[p] to rank p; receive counts_in[p] rows of shape `tail` from each."""
@@ -56,6 +57,7 @@ class Router:
             block = np.ascontiguousarray(blocks[p], dtype)
             reqs.append(comm.isend(block, p, tag))
             self.bytes += block.nbytes
+            self.largest = max(self.largest, block.nbytes)
         wait_all(reqs, timeout_seconds(), f"the other ranks' {what}", comm.spin)
         return out
 
