@@ -171,3 +171,22 @@ def test_short_last_batch_is_refused():
     x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
     errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"})})
     assert "last batch has 1 samples" in errors["short"]
+
+
+def test_validation_looks_up_sharded_tables():
+    """Validation inside fit runs the sharded lookups too (every replica its slice)."""
+    x, y = tables_data()
+    reference = tables_model()
+    start = reference.get_weights()
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(x, y)).history
+
+    def body(comm):
+        model = tables_model()
+        model.set_weights(start)
+        return hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                      comm=comm, validation_data=(x, y), embedding_sharding="auto").history
+
+    for history in run_ranks(2, body, timeout=300):
+        np.testing.assert_allclose(history["val_loss"], want["val_loss"], rtol=1e-6)
+        np.testing.assert_allclose(history["loss"], want["loss"], rtol=1e-6)
