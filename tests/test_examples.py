@@ -39,6 +39,9 @@ CASES = {
     "masked_segmentation.py": (["--samples", "64", "--epochs", "1"],
                                r"^masked_segmentation: final loss [0-9.]+; accuracy [0-9.]+ "
                                r"inside the mask, [0-9.]+ outside$"),
+    "dlrm.py": (["--samples", "2048", "--epochs", "1"],
+                r"^dlrm: held-out AUC [0-9.]+, log loss [0-9.]+ on 4096 samples; 8 tables "
+                r"sharded over 2 ranks$"),
     "transformer_text.py": (["--samples", "256", "--epochs", "1"],
                             r"^transformer_text: test accuracy [0-9.]+ \(loss [0-9.]+\) on 1000 "
                             r"held-out sequences$"),
@@ -46,7 +49,7 @@ CASES = {
 
 # `hyparflow run --stages` for each example (default 2): digits_resnet's own default is
 # 2 stages, so 1 from the launcher shows that the launcher's layout is taken.
-LAUNCHED_STAGES = {"digits_resnet.py": "1"}
+LAUNCHED_STAGES = {"digits_resnet.py": "1", "dlrm.py": "1"}  # dlrm: tables over replicas
 
 
 def test_every_example_is_tested():

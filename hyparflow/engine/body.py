@@ -98,7 +98,7 @@ class StageBody:
                 produced[t] = next(masks)
                 _compat.set_mask(values[id(g.tensors[t].keras_tensor)], produced[t])
         run = _masks.of(g, training)
-        kept, seen = 0.0, set()
+        kept_bytes, seen = 0.0, set()
         for i in self.plan.nodes:
             node = g.nodes[i]
             if run is not None:
@@ -106,7 +106,7 @@ class StageBody:
                     _compat.set_mask(values[id(g.tensors[t].keras_tensor)],
                                      produced.get(t) if present else None)
             args, kwargs = _compat.fill_in(node.keras_node, values)
-            kept += _kept_per_sample(args, self.shards.get(i), seen)
+            kept_bytes += _kept_per_sample(args, self.shards.get(i), seen)
             if i in self.shards:
                 out = self.shards[i](args, kwargs, training)
             elif i in z_of and training:
@@ -122,7 +122,7 @@ class StageBody:
                 produced[t] = _compat.get_mask(v)
         values[_PRODUCED] = produced
         if training:  # counted as the function is traced (or run eagerly)
-            self.kept_per_sample = kept
+            self.kept_per_sample = kept_bytes
         if run is not None and self.is_last:
             for t in self.plan.outputs:  # as the loss finds them in model.fit
                 _compat.set_mask(self._value(values, t), produced.get(t) if run.final[t] else None)

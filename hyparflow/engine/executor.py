@@ -66,6 +66,7 @@ class Executor:
         self.plans = [partition.stages[self.s + c * topology.num_stages]
                       for c in range(self.chunks)]
         self.plan = self.plans[0]
+        self.local = set()  # positions whose pairs stay on this rank (`keep_local`)
         self.set_groups(groups)
         self.num_edges = max(1, len(partition.edges))
         self.timeline = timeline
@@ -92,6 +93,15 @@ class Executor:
         self._kinds = [dict() for _ in self.buckets.groups]
         early = self.buckets.shared and early
         self.stage.on_arrival = self.buckets.arrive if early else None
+
+    def keep_local(self, positions):
+        """Variables (positions in stage.trainable) whose gradient pairs this rank
+        applies as they are, summed with no other rank's: the rows of sharded tables
+        it owns, which the pairs of every replica's lookups reached in the backward
+        (`kinds.tables`). No buffer, no bucket."""
+        self.local = set(positions)
+        if self.local:
+            self.buckets.exclude(self.local)
 
     @property
     def groups(self):
@@ -425,6 +435,7 @@ class Executor:
             return
         held = self.stage.grads.kinds()
         slices = self.stage.grads.take_slices()
+        local = {k: slices.pop(k) for k in self.local if k in slices}
         exchanges = self._sparse_exchanges(slices, held)
         pending = self.buckets.finish()
         self.stage.grads.reset()
@@ -435,6 +446,7 @@ class Executor:
         self.position = "STEP"
         start = time.perf_counter()
         reduced = {k: v for x in exchanges for k, v in x.result().items()}
+        reduced.update(local)
         buckets = [bucket for _, bucket in self.buckets.buckets]
         if self.zero is not None:
             self.zero.apply(self.stage.grads.reduced(buckets), reduced)

@@ -16,6 +16,7 @@ from . import normaliser as _normaliser
 from . import overlap
 from . import partition as _partition
 from ..kinds import mesh as _mesh
+from ..kinds import tables as _tables
 from ..kinds import tensor as _tensor
 from . import weights
 from ..kinds import zero as _zero
@@ -185,11 +186,13 @@ class Runtime:
 
     def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
                  recompute=False, trace=None, training=True, facts=None, batch_rows=None,
-                 replica_sync=None):
+                 replica_sync=None, embedding_sharding=None, memory_limit=None):
         """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
         `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
-        method, under which each replica steps on its own (`hyparflow.replicas`)."""
+        method, under which each replica steps on its own (`hyparflow.replicas`);
+        `embedding_sharding`: the Embedding tables sharded over the replicas
+        (`kinds.tables`), placed within `memory_limit` bytes per rank."""
         _check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
@@ -207,10 +210,14 @@ class Runtime:
         self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
         self.splits, split_names = self._choose_splits()
         self.training = training
+        self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
+                                          topo.replica(comm.rank), memory_limit=memory_limit,
+                                          sync=self.sync, training=training)
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
             "counts": part.counts, "tensor_layers": split_names,
+            "embedding_sharding": embedding_sharding,
         })
         _build_compiled(model, graph, sample, batch_rows)
         # A compute_loss override or layers adding losses of their own: checked on
@@ -223,6 +230,8 @@ class Runtime:
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         shards = self._shards(layout.tensor_shares)
+        if self.tables is not None:
+            shards.update(self.tables.parts)
         chunks = None
         if layout.num_chunks == 1:
             stage = Stage(graph, part.stages[s], model, part,
@@ -248,6 +257,8 @@ class Runtime:
             for chunk in chunks:
                 chunk.sink_into(stage)
         self.stage = stage
+        if self.tables is not None:
+            self.tables.bind(stage)
         kinds, normaliser = self._plan_loss(sample)
         for st in (chunks or []) + [stage]:
             st.loss_kinds = kinds
@@ -355,17 +366,27 @@ class Runtime:
             # The T ranks of this stage and replica, which sum and gather inside split layers.
             self.collectives.comm = self.comm.split(
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
+        if self.tables is not None:
+            # The ranks that share the tables (S = T = 1: every rank), on a
+            # communicator of their own, so their lookups never pair with other messages.
+            self.tables.connect(self.comm.split(0, rank))
         if self.training:
             optimizer = self.model.optimizer
             local = self.sync is not None
             groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
                                   per_replica=local)
+            if self.tables is not None:
+                # A sharded table's pairs stay with its owner: no sum over replicas.
+                mine = set(self.tables.positions)
+                groups = {key: (sub, [k for k in positions if k not in mine])
+                          for key, (sub, positions) in groups.items()}
             shared = [g for g in groups.values() if g[1]]
             # Not sharded with model chunks (a first version: ZeRO's shards and the
             # chunks' accumulator are not combined yet; docs/performance.md), nor when
             # each replica steps on its own (nothing is summed over replicas).
             self.zero = (self._plan_zero(optimizer, shared)
-                         if self.layout.num_chunks == 1 and not local else None)
+                         if self.layout.num_chunks == 1 and not local and self.tables is None
+                         else None)
             if not optimizer.built:
                 # Only this stage's variables (or, sharded, this rank's parts of them):
                 # optimizer state is split like the weights.
@@ -378,6 +399,8 @@ class Runtime:
             early = (overlap.enabled(default=len(set(hosts)) > 1)
                      and self.layout.num_chunks == 1 and not local)
             self.executor.set_groups(shared, early=early, zero=self.zero)
+            if self.tables is not None:
+                self.executor.keep_local(self.tables.positions)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
             if local:
                 state = self.graph.variables_of(self.stage.plan.nodes, trainable=False)
@@ -425,6 +448,8 @@ class Runtime:
             self.replicas.free()
         comms = [c for c, _ in getattr(self.executor, "groups", ())]
         comms.append(getattr(getattr(self, "collectives", None), "comm", None))
+        if self.tables is not None:
+            comms.append(self.tables.router.comm)
         norm = getattr(self.executor, "normaliser", None)
         if norm is not None:
             comms.append(norm.comm)
@@ -438,6 +463,8 @@ class Runtime:
         self.stage_comm = None
         if getattr(self, "collectives", None) is not None:
             self.collectives.comm = None
+        if self.tables is not None:
+            self.tables.connect(None)
 
     @property
     def counted(self):

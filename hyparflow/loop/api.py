@@ -82,7 +82,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         plan: Optional[str] = None, num_tensor: Optional[int] = None,
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
         num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
-        tensor_mesh: Any = None) -> Any:
+        tensor_mesh: Any = None, embedding_sharding: Any = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -181,6 +181,14 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             training loss); see docs/replicas.md for what each promises. The
             returned model is then the replicas' mean (LocalSGD) or the global
             leader's (LeaderSGD), and the History has a `replicas` attribute.
+        embedding_sharding: shard the model's Embedding tables over the replicas
+            (num_stages=1, num_replicas >= 2) while the other layers stay
+            data-parallel: "auto" (a greedy plan by bytes, printed on rank 0;
+            row-wise for a table over one rank's share or `memory_limit`) or
+            {layer name: "table" | "row" | "data"} (whole on one rank, rows cut
+            over every rank, replicated; unnamed tables stay "data"). Ids go to the
+            rows' owners and rows come back; the owners step their rows, so the
+            weights are still model.fit's (docs/recommenders.md).
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
@@ -201,7 +209,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size,
         validation_steps=validation_steps, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep=keep, resume=resume, check_finite=check_finite,
-        speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync)
+        speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync,
+        embedding_sharding=embedding_sharding)
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,

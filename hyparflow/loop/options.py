@@ -40,3 +40,5 @@ class FitOptions:
     speeds: Any = None
     memory_limit: Any = None
     replica_sync: Any = None
+    # Sharded embedding tables (kinds/tables).
+    embedding_sharding: Any = None

@@ -10,6 +10,7 @@ from . import costs as _costs
 from . import data as _data
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
+from ..kinds import tables as _tables
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -69,12 +70,19 @@ def train(model, x, y, *, comm, layout, options):
                 f"{replicas} x {microbatches} = {replicas * microbatches}: some "
                 "microbatch would be empty. Raise batch_size or lower num_microbatches."
             )
+        if options.embedding_sharding is not None and isinstance(source, _data.ArraySource):
+            _tables.check_batches(len(sample), options.batch_size, replicas, microbatches)
         if validation_data is not None:
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)
-            state["validation"] = _data.source(
-                graph, vx, vy, batch_size=options.validation_batch_size or options.batch_size,
-                sample_weight=vsw, steps_per_epoch=options.validation_steps)[0]
+            vbatch = options.validation_batch_size or options.batch_size
+            state["validation"], vsample = _data.source(
+                graph, vx, vy, batch_size=vbatch,
+                sample_weight=vsw, steps_per_epoch=options.validation_steps)
+            if options.embedding_sharding is not None and isinstance(
+                    state["validation"], _data.ArraySource):
+                _tables.check_batches(len(vsample), vbatch, replicas, microbatches,
+                                      "validation_data")
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
@@ -92,7 +100,11 @@ def train(model, x, y, *, comm, layout, options):
                           trace=options.trace,
                           facts={"samples": len(sample), "steps": source.steps,
                                  "batch_size": options.batch_size, "epochs": options.epochs},
-                          batch_rows=min(effective, len(sample)), replica_sync=replica_sync)
+                          batch_rows=min(effective, len(sample)), replica_sync=replica_sync,
+                          embedding_sharding=options.embedding_sharding,
+                          memory_limit=options.memory_limit)
+        if runtime.tables is not None and state["verbose"] and comm.rank == 0:
+            print(runtime.tables.describe(), flush=True)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     agree_on_error(comm, error)

@@ -3,13 +3,15 @@ mean and variance are sums over the row group (the ranks holding the row's other
 feature blocks), made in one order on every rank; scale and offset are cut by
 feature block like a bias (one copy per rank of a column, gradients summed over it)."""
 
+from typing import Any, List, Optional, Tuple
+
 import keras
 import tensorflow as tf
 
 from ..tensor.split import common_why_not, weights_of
 from .base import ENTER, GATHER, MeshKind
 from .grid import is_block, mark, whole_of
-from .part import COLUMN
+from .part import COLUMN, MeshPart
 
 __all__ = ["MeshNorm"]
 
@@ -20,10 +22,10 @@ class MeshNorm(MeshKind):
     name = "mesh-norm"
     what = None  # chosen only inside a mesh region (`choose`)
 
-    def claims(self, op):
+    def claims(self, op: Any) -> bool:
         return isinstance(op, keras.layers.LayerNormalization)
 
-    def why_not(self, op, q):
+    def why_not(self, op: Any, q: int) -> Optional[str]:
         axis = list(op.axis) if isinstance(op.axis, (list, tuple)) else [op.axis]
         try:
             last = len(op.input.shape) - 1
@@ -35,11 +37,11 @@ class MeshNorm(MeshKind):
             return "rms_scaling is not on the mesh yet"
         return common_why_not(op, [op])
 
-    def cuts(self, op):
+    def cuts(self, op: Any) -> List[Tuple[Any, str]]:
         return [(v, COLUMN) for v in (op.gamma if op.scale else None,
                                        op.beta if op.center else None) if v is not None]
 
-    def run(self, part, args, kwargs, training):
+    def run(self, part: MeshPart, args: Any, kwargs: Any, training: Any) -> Any:
         op, mesh = part.op, part.coll
         x = args[0] if args else kwargs["inputs"]
         if not is_block(x):

@@ -3,6 +3,7 @@ the T ranks' parts, the reasons that stop any kind, and `SplitKind`, the base of
 kinds (one file each: dense, conv, embedding, attention; listed in `registry`)."""
 
 from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
 
 __all__ = ["MIN_PARAMS", "Split", "SplitKind", "ByOutputs", "shares_of", "split_sizes",
            "common_why_not", "qualified"]
@@ -61,7 +62,7 @@ def qualified(fn):
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
 
 
-def common_why_not(op, layers):
+def common_why_not(op: Any, layers: Sequence[Any]) -> Optional[str]:
     """Reasons shared by every kind: regularisers, constraints, LoRA, quantization,
     frozen weights (of `op` or of the sublayers `layers` that hold its weights)."""
     for layer in layers:
@@ -135,7 +136,7 @@ class SplitKind:
         return 1
 
 
-def weights_of(shard):
+def weights_of(shard: Any) -> List[Any]:
     """This rank's parts of the layer's variables, as the layer computes with them."""
     import tensorflow as tf
 

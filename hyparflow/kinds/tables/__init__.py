@@ -1,0 +1,156 @@
+"""Embedding tables sharded over the ranks of a data-parallel run (`fit(...,
+embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
+every rank ("row"), or replicated as before ("data"), while the dense layers stay
+data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
+and rows back; `part` is a rank's rows, trained in the table's place. The owner's
+optimizer steps its rows on their (row, value) pairs, in the order of the global
+batch, so the weights are `model.fit`'s (docs/recommenders.md).
+
+`Tables.make` is the one entry the runtime calls; `Tables` then answers what the
+runtime and the executor ask: its parts (as the stage's `shards`), the positions
+whose pairs stay on their rank, the communicator to connect, the plan to print."""
+
+import keras
+import numpy as np
+
+from ..tensor.split import common_why_not
+from . import plan as _plan
+from .lookup import Router
+from .part import TablePart
+
+__all__ = ["Tables", "check_batches"]
+
+
+def _embeddings(graph):
+    """[(node index, Embedding layer)] of the model's graph, in graph order."""
+    return [(i, node.op) for i, node in enumerate(graph.nodes)
+            if isinstance(node.op, keras.layers.Embedding)]
+
+
+def _why_not(graph, op):
+    """Why Embedding `op` cannot be sharded (a sentence), or None."""
+    reason = common_why_not(op, [op])
+    if reason is not None:
+        return reason
+    if sum(node.op is op for node in graph.nodes) != 1:
+        return "the layer is called more than once (shared weights)"
+    for node in graph.nodes:
+        if node.op is not op and any(v is op.embeddings
+                                     for v in getattr(node.op, "weights", ())):
+            return f"its table is also used by layer {node.op.name!r} (tied weights)"
+    if getattr(op, "sparse", False):
+        return "it has sparse=True"
+    return None
+
+
+def _check_optimizer(optimizer):
+    if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+        raise NotImplementedError(
+            "clipnorm / global_clipnorm need the norm of whole gradients, but a sharded "
+            "table's gradient is spread over its owners. Use clipvalue, or "
+            "embedding_sharding=None.")
+    name = type(optimizer).__name__
+    if name in ("Adafactor", "Muon", "LossScaleOptimizer"):
+        raise NotImplementedError(
+            f"{name} does not update a table row by row, so the owners of a sharded table's "
+            "rows cannot step them apart. Use an element-wise optimizer (SGD, Adam, "
+            "Adagrad, RMSprop, ...) or embedding_sharding=None.")
+
+
+def _factor(optimizer):
+    return _plan.storage_factor(type(optimizer).__name__,
+                                momentum=getattr(optimizer, "momentum", 0.0) or 0.0,
+                                amsgrad=bool(getattr(optimizer, "amsgrad", False)),
+                                centered=bool(getattr(optimizer, "centered", False)))
+
+
+def _check_layout(layout, sync, graph, model):
+    what = "embedding_sharding"
+    if graph.functional is None:
+        raise ValueError(f"{what} needs a Functional or Sequential model, whose Embedding "
+                         f"layers hyparflow can replace; {model.name!r} is subclassed.")
+    if layout.num_stages != 1 or layout.num_tensor != 1 or layout.num_chunks != 1:
+        raise NotImplementedError(
+            f"{what} shards tables over the replicas of a data-parallel run; this run has "
+            f"{layout.describe()}. Use num_stages=1 and num_tensor=1 with it (pipelines and "
+            "tensor splits together with sharded tables are not supported yet).")
+    if layout.num_replicas < 2:
+        raise ValueError(
+            f"{what} needs at least 2 replicas to shard the tables over; this run has "
+            f"num_replicas={layout.num_replicas}. Launch more ranks, or leave "
+            f"{what} out.")
+    if sync is not None:
+        raise NotImplementedError(
+            f"{what} needs replica_sync='allreduce': the owners step the tables every "
+            "step with the whole batch's gradient.")
+
+
+class Tables:
+    """This rank's sharded tables: placements, parts, and the router."""
+
+    def __init__(self, placements, parts, positions, ranks):
+        self.placements, self.parts, self.ranks = placements, parts, ranks
+        self.positions = positions  # filled in by `bind` (positions in stage.trainable)
+        self.router = next(iter(parts.values())).router if parts else Router()
+
+    @classmethod
+    def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
+             training=True):
+        """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
+        returns None). `rank`: this rank's replica index."""
+        if sharding is None:
+            return None
+        _check_layout(layout, sync, graph, model)
+        if training:
+            _check_optimizer(model.optimizer)
+        found = _embeddings(graph)
+        if not found:
+            raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
+                             "Embedding layer. Leave embedding_sharding out.")
+        factor = _factor(model.optimizer) if training else 1
+        tables, refused = [], {}
+        for _, op in found:
+            table = op.embeddings
+            tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
+                                      np.dtype(table.dtype).itemsize, factor))
+            reason = _why_not(graph, op)
+            if reason is not None:
+                refused[op.name] = reason
+        placements = _plan.place(tables, sharding, layout.num_replicas, memory_limit, refused)
+        router = Router()
+        parts = {}
+        for site, ((i, op), p) in enumerate(zip(found, placements)):
+            if p.kind != "data":
+                parts[i] = TablePart(op, p, rank, router, site)
+        self = cls(placements, parts, [], layout.num_replicas)
+        self.router = router
+        return self
+
+    def bind(self, stage):
+        """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
+        where = {id(v): k for k, v in enumerate(stage.trainable)}
+        self.positions = sorted(where[id(part.variable)] for part in self.parts.values())
+        return self.positions
+
+    def connect(self, comm):
+        self.router.comm = comm
+
+    def describe(self):
+        return _plan.describe(self.placements, self.ranks)
+
+    def nbytes(self):
+        """The bytes of the table rows this rank trains (weights only)."""
+        return sum(part.nbytes for part in self.parts.values())
+
+
+def check_batches(samples, batch_size, replicas, microbatches, what="the data"):
+    """Every replica must look up as many microbatches as the others each step (their
+    lookups pair up): a short last batch with fewer than R x M samples is refused."""
+    last = samples % batch_size
+    if 0 < last < replicas * microbatches:
+        raise ValueError(
+            f"With embedding_sharding every replica looks its microbatches up together, but "
+            f"{what}'s last batch has {last} samples ({samples} samples, batch_size="
+            f"{batch_size}), fewer than num_replicas x num_microbatches = "
+            f"{replicas * microbatches}. Drop those last {last} samples, or pick a batch_size "
+            "whose last batch has at least that many.")

@@ -1,0 +1,99 @@
+"""One rank's part of a sharded table (`TablePart`): the rows it owns, as a variable
+of their own that the stage trains in the table's place, and the layer's call with
+the sharded lookup in place of its `call`. It answers what the engine asks of a
+tensor split's part (`kinds.tensor.shard.Shard`): `replaces`, `load`, `gather`,
+`slots`, `gathered`, `sliced`, and a call."""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ... import _compat
+from .lookup import Lookup
+
+__all__ = ["TablePart"]
+
+
+class TablePart:
+    """Rank `rank`'s rows of Embedding `op` as `placement` (a `plan.Placement`) gives
+    them: possibly none (a whole table placed on another rank)."""
+
+    def __init__(self, op, placement, rank, router, site):
+        self.op, self.placement, self.rank, self.router = op, placement, rank, router
+        self.sizes = list(placement.sizes)
+        self.start = placement.starts[rank]
+        table = op.embeddings
+        prefix = table.path.rsplit("/", 1)[0] if "/" in table.path else ""
+        with contextlib.ExitStack() as scopes:
+            for name in prefix.split("/") if prefix else ():
+                scopes.enter_context(keras.name_scope(name))
+            # Named as the table, so Keras names its optimizer slots as the table's.
+            self.variable = keras.Variable(self._slice(table.numpy(), 0), dtype=table.dtype,
+                                           trainable=True, name=table.name)
+        if self.variable.path != table.path:
+            raise RuntimeError(
+                f"hyparflow could not name this rank's part of {table.path!r} as the table "
+                f"(it got {self.variable.path!r}); call hyparflow.fit outside any "
+                "keras.name_scope.")
+        self.cuts = [(table, self.variable, 0)]
+        self.what = f"layer {op.name!r}"
+        self.lookup = Lookup(self, router, site)
+        # The layer knows its part while it trains (what a rank holds can be asked).
+        op.__dict__["_hyparflow_table_part"] = self
+
+    @property
+    def replaces(self):
+        return {id(self.op.embeddings): self.variable}
+
+    @property
+    def nbytes(self):
+        """The bytes of the rows this rank trains."""
+        return int(np.prod(self.variable.shape)) * np.dtype(self.variable.dtype).itemsize
+
+    def _slice(self, value, axis):
+        return value[self.start:self.start + self.sizes[self.rank]]
+
+    def sliced(self, value, axis):
+        return self._slice(value, axis)
+
+    def load(self):
+        """Take this rank's rows of the table's current weights."""
+        self.variable.assign(self._slice(self.op.embeddings.numpy(), 0))
+
+    def gathered(self, value, axis):
+        """The whole table (or a slot shaped like it) from every rank's rows."""
+        size = self.router.comm.size
+        counts = self.sizes
+        blocks = [np.asarray(value)] * size
+        got = self.router.alltoall(blocks, counts, tuple(value.shape[1:]), value.dtype,
+                                   _WEIGHTS_TAG, f"rows of {self.what}")
+        return np.concatenate(got, axis=0)
+
+    def gather(self):
+        """Put the table back together on every rank (collective over the ranks)."""
+        table = self.op.embeddings
+        table.assign(self.gathered(self.variable.numpy(), 0))
+
+    def slots(self, optimizer):
+        """[(optimizer variable, axis)] of the optimizer state of this rank's rows."""
+        prefix = self.variable.path.replace("/", "_") + "_"
+        return [(slot, 0) for slot in optimizer.variables
+                if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(self.variable.shape)]
+
+    def __call__(self, args, kwargs, training=None):
+        """The layer's call through Keras's `Layer.__call__` (its mask, casting and
+        errors are Keras's), with the sharded lookup in place of `Embedding.call`."""
+        op = self.op
+
+        def call(inputs, *_, **__):
+            if inputs.dtype not in (tf.int32, tf.int64):
+                inputs = tf.cast(inputs, tf.int32)
+            return tf.cast(self.lookup(inputs), op.compute_dtype)
+
+        with _compat.calls_replaced({op: call}):
+            return _compat.call_operation(op, args, kwargs, training)
+
+
+_WEIGHTS_TAG = 7  # gathers of whole tables and slots, between steps (never inside one)

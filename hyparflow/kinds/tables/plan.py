@@ -1,0 +1,171 @@
+"""Where each embedding table lives (pure: no TensorFlow, Keras or MPI).
+
+A table is "table"-wise (all its rows on one rank), "row"-wise (its rows cut into R
+contiguous ranges, one per rank) or "data" (every rank holds it whole: hyparflow's
+replicated path, its gradient pairs gathered over the replicas). `place` turns the
+user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
+table: the rows each rank owns. "auto" is the greedy rule TorchRec's planner starts
+from: biggest table first, row-wise when it is larger than one rank's share of all
+the tables (or than `memory_limit`), otherwise whole on the least-loaded rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+__all__ = ["Table", "Placement", "KINDS", "place", "describe", "storage_factor"]
+
+KINDS = ("table", "row", "data")
+
+
+@dataclass(frozen=True)
+class Table:
+    """An Embedding layer as the planner sees it: its name, rows, width, bytes per
+    value, and `factor`: stored values per weight (1 + the optimizer's slots)."""
+
+    name: str
+    rows: int
+    dim: int
+    itemsize: int = 4
+    factor: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.dim * self.itemsize * self.factor
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where `table` lives: `kind`, and `sizes[r]`, the rows rank r owns (contiguous:
+    rank r owns rows sum(sizes[:r]) .. sum(sizes[:r+1])); None for "data"."""
+
+    table: Table
+    kind: str
+    sizes: Optional[Tuple[int, ...]] = None
+    why: str = ""
+
+    @property
+    def starts(self) -> List[int]:
+        out, n = [], 0
+        for s in self.sizes or ():
+            out.append(n)
+            n += s
+        return out
+
+    def bytes_on(self, rank: int) -> int:
+        if self.sizes is None:
+            return self.table.bytes
+        return self.sizes[rank] * self.table.dim * self.table.itemsize * self.table.factor
+
+    @property
+    def ranks(self) -> List[int]:
+        if self.sizes is None:
+            return []
+        return [r for r, s in enumerate(self.sizes) if s]
+
+
+def storage_factor(optimizer_name: str, *, momentum: float = 0.0, amsgrad: bool = False,
+                   centered: bool = False) -> int:
+    """Values stored per weight: the weight and the optimizer's slots for it."""
+    slots = {"SGD": 1 if momentum else 0, "Adagrad": 1, "Adam": 2, "AdamW": 2, "Adamax": 2,
+             "Nadam": 2, "RMSprop": 1 + (1 if momentum else 0) + (1 if centered else 0),
+             "Ftrl": 2, "Lion": 1, "Adadelta": 2}.get(optimizer_name, 2)
+    return 1 + slots + (1 if amsgrad else 0)
+
+
+def _even(rows: int, n: int) -> Tuple[int, ...]:
+    base, extra = divmod(rows, n)
+    return tuple(base + (1 if r < extra else 0) for r in range(n))
+
+
+def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
+          memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None
+          ) -> List[Placement]:
+    """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
+    cannot be sharded}: "auto" keeps those as "data"; naming one is an error."""
+    refused = refused or {}
+    names = [t.name for t in tables]
+    if sharding == "auto":
+        wanted = {}
+    elif isinstance(sharding, dict):
+        unknown = sorted(set(sharding) - set(names))
+        if unknown:
+            raise ValueError(
+                f"embedding_sharding names {unknown}, which are not Embedding layers of the "
+                f"model. Its Embedding layers: {names}. Use their names (layer.name), or "
+                "embedding_sharding='auto'.")
+        for name, kind in sharding.items():
+            if kind not in KINDS:
+                raise ValueError(
+                    f"embedding_sharding[{name!r}] = {kind!r} is not a sharding kind. Use one "
+                    f"of {list(KINDS)} ('column' is not supported yet).")
+            if kind != "data" and name in refused:
+                raise ValueError(
+                    f"embedding_sharding[{name!r}] = {kind!r}, but layer {name!r} cannot be "
+                    f"sharded: {refused[name]}. Use {name!r}: 'data' (replicated).")
+        wanted = dict(sharding)
+    else:
+        raise ValueError(
+            f"embedding_sharding must be 'auto' or a dict {{layer name: 'table' | 'row' | "
+            f"'data'}}. Received: embedding_sharding={sharding!r}")
+    load = [0] * ranks
+    chosen: Dict[str, Placement] = {}
+    shardable = [t for t in tables if t.name not in refused]
+    total = sum(t.bytes for t in shardable)
+    share = total / ranks if ranks else total
+    cap = share if memory_limit is None else min(share, float(memory_limit))
+    # Biggest first, row-wise ones before the whole tables are placed on the loads.
+    order = sorted(tables, key=lambda t: -t.bytes)
+    for t in order:
+        if t.name in refused and sharding == "auto":
+            chosen[t.name] = Placement(t, "data", why=refused[t.name])
+            continue
+        kind = wanted.get(t.name, "data") if isinstance(sharding, dict) else (
+            "row" if t.bytes > cap and t.rows >= ranks else "table")
+        if kind == "row":
+            if t.rows < ranks:
+                raise ValueError(
+                    f"embedding_sharding[{t.name!r}] = 'row' needs at least as many rows as "
+                    f"ranks ({t.rows} < {ranks}). Use 'table' for it.")
+            sizes = _even(t.rows, ranks)
+            chosen[t.name] = Placement(t, "row", sizes)
+            for r in range(ranks):
+                load[r] += chosen[t.name].bytes_on(r)
+        elif kind == "data":
+            chosen[t.name] = Placement(t, "data")
+            for r in range(ranks):
+                load[r] += t.bytes
+    for t in order:
+        if t.name in chosen:
+            continue
+        r = min(range(ranks), key=lambda q: (load[q], q))  # the least-loaded rank
+        chosen[t.name] = Placement(t, "table", tuple(t.rows if q == r else 0
+                                                     for q in range(ranks)))
+        load[r] += t.bytes
+    if memory_limit is not None and max(load) > memory_limit:
+        worst = max(range(ranks), key=lambda q: load[q])
+        raise ValueError(
+            f"The embedding tables need {load[worst]:,} bytes on rank {worst} (weights and "
+            f"optimizer slots), over memory_limit={memory_limit:,}. Shard more of them "
+            "row-wise ('row'), run on more ranks, or raise memory_limit.")
+    return [chosen[n] for n in names]
+
+
+def describe(placements: Sequence[Placement], ranks: int) -> str:
+    """The plan as a table of lines: table, kind, ranks, bytes per rank."""
+    lines = [f"embedding sharding over {ranks} ranks (bytes: weights + optimizer slots)",
+             f"  {'table':<24} {'kind':<6} {'rows':>10} {'ranks':<12} bytes per rank"]
+    for p in placements:
+        if p.sizes is None:
+            where = "all (copy)"
+        elif p.kind == "table":
+            where = str(p.ranks[0])
+        else:
+            where = f"0-{ranks - 1}"
+        per = [p.bytes_on(r) for r in range(ranks)]
+        lines.append(f"  {p.table.name:<24} {p.kind:<6} {p.table.rows:>10,} {where:<12} "
+                     + " ".join(f"{b:,}" for b in per)
+                     + (f"  ({p.why})" if p.why else ""))
+    totals = [sum(p.bytes_on(r) for p in placements) for r in range(ranks)]
+    lines.append(f"  {'total':<24} {'':<6} {'':>10} {'':<12} " + " ".join(f"{b:,}" for b in totals))
+    return "\n".join(lines)

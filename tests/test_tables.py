@@ -1,0 +1,192 @@
+"""Embedding tables sharded over the replicas (issue 34, `kinds/tables`): every kind,
+alone and mixed, at R=2 and R=4, with SGD, Adam and Adagrad, single-hot and multi-hot
+(masked mean and sum pooling) lookups, against plain `model.fit` on one process; what
+each rank holds; the planner; bad input."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+from hyparflow.engine.local import run_ranks
+from hyparflow.kinds.tables import plan as tplan
+
+ROWS = {"user": 50, "item": 30, "cat": 12}
+SEEN = 40  # user ids come from [0, SEEN): rows SEEN.. are never looked up
+
+
+def tables_model(optimizer="adam", dim=4, bag=3, rows=ROWS):
+    """Single-hot `user`, multi-hot `item` (mask_zero, masked mean), multi-hot `cat`
+    (sum over a bag with repeats), dense features; two Dense layers on top."""
+    keras.utils.set_random_seed(1)
+    u = keras.Input((1,), dtype="int32", name="user_ids")
+    i = keras.Input((bag,), dtype="int32", name="item_ids")
+    c = keras.Input((bag,), dtype="int32", name="cat_ids")
+    d = keras.Input((4,), name="feats")
+    eu = keras.layers.Flatten()(keras.layers.Embedding(rows["user"], dim, name="user")(u))
+    ei = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(rows["item"], dim, mask_zero=True, name="item")(i))
+    ec = keras.ops.sum(keras.layers.Embedding(rows["cat"], dim, name="cat")(c), axis=1)
+    h = keras.layers.Concatenate()([eu, ei, ec, d])
+    out = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(h))
+    model = keras.Model([u, i, c, d], out)
+    opt = {"adam": keras.optimizers.Adam(0.05), "sgd": keras.optimizers.SGD(0.1),
+           "adagrad": keras.optimizers.Adagrad(0.1)}[optimizer]
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def tables_data(n=32, bag=3, seed=0, rows=ROWS):
+    rng = np.random.default_rng(seed)
+    x = [rng.integers(0, SEEN, (n, 1)), rng.integers(0, rows["item"], (n, bag)),
+         rng.integers(0, 4, (n, bag)),  # few ids: many repeats within a batch
+         rng.normal(size=(n, 4))]
+    x = [a.astype("int32") for a in x[:3]] + [x[3].astype("float32")]
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _fit_ranks(build, x, y, start, ranks, **kwargs):
+    """hf.fit on `ranks` thread-ranks; per rank: (weights, {table: rows it held}, its
+    part's bytes, its optimizer slots' shapes for each table)."""
+
+    def body(comm):
+        model = build()
+        model.set_weights(start)
+        held = {}
+
+        class Look(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                for name in ROWS:
+                    part = model.get_layer(name).__dict__.get("_hyparflow_table_part")
+                    held[name] = None if part is None else tuple(part.variable.shape)
+
+        hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
+               num_replicas=ranks, callbacks=[Look()], **kwargs)
+        return model.get_weights(), held
+
+    return run_ranks(ranks, body, timeout=300)
+
+
+CASES = [  # (ranks, sharding, optimizer, microbatches)
+    (2, {"user": "row", "item": "table", "cat": "table"}, "adam", 1),
+    (2, "auto", "sgd", 2),
+    (4, {"user": "table", "item": "row", "cat": "data"}, "adagrad", 1),
+    (4, {"user": "row", "item": "row", "cat": "row"}, "adam", 2),
+]
+
+
+@pytest.mark.parametrize("ranks,sharding,optimizer,micro", CASES)
+def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
+    build = lambda: tables_model(optimizer)  # noqa: E731
+    x, y = tables_data()
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+    out = _fit_ranks(build, x, y, start, ranks, embedding_sharding=sharding,
+                     num_microbatches=micro)
+    tol = 1e-6 if optimizer == "sgd" else 2e-6
+    user = [k for k, w in enumerate(start) if w.shape == (ROWS["user"], 4)][0]
+    placements = tplan.place([tplan.Table(n, r, 4) for n, r in ROWS.items()], sharding, ranks)
+    for weights, held in out:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= tol, f"{sharding} {optimizer} R={ranks}: {diff}"
+        # Rows no batch looked up did not move.
+        np.testing.assert_array_equal(weights[user][SEEN:], start[user][SEEN:])
+    # Each rank trained only its rows: together, every row of a sharded table once.
+    for p in placements:
+        name = p.table.name
+        if p.kind == "data":
+            assert all(held[name] is None for _, held in out)
+            continue
+        rows = [held[name][0] for _, held in out]
+        assert rows == list(p.sizes) and sum(rows) == ROWS[name]
+        if p.kind == "row":
+            assert max(rows) <= -(-ROWS[name] // ranks)
+        else:
+            assert sorted(rows)[-2] == 0  # whole on one rank, none elsewhere
+
+
+def test_planner_places_by_bytes():
+    tables = [tplan.Table("big", 1000, 8, factor=3), tplan.Table("a", 100, 8, factor=3),
+              tplan.Table("b", 90, 8, factor=3), tplan.Table("c", 10, 8, factor=3)]
+    plan = {p.table.name: p for p in tplan.place(tables, "auto", 2)}
+    assert plan["big"].kind == "row" and plan["big"].sizes == (500, 500)
+    # The whole tables go to the least-loaded rank, biggest first: a on 0, b on 1, c on 1.
+    assert [plan[n].ranks for n in "abc"] == [[0], [1], [1]]
+    text = tplan.describe(list(plan.values()), 2)
+    assert "big" in text and "row" in text and f"{500 * 8 * 4 * 3:,}" in text
+    with pytest.raises(ValueError, match="memory_limit=1,000"):
+        tplan.place(tables, "auto", 2, memory_limit=1000)
+    # A memory limit below a table's share cuts it row-wise.
+    limited = {p.table.name: p for p in tplan.place(tables, "auto", 4, memory_limit=40_000)}
+    assert limited["big"].kind == "row" and limited["a"].kind == "table"
+    with pytest.raises(ValueError, match=r"embedding_sharding\['a'\] = 'column'"):
+        tplan.place(tables, {"a": "column"}, 2)
+
+
+def _errors(ranks, calls):
+    """Run each of `calls`, {name: (build, x, y, kwargs)}, on `ranks` thread-ranks;
+    return {name: the error every rank raised (the same text)}."""
+
+    def body(comm):
+        out = {}
+        for name, (build, x, y, kwargs) in calls.items():
+            model = build()
+            try:
+                hf.fit(model, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                       comm=comm, **kwargs)
+                out[name] = None
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                out[name] = str(exc)
+        return out
+
+    results = run_ranks(ranks, body, timeout=300)
+    for name in calls:
+        texts = [r[name] for r in results]
+        assert all(t is not None for t in texts), f"{name}: no error"
+    return results[0]
+
+
+def test_bad_input_is_named():
+    x, y = tables_data()
+    bad = [a.copy() for a in x]
+    bad[0][20, 0] = ROWS["user"] + 3  # replica 1's slice of the first batch
+    errors = _errors(2, {
+        "unknown": (tables_model, x, y, {"embedding_sharding": {"users": "row"}}),
+        "kind": (tables_model, x, y, {"embedding_sharding": {"user": "rows"}}),
+        "pipeline": (tables_model, x, y, {"embedding_sharding": "auto", "num_stages": 2,
+                                          "num_replicas": 1}),
+        # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
+        "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
+    })
+    assert "['users']" in errors["unknown"] and "'user'" in errors["unknown"]
+    assert "'rows'" in errors["kind"] and "'table', 'row', 'data'" in errors["kind"]
+    assert "layer 'user'" in errors["vocabulary"]
+    assert f"= {ROWS['user'] + 3} is not in [0, {ROWS['user']})" in errors["vocabulary"]
+    assert "num_stages=1" in errors["pipeline"]
+
+
+def test_short_last_batch_is_refused():
+    x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
+    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"})})
+    assert "last batch has 1 samples" in errors["short"]
+
+
+def test_validation_looks_up_sharded_tables():
+    """Validation inside fit runs the sharded lookups too (every replica its slice)."""
+    x, y = tables_data()
+    reference = tables_model()
+    start = reference.get_weights()
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(x, y)).history
+
+    def body(comm):
+        model = tables_model()
+        model.set_weights(start)
+        return hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                      comm=comm, validation_data=(x, y), embedding_sharding="auto").history
+
+    for history in run_ranks(2, body, timeout=300):
+        np.testing.assert_allclose(history["val_loss"], want["val_loss"], rtol=1e-6)
+        np.testing.assert_allclose(history["loss"], want["loss"], rtol=1e-6)
