@@ -169,7 +169,7 @@ def test_auto_shards_large_optimizer_state(monkeypatch):
 
     class Stage:  # what `pays` reads of a stage
         trainable = model.trainable_variables
-        plan = type("Plan", (), {"nodes": range(len(graph.nodes))})()
+        cut = type("StageCut", (), {"nodes": range(len(graph.nodes))})()
 
     Stage.graph = graph
     state = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 3  # + 2 slots

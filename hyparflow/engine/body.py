@@ -99,7 +99,7 @@ class StageBody:
                 _compat.set_mask(values[id(g.tensors[t].keras_tensor)], produced[t])
         run = _masks.of(g, training)
         kept_bytes, seen = 0.0, set()
-        for i in self.plan.nodes:
+        for i in self.cut.nodes:
             node = g.nodes[i]
             if run is not None:
                 for t, present in run.present[i].items():
@@ -124,7 +124,7 @@ class StageBody:
         if training:  # counted as the function is traced (or run eagerly)
             self.kept_per_sample = kept_bytes
         if run is not None and self.is_last:
-            for t in self.plan.outputs:  # as the loss finds them in model.fit
+            for t in self.cut.outputs:  # as the loss finds them in model.fit
                 _compat.set_mask(self._value(values, t), produced.get(t) if run.final[t] else None)
         return values
 
@@ -234,7 +234,7 @@ class StageBody:
         else:
             outs = [self._value(values, t) for t in self.output_ids]
             outs += [self._mask(values, t) for t in self.output_mask_ids]
-            flat_pred = [self._value(values, t) for t in self.plan.outputs]
+            flat_pred = [self._value(values, t) for t in self.cut.outputs]
         if self.is_last and kind == "predict":
             return outs, total, list(flat_pred), terms
         if self.is_last and self.custom.loss is not None:

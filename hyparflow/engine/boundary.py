@@ -40,8 +40,8 @@ class Boundary:
     sent as the schedule's actions come (`comm`: the world communicator;
     `rank_of(stage)`: the rank of that stage in this replica and tensor slot)."""
 
-    def __init__(self, comm, graph, plan, rank_of, num_edges):
-        self.comm, self.graph, self.plan, self.rank_of = comm, graph, plan, rank_of
+    def __init__(self, comm, graph, cut, rank_of, num_edges):
+        self.comm, self.graph, self.cut, self.rank_of = comm, graph, cut, rank_of
         self.num_edges = max(1, num_edges)
 
     def _tag(self, micro, edge, kind):
@@ -66,7 +66,7 @@ class Boundary:
         and the gradients of tensors with a static shape."""
         self.act, self.grad = {}, {}
         for i, n in enumerate(micro_sizes):
-            for e in self.plan.recv:
+            for e in self.cut.recv:
                 t = self._tensor(e)
                 src = self.rank_of(e.src)
                 if self._headed(t):
@@ -76,7 +76,7 @@ class Boundary:
                 else:
                     self.act[(i, e.index)] = ("arrays", self._arrays(
                         i, e, src, (n,) + tuple(t.shape[1:]), None))
-            for e in self.plan.send:
+            for e in self.cut.send:
                 t = self._tensor(e)
                 if training and t.floating and not t.dynamic:
                     self.grad[(i, e.index)] = self._irecv(
@@ -94,7 +94,7 @@ class Boundary:
         """The requests to wait for before microbatch i's activations from stage
         `peer` are here; call again until it returns none (headers come first)."""
         reqs = []
-        for e in self.plan.recv:
+        for e in self.cut.recv:
             if e.src != peer:
                 continue
             state, entry = self.act[(i, e.index)]
@@ -122,10 +122,10 @@ class Boundary:
         return reqs
 
     def activations(self, i):
-        """Microbatch i's received values (by `plan.recv`) and masks (one per tensor
+        """Microbatch i's received values (by `cut.recv`) and masks (one per tensor
         that may carry one, None where it came without), out of the step's buffers."""
         values, masks = [], []
-        for e in self.plan.recv:
+        for e in self.cut.recv:
             _, (value, mask) = self.act.pop((i, e.index))
             values.append(value[0])
             if self._tensor(e).mask is not None:  # None: sent without its mask
@@ -137,7 +137,7 @@ class Boundary:
         mask) to stage `peer`; returns the send requests."""
         sends = []
         dst = self.rank_of(peer)
-        for e in self.plan.send:
+        for e in self.cut.send:
             if e.dst != peer:
                 continue
             t = self._tensor(e)
@@ -161,14 +161,14 @@ class Boundary:
         return sends
 
     def gradient_requests(self, i, peer):
-        return [self.grad[(i, e.index)][1] for e in self.plan.send
+        return [self.grad[(i, e.index)][1] for e in self.cut.send
                 if e.dst == peer and (i, e.index) in self.grad]
 
     def gradients(self, i):
         """The gradients of microbatch i's outputs: tensor -> array (a tensor sent to
         several stages gets the sum of theirs)."""
         out = {}
-        for e in self.plan.send:
+        for e in self.cut.send:
             if (i, e.index) in self.grad:
                 buf = self.grad.pop((i, e.index))[0]
                 out[e.tensor] = buf if e.tensor not in out else out[e.tensor] + buf
@@ -176,4 +176,4 @@ class Boundary:
 
     def send_gradients(self, i, peer, grads):
         return [self.comm.isend(grads[e.tensor], self.rank_of(e.src), self._tag(i, e, _GRAD))
-                for e in self.plan.recv if e.src == peer and e.tensor in grads]
+                for e in self.cut.recv if e.src == peer and e.tensor in grads]

@@ -63,9 +63,9 @@ class Executor:
         self.s = topology.stage(comm.rank)
         self.r = topology.replica(comm.rank)
         self.t = topology.tensor(comm.rank)  # messages go to the same tensor rank
-        self.plans = [partition.stages[self.s + c * topology.num_stages]
+        self.cuts = [partition.stages[self.s + c * topology.num_stages]
                       for c in range(self.chunks)]
-        self.plan = self.plans[0]
+        self.cut = self.cuts[0]
         self.local = set()  # positions whose pairs stay on this rank (`keep_local`)
         self.set_groups(groups)
         self.num_edges = max(1, len(partition.edges))
@@ -74,8 +74,8 @@ class Executor:
         self.position = None  # the action being run, for error messages
         self._sources = [p.sources for p in partition.stages]
         self._dests = [p.dests for p in partition.stages]
-        self.boxes = [Boundary(comm, graph, plan, self._rank_of, len(partition.edges))
-                      for plan in self.plans]
+        self.boxes = [Boundary(comm, graph, cut, self._rank_of, len(partition.edges))
+                      for cut in self.cuts]
         self.boundary = self.boxes[0]
         # Losses divided by a count over the whole batch (`hyparflow.normaliser`):
         # set by the runtime on every rank, since they change every stage's order.
@@ -269,7 +269,7 @@ class Executor:
         last = max((a.microbatch for a in actions if a.kind in (sched.B, sched.FB)), default=None)
         for a in actions:
             i, key = a.microbatch, (a.chunk, a.microbatch)
-            stage, plan, box = self.stages[a.chunk], self.plans[a.chunk], self.boxes[a.chunk]
+            stage, cut, box = self.stages[a.chunk], self.cuts[a.chunk], self.boxes[a.chunk]
             self.position = str(a)
             start = time.perf_counter()
             if a.kind == sched.RECV_ACT:
@@ -281,7 +281,7 @@ class Executor:
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
             elif a.kind in (sched.F, sched.FB):
                 idx = micro_indices[i]
-                inputs = [data.x[g.tensors[t].input_position][idx] for t in plan.data_inputs]
+                inputs = [data.x[g.tensors[t].input_position][idx] for t in cut.data_inputs]
                 received, masks = box.activations(i)
                 inputs += received + masks
                 y, sw = (), ()

@@ -1,5 +1,7 @@
 """Before a `Runtime`: arguments checked, an error agreed by every rank (and a failed
-run ended cleanly), the model read as a layer graph, built as `model.fit` builds it."""
+run ended cleanly), the model read as a layer graph, built as `model.fit` builds it;
+the model and optimizer checked, the ranks' set-ups compared, the compiled loss and
+metrics built, the specs of the last stage's targets, inputs and sample weights."""
 
 import sys
 
@@ -11,7 +13,8 @@ from .. import graph as _graph
 from . import errors as errors_
 
 __all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
-           "build_like_fit"]
+           "build_like_fit", "check_model", "check_optimizer", "check_agreement",
+           "build_compiled", "target_specs", "input_specs", "weight_specs"]
 
 
 def check_positive(**values):
@@ -112,3 +115,118 @@ def read_graph(model, num_stages, x, batch_size=None):
             "API (keras.Model(inputs, outputs)) or keras.Sequential to pipeline it."
         )
     return graph
+
+
+def check_optimizer(optimizer, num_stages, num_tensor=1):
+    """Optimizer features that would silently train differently when each stage steps
+    its own variables (or each tensor rank its part of a layer's) are refused with
+    the reason."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
+            "would have to be agreed by every stage each step. Use the 'mixed_bfloat16' "
+            "policy, which needs no loss scaling.")
+    if num_stages > 1 and getattr(optimizer, "global_clipnorm", None):
+        raise NotImplementedError(
+            f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
+            f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
+            "clipvalue, or num_stages=1.")
+    if num_tensor > 1:
+        if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+            raise NotImplementedError(
+                f"clipnorm / global_clipnorm need the norm of whole variables, which "
+                f"num_tensor={num_tensor} ranks each hold a part of. Use clipvalue, or "
+                "num_tensor=1.")
+        name = type(optimizer).__name__
+        if name in ("Adafactor", "Muon"):
+            raise NotImplementedError(
+                f"{name} updates a weight matrix as a whole (not element by element), so "
+                f"it cannot step the parts of a split layer separately. Use num_tensor=1, "
+                "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
+
+
+def target_specs(graph, sample):
+    """(shape, dtype) of each target leaf for the last stage's compiled function: the
+    batch dimension None, and so is every dimension the matching model output leaves
+    open (a sequence length that changes from batch to batch)."""
+    if sample.y is None:
+        return []
+    specs = []
+    for k, a in enumerate(sample.y):
+        out = graph.tensors[graph.outputs[k]].shape if k < len(graph.outputs) else ()
+        dims = [None if j < len(out) and out[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
+def input_specs(graph, sample):
+    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
+    dimension None, and every dimension the model leaves open."""
+    specs = []
+    for k, a in enumerate(sample.x):
+        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
+        dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
+                for j in range(1, a.ndim)]
+        specs.append(((None, *dims), a.dtype))
+    return specs
+
+
+def weight_specs(sample):
+    """(shape, dtype) of each sample-weight array, the batch dimension None."""
+    return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
+
+
+def check_agreement(comm, facts):
+    """All ranks must run the same model on the same data shape with the same
+    settings; a mismatch would otherwise hang or silently mix models."""
+    everyone = comm.allgather_obj(facts)
+    for r, other in enumerate(everyone):
+        if other != facts:
+            diff = {k: (facts[k], other.get(k)) for k in facts if facts[k] != other.get(k)}
+            raise ValueError(
+                f"Ranks disagree on the set-up: rank {comm.rank} vs rank {r}: {diff} "
+                "(values as (this rank, that rank)). Every rank must build the same model and "
+                "pass the same data and arguments to hyparflow."
+            )
+
+
+def build_compiled(model, graph, data, rows=None):
+    """Create the compiled loss's and metrics' state on every rank, symbolically
+    (as Keras's own fit does, on a batch of `rows` samples, so that a mistake in the
+    data is reported in the words of model.fit), without building the optimizer for
+    all variables."""
+    if data.y is None:
+        return
+    x_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.x]
+    y_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.y]
+    sw_sym = None
+    if data.sample_weight is not None:
+        leaves = [_compat.symbolic((rows,) + a.shape[1:], "float32") for a in data.sample_weight]
+        sw_sym = leaves[0] if not data.per_output else (
+            _compat.pack_outputs(graph.functional, leaves) if graph.functional is not None
+            else leaves)
+    if graph.functional is not None:
+        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
+    else:
+        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
+    y_pred = _compat.compute_output_spec(model, x_arg, training=False)
+    y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
+        y_sym[0] if len(y_sym) == 1 else y_sym)
+    loss = _compat.compile_loss(model)
+    if loss is not None and not loss.built:
+        _compat.compute_output_spec(lambda a, b, c: loss(a, b, c), y_true, y_pred, sw_sym)
+    metrics = _compat.compile_metrics(model)
+    if metrics is not None and not metrics.built:
+        _compat.compute_output_spec(lambda a, b, c: metrics.update_state(a, b, sample_weight=c),
+                                    y_true, y_pred, sw_sym)
+
+
+def check_model(model, sample):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
+    if sample.y is not None and not _compat.is_compiled(model):
+        raise ValueError(
+            f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
+            "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
+        )

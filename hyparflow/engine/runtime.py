@@ -1,11 +1,10 @@
 """One rank's set-up for a run: partition, stage, executor, communicators, ZeRO and
 tensor parts (`Runtime`). What comes before it (arguments checked, errors agreed,
-the model read as a layer graph) is `prepare`'s."""
+the model read as a layer graph, the model and optimizer checked, the compiled loss
+built) is `prepare`'s."""
 
 import socket
 
-import keras
-import numpy as np
 
 from .. import _compat
 from . import customised as _customised
@@ -15,6 +14,7 @@ from ..cluster import heartbeat as _heartbeat
 from . import normaliser as _normaliser
 from . import overlap
 from . import partition as _partition
+from . import prepare as _prepare
 from ..kinds import mesh as _mesh
 from ..kinds import tables as _tables
 from ..kinds import tensor as _tensor
@@ -27,111 +27,6 @@ from .timeline import Timeline
 from ..topology import Topology
 
 __all__ = ["Runtime"]
-
-
-def _check_optimizer(optimizer, num_stages, num_tensor=1):
-    """Optimizer features that would silently train differently when each stage steps
-    its own variables (or each tensor rank its part of a layer's) are refused with
-    the reason."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise NotImplementedError(
-            "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
-            "would have to be agreed by every stage each step. Use the 'mixed_bfloat16' "
-            "policy, which needs no loss scaling.")
-    if num_stages > 1 and getattr(optimizer, "global_clipnorm", None):
-        raise NotImplementedError(
-            f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
-            f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
-            "clipvalue, or num_stages=1.")
-    if num_tensor > 1:
-        if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
-            raise NotImplementedError(
-                f"clipnorm / global_clipnorm need the norm of whole variables, which "
-                f"num_tensor={num_tensor} ranks each hold a part of. Use clipvalue, or "
-                "num_tensor=1.")
-        name = type(optimizer).__name__
-        if name in ("Adafactor", "Muon"):
-            raise NotImplementedError(
-                f"{name} updates a weight matrix as a whole (not element by element), so "
-                f"it cannot step the parts of a split layer separately. Use num_tensor=1, "
-                "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
-
-
-def _target_specs(graph, sample):
-    """(shape, dtype) of each target leaf for the last stage's compiled function: the
-    batch dimension None, and so is every dimension the matching model output leaves
-    open (a sequence length that changes from batch to batch)."""
-    if sample.y is None:
-        return []
-    specs = []
-    for k, a in enumerate(sample.y):
-        out = graph.tensors[graph.outputs[k]].shape if k < len(graph.outputs) else ()
-        dims = [None if j < len(out) and out[j] is None else a.shape[j]
-                for j in range(1, a.ndim)]
-        specs.append(((None, *dims), a.dtype))
-    return specs
-
-
-def _input_specs(graph, sample):
-    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
-    dimension None, and every dimension the model leaves open."""
-    specs = []
-    for k, a in enumerate(sample.x):
-        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
-        dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
-                for j in range(1, a.ndim)]
-        specs.append(((None, *dims), a.dtype))
-    return specs
-
-
-def _weight_specs(sample):
-    """(shape, dtype) of each sample-weight array, the batch dimension None."""
-    return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
-
-
-def _check_agreement(comm, facts):
-    """All ranks must run the same model on the same data shape with the same
-    settings; a mismatch would otherwise hang or silently mix models."""
-    everyone = comm.allgather_obj(facts)
-    for r, other in enumerate(everyone):
-        if other != facts:
-            diff = {k: (facts[k], other.get(k)) for k in facts if facts[k] != other.get(k)}
-            raise ValueError(
-                f"Ranks disagree on the set-up: rank {comm.rank} vs rank {r}: {diff} "
-                "(values as (this rank, that rank)). Every rank must build the same model and "
-                "pass the same data and arguments to hyparflow."
-            )
-
-
-def _build_compiled(model, graph, data, rows=None):
-    """Create the compiled loss's and metrics' state on every rank, symbolically
-    (as Keras's own fit does, on a batch of `rows` samples, so that a mistake in the
-    data is reported in the words of model.fit), without building the optimizer for
-    all variables."""
-    if data.y is None:
-        return
-    x_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.x]
-    y_sym = [_compat.symbolic((rows,) + a.shape[1:], a.dtype) for a in data.y]
-    sw_sym = None
-    if data.sample_weight is not None:
-        leaves = [_compat.symbolic((rows,) + a.shape[1:], "float32") for a in data.sample_weight]
-        sw_sym = leaves[0] if not data.per_output else (
-            _compat.pack_outputs(graph.functional, leaves) if graph.functional is not None
-            else leaves)
-    if graph.functional is not None:
-        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
-    else:
-        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
-    y_pred = _compat.compute_output_spec(model, x_arg, training=False)
-    y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
-        y_sym[0] if len(y_sym) == 1 else y_sym)
-    loss = _compat.compile_loss(model)
-    if loss is not None and not loss.built:
-        _compat.compute_output_spec(lambda a, b, c: loss(a, b, c), y_true, y_pred, sw_sym)
-    metrics = _compat.compile_metrics(model)
-    if metrics is not None and not metrics.built:
-        _compat.compute_output_spec(lambda a, b, c: metrics.update_state(a, b, sample_weight=c),
-                                    y_true, y_pred, sw_sym)
 
 
 def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
@@ -165,16 +60,6 @@ def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
     return groups
 
 
-def _check_model(model, sample):
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model. Received: model={type(model).__name__}")
-    if sample.y is not None and not _compat.is_compiled(model):
-        raise ValueError(
-            f"Model {model.name!r} is not compiled: call model.compile(optimizer=..., loss=...) "
-            "before hyparflow.fit or hyparflow.evaluate, as before model.fit."
-        )
-
-
 def _slot_names(model):
     from .checkpoint import slot_names
 
@@ -193,12 +78,12 @@ class Runtime:
         method, under which each replica steps on its own (`hyparflow.replicas`);
         `embedding_sharding`: the Embedding tables sharded over the replicas
         (`kinds.tables`), placed within `memory_limit` bytes per rank."""
-        _check_model(model, sample)
+        _prepare.check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
                              f"{comm.size} were launched.")
         if training:
-            _check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
+            _prepare.check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
         self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
         # Replicas on their own only where there are several (one replica: allreduce).
@@ -219,14 +104,14 @@ class Runtime:
             "counts": part.counts, "tensor_layers": split_names,
             "embedding_sharding": embedding_sharding,
         })
-        _build_compiled(model, graph, sample, batch_rows)
+        _prepare.build_compiled(model, graph, sample, batch_rows)
         # A compute_loss override or layers adding losses of their own: checked on
         # this process's model (every rank alike) that they add up over microbatches.
         self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
             else _customised.Custom()
-        y_specs = _target_specs(graph, sample)
+        y_specs = _prepare.target_specs(graph, sample)
         if self.custom.loss is not None:
-            y_specs = y_specs + _input_specs(graph, sample)
+            y_specs = y_specs + _prepare.input_specs(graph, sample)
         s = topo.stage(comm.rank)
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         shards = self._shards(layout.tensor_shares)
@@ -237,7 +122,7 @@ class Runtime:
             stage = Stage(graph, part.stages[s], model, part,
                           is_last=(s == layout.num_stages - 1), run_eagerly=eager,
                           y_specs=y_specs,
-                          sw_specs=_weight_specs(sample),
+                          sw_specs=_prepare.weight_specs(sample),
                           per_output=sample.per_output, recompute=recompute, shards=shards)
         else:
             # One Stage per model chunk (virtual stages s, s + S, ...), and one that
@@ -247,7 +132,7 @@ class Runtime:
             virtual = range(s, part.num_stages, layout.num_stages)
             chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
                             run_eagerly=eager, y_specs=y_specs,
-                            sw_specs=_weight_specs(sample),
+                            sw_specs=_prepare.weight_specs(sample),
                             per_output=sample.per_output, recompute=recompute)
                       for j in virtual]
             union = _partition.StageCut(s, [i for j in virtual for i in part.stages[j].nodes],
@@ -273,7 +158,7 @@ class Runtime:
         self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
         self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]
-        self.non_trainable = [v for v in graph.variables_of(stage.plan.nodes, trainable=False)
+        self.non_trainable = [v for v in graph.variables_of(stage.cut.nodes, trainable=False)
                               if self.owner_stage(v) == s]
 
     def _plan_loss(self, sample):
@@ -354,7 +239,7 @@ class Runtime:
         """The collective part of set-up, once every rank's local set-up succeeded:
         check that all ranks agree, make the gradient communicators, start every
         replica from rank 0's weights. Disagreement raises the same error everywhere."""
-        _check_agreement(self.comm, self.facts)
+        _prepare.check_agreement(self.comm, self.facts)
         topo, rank = self.topo, self.comm.rank
         hosts = self.comm.allgather_obj(socket.gethostname())
         self.hosts = hosts
@@ -403,7 +288,7 @@ class Runtime:
                 self.executor.keep_local(self.tables.positions)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
             if local:
-                state = self.graph.variables_of(self.stage.plan.nodes, trainable=False)
+                state = self.graph.variables_of(self.stage.cut.nodes, trainable=False)
                 self.replicas = Replicas(self.sync, self.comm, topo, self.stage, state, hosts)
                 # Each replica steps on R times its share of the batch's gradient: its
                 # own slice's mean gradient when the slices are equal (hyparflow.replicas).

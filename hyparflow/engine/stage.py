@@ -33,7 +33,7 @@ __all__ = ["Stage"]
 
 
 class Stage(StageBody):
-    """Runs stage `plan.index` of `graph` for the user's `model`, on its own variables.
+    """Runs stage `cut.index` of `graph` for the user's `model`, on its own variables.
 
     Inputs are the model inputs this stage reads from data followed by the
     boundary tensors it receives (`input_ids`); outputs are the boundary
@@ -44,46 +44,46 @@ class Stage(StageBody):
     their gradients over microbatches and replicas gives the full batch's.
     """
 
-    def __init__(self, graph, plan, model, partition, *, is_last, run_eagerly=False,
+    def __init__(self, graph, cut, model, partition, *, is_last, run_eagerly=False,
                  y_specs=(), sw_specs=(), per_output=False, recompute=False, shards=None,
                  accumulator=False):
         """`accumulator`: a stage that never computes, only holds a rank's gradient
         buffers and steps its variables (interleaved schedules: the rank's model
         chunks are each a `Stage` whose gradients go into it, see `sink_into`)."""
-        self.graph, self.plan, self.model = graph, plan, model
+        self.graph, self.cut, self.model = graph, cut, model
         self.sink = None  # (stage, positions there) taking this stage's gradients
         self.is_last = is_last
         self.recompute = recompute
-        self.input_ids = list(plan.data_inputs) + [e.tensor for e in plan.recv]
-        self.output_ids = sorted({e.tensor for e in plan.send})
+        self.input_ids = list(cut.data_inputs) + [e.tensor for e in cut.recv]
+        self.output_ids = sorted({e.tensor for e in cut.send})
         # Keras masks (padding) cross with their tensors: inputs and outputs end with
         # the masks of these tensors, in this order. Recording the masks model.fit
         # sees (hyparflow.masks) comes first: it may find masks that only run-time
         # calls attach, which must cross too.
         if not accumulator:
             _masks.of(graph, True)
-        self.mask_ids = [e.tensor for e in plan.recv if graph.tensors[e.tensor].mask is not None]
+        self.mask_ids = [e.tensor for e in cut.recv if graph.tensors[e.tensor].mask is not None]
         self.output_mask_ids = [t for t in self.output_ids if graph.tensors[t].mask is not None]
         # Split layers (tensor parallelism): this rank trains its parts in place of
         # the layers' variables; `originals` are the model variables they stand for.
         self.shards = dict(shards or {})
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
-        self.originals = graph.variables_of(plan.nodes, trainable=True)
-        self.transposed = {} if accumulator else self._transposed(graph, plan)
+        self.originals = graph.variables_of(cut.nodes, trainable=True)
+        self.transposed = {} if accumulator else self._transposed(graph, cut)
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
         # Dense (and EinsumDense) calls whose kernel gradients B leaves to W, as (node,
         # position in `trainable`, shape of the product's output without the batch).
         self.split = False
-        self.deferred = [] if accumulator else self._deferrable(graph, plan)
+        self.deferred = [] if accumulator else self._deferrable(graph, cut)
         self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W
         self._zero_cache = {}
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
         self._loss_ops = []
-        self._state = graph.variables_of(plan.nodes, trainable=False)
+        self._state = graph.variables_of(cut.nodes, trainable=False)
         seen = set()
-        for i in plan.nodes:
+        for i in cut.nodes:
             op = graph.nodes[i].op
             if id(op) in seen:
                 continue
@@ -91,7 +91,7 @@ class Stage(StageBody):
             if not hasattr(op, "losses"):
                 continue  # a plain operation: no weights, no losses
             weights = op.weights
-            if not weights or all(partition.owner.get(id(v)) == plan.index for v in weights):
+            if not weights or all(partition.owner.get(id(v)) == cut.index for v in weights):
                 self._loss_ops.append(op)
         # Gradients flow back only into received tensors; data inputs need none.
         # Random layers: a stable model-wide number for each seed generator, so a
@@ -99,13 +99,13 @@ class Stage(StageBody):
         # which stage or rank runs it.
         numbers = {id(g): k for k, g in enumerate(_compat.seed_generators(model))}
         self._generators, seen_gen = [], set()
-        for i in plan.nodes:
+        for i in cut.nodes:
             for g in _compat.seed_generators(graph.nodes[i].op):
                 if id(g) not in seen_gen:
                     seen_gen.add(id(g))
                     self._generators.append((numbers.get(id(g), len(numbers)), g))
         self._diff = [k for k, t in enumerate(self.input_ids)
-                      if k >= len(plan.data_inputs) and graph.tensors[t].floating]
+                      if k >= len(cut.data_inputs) and graph.tensors[t].floating]
         self._saved = {}
         # This step's gradient sums, dense and sparse, and the optimizer step (grads.py).
         self.grads = Gradients(self.trainable, run_eagerly)
@@ -140,14 +140,14 @@ class Stage(StageBody):
         self._functions = {}
         self._slowdown = settings.slowdown()
 
-    def _transposed(self, graph, plan):
+    def _transposed(self, graph, cut):
         """{node: kernels.Transposed} for the Dense calls whose input gradient is wanted."""
         if not kernels.enabled() or graph.functional is None:
             return {}
         out, made = {}, {}
-        for i in plan.nodes:
+        for i in cut.nodes:
             node = graph.nodes[i]
-            if i in self.shards or len(node.inputs) != 1 or node.inputs[0] in plan.data_inputs:
+            if i in self.shards or len(node.inputs) != 1 or node.inputs[0] in cut.data_inputs:
                 continue
             if kernels.eligible(node.op, graph.tensors[node.inputs[0]].dtype):
                 if id(node.op) not in made:
@@ -155,11 +155,11 @@ class Stage(StageBody):
                 out[i] = made[id(node.op)]
         return out
 
-    def _deferrable(self, graph, plan):
+    def _deferrable(self, graph, cut):
         """`kernels.deferred_nodes` of this stage, with each kernel's position."""
         positions = {id(v): k for k, v in enumerate(self.trainable)}
         return [(i, positions[id(graph.nodes[i].op.kernel)], shape)
-                for i, shape in kernels.deferred_nodes(graph, plan.nodes, self.shards)
+                for i, shape in kernels.deferred_nodes(graph, cut.nodes, self.shards)
                 if id(graph.nodes[i].op.kernel) in positions]
 
     def sink_into(self, stage):

@@ -73,7 +73,7 @@ def pays(stage, optimizer, ranks_on_node=1):
     take more than 1/8 of a rank's share of the machine's memory."""
     import keras
 
-    for i in stage.plan.nodes:
+    for i in stage.cut.nodes:
         op = stage.graph.nodes[i].op
         if isinstance(op, keras.layers.Embedding) and op.trainable:
             return True
