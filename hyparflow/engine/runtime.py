@@ -5,7 +5,6 @@ built) is `prepare`'s."""
 
 import socket
 
-
 from .. import _compat
 from . import customised as _customised
 from . import errors as errors_
