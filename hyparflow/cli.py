@@ -146,7 +146,9 @@ def _add_info(sub: Subparsers) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    print(launch.report())
+    from .cluster import report
+
+    print(report.report())
     return 0
 
 

@@ -63,7 +63,7 @@ LAYERS = {
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
              "loop.logs", "loop.costs", "loop.options"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
-                "cluster.heartbeat", "cluster.restart"},
+                "cluster.heartbeat", "cluster.restart", "cluster.report"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
