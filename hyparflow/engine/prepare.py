@@ -145,31 +145,28 @@ def check_optimizer(optimizer, num_stages, num_tensor=1):
                 "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
 
 
-def target_specs(graph, sample):
-    """(shape, dtype) of each target leaf for the last stage's compiled function: the
-    batch dimension None, and so is every dimension the matching model output leaves
-    open (a sequence length that changes from batch to batch)."""
-    if sample.y is None:
-        return []
+def _open_specs(graph, arrays, ids):
+    """(shape, dtype) of each of `arrays`: the batch dimension None, and so is every
+    dimension the matching model tensor (`ids`) leaves open (a sequence length that
+    changes from batch to batch)."""
     specs = []
-    for k, a in enumerate(sample.y):
-        out = graph.tensors[graph.outputs[k]].shape if k < len(graph.outputs) else ()
-        dims = [None if j < len(out) and out[j] is None else a.shape[j]
-                for j in range(1, a.ndim)]
-        specs.append(((None, *dims), a.dtype))
-    return specs
-
-
-def input_specs(graph, sample):
-    """(shape, dtype) of each model input, for a `compute_loss` override's `x`: the batch
-    dimension None, and every dimension the model leaves open."""
-    specs = []
-    for k, a in enumerate(sample.x):
-        shape = graph.tensors[graph.inputs[k]].shape if k < len(graph.inputs) else ()
+    for k, a in enumerate(arrays):
+        shape = graph.tensors[ids[k]].shape if k < len(ids) else ()
         dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
                 for j in range(1, a.ndim)]
         specs.append(((None, *dims), a.dtype))
     return specs
+
+
+def target_specs(graph, sample):
+    """The target leaves' specs for the last stage's compiled function (`_open_specs`
+    by the model's outputs)."""
+    return [] if sample.y is None else _open_specs(graph, sample.y, graph.outputs)
+
+
+def input_specs(graph, sample):
+    """The model inputs' specs, for a `compute_loss` override's `x`."""
+    return _open_specs(graph, sample.x, graph.inputs)
 
 
 def weight_specs(sample):

@@ -13,11 +13,8 @@ import hyparflow as hf  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from conftest import max_diff, reference  # noqa: E402
 from test_mesh import encoder_block  # noqa: E402
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
 
 
 @pytest.mark.mpi(min_size=4)
@@ -27,10 +24,7 @@ def test_encoder_block_on_a_2x2_mesh_under_mpiexec():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(16, 4, 8)).astype("float32")
     y = rng.normal(size=(16, 3)).astype("float32")
-    reference = encoder_block()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    expected = reference.get_weights()
+    start, expected, _ = reference(encoder_block, x, y, batch_size=8, epochs=2)
     model = encoder_block()
     model.set_weights(start)
     history = hf.fit(model, x, y, batch_size=8, epochs=2, num_tensor=4, tensor_mesh=(2, 2),

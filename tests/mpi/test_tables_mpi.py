@@ -14,11 +14,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import hyparflow as hf  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import keras  # noqa: E402
+from conftest import max_diff, reference  # noqa: E402
 from test_tables import tables_data, tables_model  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -29,10 +29,7 @@ BIG = {"user": 64, "item": 300, "cat": 12}
 def test_sharded_tables_under_mpiexec():
     build = lambda: tables_model("sgd", dim=256, bag=8, rows=BIG)  # noqa: E731
     x, y = tables_data(n=256, bag=8, rows=BIG)
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0)
-    want = reference.get_weights()
+    start, want, _ = reference(build, x, y, batch_size=128, epochs=2)
     model = build()
     model.set_weights(start)
     router = []
@@ -44,7 +41,7 @@ def test_sharded_tables_under_mpiexec():
     hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
            embedding_sharding={"user": "table", "item": "row", "cat": "data"},
            callbacks=[Look()])
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), want))
+    diff = max_diff(model.get_weights(), want)
     if hf.is_main():
         print(f"\nsharded tables R={SIZE}: max weight difference {diff:.3g}, largest "
               f"message {router[0].largest:,} bytes, {router[0].bytes:,} bytes sent")
