@@ -65,6 +65,8 @@ class Mesh(Collectives):
     """The collectives of a q x q mesh over the stage's T = q * q tensor ranks (`comm`,
     set when the ranks connect, as for the 1D kinds)."""
 
+    peers = "mesh ranks"
+
     def __init__(self, q, comm=None):
         super().__init__(comm)
         self.q = q
@@ -113,26 +115,10 @@ class Mesh(Collectives):
         self.wait(reqs, what)
         return sum_in_order([parts[p] for p in members])
 
-    def allgather(self, value, members, shapes, what, tag):
-        """Every member's array (shapes[k] for members[k]), in member order."""
-        me = self.comm.rank
-        value = np.ascontiguousarray(value)
-        out, reqs = [], []
-        for p, shape in zip(members, shapes):
-            if p == me:
-                out.append(value)
-                continue
-            buf = np.empty(shape, value.dtype)
-            out.append(buf)
-            reqs.append(self.comm.irecv(buf, p, tag))
-            reqs.append(self.comm.isend(value, p, tag))
-        self.wait(reqs, what)
-        return out
-
     def allsum(self, value, members, what, tag):
         """The sum over `members` in member order, on every member (the same bits)."""
-        return sum_in_order(self.allgather(value, members, [value.shape] * len(members),
-                                           what, tag))
+        return sum_in_order(self.exchange(value, [value.shape] * len(members), what, tag,
+                                          members))
 
     # -- whole values <-> blocks ------------------------------------------
 
@@ -171,8 +157,8 @@ class Mesh(Collectives):
 
         def whole(dy, batch):
             batch = int(batch)
-            blocks = self.allgather(dy.numpy(), self.everyone(),
-                                    self.block_shapes(batch, middle, features), what, tag)
+            blocks = self.exchange(dy.numpy(), self.block_shapes(batch, middle, features),
+                                   what, tag, self.everyone())
             return self.assemble(blocks)
 
         @tf.custom_gradient
@@ -197,8 +183,8 @@ class Mesh(Collectives):
 
         def gather(value, rows):
             rows = int(rows)
-            blocks = self.allgather(value.numpy(), self.everyone(),
-                                    self.block_shapes(rows, middle, features), what, tag)
+            blocks = self.exchange(value.numpy(), self.block_shapes(rows, middle, features),
+                                   what, tag, self.everyone())
             return self.assemble(blocks)
 
         @tf.custom_gradient

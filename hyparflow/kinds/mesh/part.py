@@ -58,11 +58,11 @@ class MeshPart:
         widths = sizes_of(whole[-1], q)
         if cut == COLUMN:  # the row's ranks hold every column's copy
             shapes = [value.shape[:-1] + (n,) for n in widths]
-            return np.concatenate(mesh.allgather(value, mesh.row(), shapes, self.what,
-                                                 self.tag(WEIGHTS)), axis=-1)
+            return np.concatenate(mesh.exchange(value, shapes, self.what, self.tag(WEIGHTS),
+                                                mesh.row()), axis=-1)
         heights = sizes_of(whole[0], q)
         shapes = [(h,) + value.shape[1:-1] + (w,) for h in heights for w in widths]
-        blocks = mesh.allgather(value, mesh.everyone(), shapes, self.what, self.tag(WEIGHTS))
+        blocks = mesh.exchange(value, shapes, self.what, self.tag(WEIGHTS), mesh.everyone())
         return np.concatenate([np.concatenate(blocks[r * q:(r + 1) * q], axis=-1)
                                for r in range(q)], axis=0)
 

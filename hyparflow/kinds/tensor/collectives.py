@@ -38,20 +38,24 @@ class Collectives:
     def __init__(self, comm=None):
         self.comm = comm  # set once the ranks are connected
 
-    def exchange(self, array, shapes, what, tag=TAG):
-        """Every rank's array (shapes[p] for rank p), in rank order. `tag`: the
-        collective's own (see `site_tag`), so that independent ones never pair."""
+    peers = "tensor ranks"  # who the waiting message names
+
+    def exchange(self, array, shapes, what, tag=TAG, members=None):
+        """Every member's array (shapes[k] for members[k]; members: every rank by
+        default), in member order. `tag`: the collective's own (see `site_tag`), so
+        that independent ones never pair."""
         comm = self.comm
+        members = range(comm.size) if members is None else members
         array = np.ascontiguousarray(array)
-        out = [None] * comm.size
-        out[comm.rank] = array
-        reqs = []
-        for p in range(comm.size):
-            if p != comm.rank:
-                out[p] = np.empty(shapes[p], array.dtype)
-                reqs.append(comm.irecv(out[p], p, tag))
-                reqs.append(comm.isend(array, p, tag))
-        wait_all(reqs, timeout_seconds(), f"the other tensor ranks ({what})", comm.spin)
+        out, reqs = [], []
+        for p, shape in zip(members, shapes):
+            if p == comm.rank:
+                out.append(array)
+                continue
+            out.append(np.empty(shape, array.dtype))
+            reqs.append(comm.irecv(out[-1], p, tag))
+            reqs.append(comm.isend(array, p, tag))
+        wait_all(reqs, timeout_seconds(), f"the other {self.peers} ({what})", comm.spin)
         return out
 
     def _summed(self, x, what, tag):
