@@ -4,13 +4,11 @@ the sharded lookup in place of its `call`. It answers what the engine asks of a
 tensor split's part (`kinds.tensor.shard.Shard`): `replaces`, `load`, `gather`,
 `slots`, `gathered`, `sliced`, and a call."""
 
-import contextlib
-
-import keras
 import numpy as np
 import tensorflow as tf
 
 from ... import _compat
+from ..tensor.shard import part_variable
 from .lookup import Lookup
 
 __all__ = ["TablePart"]
@@ -25,18 +23,8 @@ class TablePart:
         self.sizes = list(placement.sizes)
         self.start = placement.starts[rank]
         table = op.embeddings
-        prefix = table.path.rsplit("/", 1)[0] if "/" in table.path else ""
-        with contextlib.ExitStack() as scopes:
-            for name in prefix.split("/") if prefix else ():
-                scopes.enter_context(keras.name_scope(name))
-            # Named as the table, so Keras names its optimizer slots as the table's.
-            self.variable = keras.Variable(self._slice(table.numpy(), 0), dtype=table.dtype,
-                                           trainable=True, name=table.name)
-        if self.variable.path != table.path:
-            raise RuntimeError(
-                f"hyparflow could not name this rank's part of {table.path!r} as the table "
-                f"(it got {self.variable.path!r}); call hyparflow.fit outside any "
-                "keras.name_scope.")
+        # Named as the table, so Keras names its optimizer slots as the table's.
+        self.variable = part_variable(table, self._slice(table.numpy(), 0))
         self.cuts = [(table, self.variable, 0)]
         self.what = f"layer {op.name!r}"
         self.lookup = Lookup(self, router, site)
