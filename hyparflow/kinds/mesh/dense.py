@@ -70,11 +70,14 @@ def _mm(a, b, **transposed):
     return tf.linalg.matmul(a, b, **transposed).numpy()
 
 
-def summa(mesh, x, w, ins, part):
+def summa(mesh, x, w, ins, part, base=_X):
     """Y_ij = sum_k X_ik W_kj on the q x q mesh (`ins`: the input features' block
     sizes), with the SUMMA backward. Each direction runs its exchanges in one
-    `py_function`, step by step, so every rank makes them in the same order."""
+    `py_function`, step by step, so every rank makes them in the same order. `base`:
+    the first of the six roles (`grid.mesh_tag`) its exchanges take (a layer making
+    several products gives each its own, as TensorFlow may run them at once)."""
     q, what = mesh.q, part.what
+    _X, _W, _BW, _BDX, _BX, _BDW = range(base, base + 6)
 
     def forward(xv, wv):
         xv, wv = xv.numpy(), wv.numpy()

@@ -6,7 +6,10 @@ treat both alike; what differs is how a variable is cut:
 - `BLOCK`: a kernel [in, out] cut on both axes, block (i, j) on rank (i, j);
 - `COLUMN`: a vector cut on its last axis by j, the same copy on every rank of a
   column (a bias, a LayerNormalization's scale and offset: their gradients are summed
-  over the column's ranks, so the copies step alike)."""
+  over the column's ranks, so the copies step alike);
+- `HEADS_BLOCK`, `HEADS`: as `BLOCK` and `COLUMN` but on the heads axis, the one
+  before the last (an attention projection's kernel [in, heads, size] and bias
+  [heads, size]: a rank's columns are whole heads)."""
 
 from typing import Any, Dict, List, Set, Tuple
 
@@ -15,9 +18,11 @@ import numpy as np
 from ..tensor.shard import part_variable
 from .grid import mesh_tag, sizes_of
 
-__all__ = ["MeshPart", "BLOCK", "COLUMN"]
+__all__ = ["MeshPart", "BLOCK", "COLUMN", "HEADS_BLOCK", "HEADS"]
 
-BLOCK, COLUMN = "block", "column"
+BLOCK, COLUMN, HEADS_BLOCK, HEADS = "block", "column", "heads-block", "heads"
+# (axis cut by the mesh row i, or None: every row holds it; axis cut by the column j)
+_AXES = {BLOCK: (0, -1), COLUMN: (None, -1), HEADS_BLOCK: (0, -2), HEADS: (None, -2)}
 WEIGHTS = 60  # the role of the parts' weight gathers (`grid.mesh_tag`)
 
 
@@ -43,28 +48,27 @@ class MeshPart:
 
     def sliced(self, value: Any, how: Tuple[str, Tuple[int, ...]]) -> Any:
         """This rank's part of a whole value cut `how`."""
-        cols = sizes_of(value.shape[-1], self.q)
-        start = sum(cols[:self.j])
-        value = value[..., start:start + cols[self.j]]
-        if how[0] == BLOCK:
-            rows = sizes_of(value.shape[0], self.q)
-            value = value[sum(rows[:self.i]):sum(rows[:self.i + 1])]
+        rows, cols = _AXES[how[0]]
+        value = _take(value, cols, sizes_of(value.shape[cols], self.q), self.j)
+        if rows is not None:
+            value = _take(value, rows, sizes_of(value.shape[rows], self.q), self.i)
         return value
 
     def gathered(self, value: Any, how: Tuple[str, Tuple[int, ...]]) -> Any:
         """The whole of a variable cut `how`, from every rank's part `value`."""
         mesh, q = self.coll, self.q
         cut, whole = how
-        widths = sizes_of(whole[-1], q)
-        if cut == COLUMN:  # the row's ranks hold every column's copy
-            shapes = [value.shape[:-1] + (n,) for n in widths]
+        rows, cols = _AXES[cut]
+        widths = sizes_of(whole[cols], q)
+        if rows is None:  # the row's ranks hold every column's copy
+            shapes = [_with(value.shape, {cols: n}) for n in widths]
             return np.concatenate(mesh.exchange(value, shapes, self.what, self.tag(WEIGHTS),
-                                                mesh.row()), axis=-1)
-        heights = sizes_of(whole[0], q)
-        shapes = [(h,) + value.shape[1:-1] + (w,) for h in heights for w in widths]
+                                                mesh.row()), axis=cols)
+        heights = sizes_of(whole[rows], q)
+        shapes = [_with(value.shape, {rows: h, cols: w}) for h in heights for w in widths]
         blocks = mesh.exchange(value, shapes, self.what, self.tag(WEIGHTS), mesh.everyone())
-        return np.concatenate([np.concatenate(blocks[r * q:(r + 1) * q], axis=-1)
-                               for r in range(q)], axis=0)
+        return np.concatenate([np.concatenate(blocks[r * q:(r + 1) * q], axis=cols)
+                               for r in range(q)], axis=rows)
 
     def load(self) -> None:
         for var, part, how in self.cuts:
@@ -88,3 +92,18 @@ class MeshPart:
 
     def __call__(self, args: Any, kwargs: Any, training: Any = None) -> Any:
         return self.kind.run(self, args, kwargs, training)
+
+
+def _take(value: Any, axis: int, sizes: List[int], k: int) -> Any:
+    """Block `k` of `value` on `axis`, cut in `sizes`."""
+    index = [slice(None)] * len(value.shape)
+    index[axis] = slice(sum(sizes[:k]), sum(sizes[:k + 1]))
+    return value[tuple(index)]
+
+
+def _with(shape: Tuple[int, ...], sizes: Dict[int, int]) -> Tuple[int, ...]:
+    """`shape` with the axes in `sizes` (negative ones counted from the end) replaced."""
+    out = list(shape)
+    for axis, n in sizes.items():
+        out[axis] = n
+    return tuple(out)

@@ -1,0 +1,77 @@
+"""Transformers on the 2D tensor mesh (`tensor_mesh`, kinds/mesh): attention with its
+projections by SUMMA and its heads over the mesh columns, against plain `model.fit` on
+one process (SGD and Adam, a padding mask, 2 microbatches)."""
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import max_diff, reference, train_ranks
+
+L = keras.layers
+SEQ, DIM, HEADS = 6, 8, 4
+ENCODER = ["tokens", "attn", "ffn_up", "ffn_down"]
+
+
+def encoder_classifier(optimizer="adam"):
+    """A post-norm transformer encoder block (attention with a padding mask, residuals,
+    LayerNorm, a GELU feed-forward pair) on the mesh; pooling and a softmax head after
+    it, whole. The tokens come as features through a Dense (on the mesh too)."""
+    keras.utils.set_random_seed(21)
+    ids = keras.Input((SEQ,), dtype="int32", name="ids")
+    features = keras.Input((SEQ, 5), name="features")
+    x = L.Dense(DIM, name="tokens")(features)
+    mask = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
+    a = L.MultiHeadAttention(HEADS, 2, name="attn")(x, x, attention_mask=mask)
+    x = L.LayerNormalization(name="ln1")(L.Add(name="res1")([x, a]))
+    h = L.Dense(16, activation="gelu", name="ffn_up")(x)
+    h = L.Dense(DIM, name="ffn_down")(h)
+    x = L.LayerNormalization(name="ln2")(L.Add(name="res2")([x, h]))
+    x = L.GlobalAveragePooling1D()(x)
+    out = L.Dense(3, activation="softmax", name="head")(x)
+    model = keras.Model([ids, features], out)
+    opt = keras.optimizers.SGD(0.1) if optimizer == "sgd" else keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    return model
+
+
+def encoder_data(n=16):
+    rng = np.random.default_rng(22)
+    ids = rng.integers(1, 9, (n, SEQ)).astype("int32")
+    lengths = rng.integers(2, SEQ + 1, n)
+    ids[np.arange(SEQ)[None, :] >= lengths[:, None]] = 0  # padding at the end
+    features = rng.normal(size=(n, SEQ, 5)).astype("float32") * (ids > 0)[..., None]
+    return [ids, features], (ids[:, 0] % 3).astype("int32")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_encoder_classifier_with_attention_on_a_2x2_mesh(optimizer):
+    x, y = encoder_data()
+    build = lambda: encoder_classifier(optimizer)  # noqa: E731
+    start, want, _ = reference(build, x, y, epochs=1, batch_size=8)
+    got = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
+                      weights=start, num_tensor=4, tensor_mesh=(2, 2), tensor_layers=ENCODER,
+                      epochs=1, batch_size=8, shuffle=False)
+    for weights, _ in got:
+        assert max_diff(weights, want) < 2e-5
+
+
+def test_the_encoder_block_is_one_mesh_region_and_attention_refusals_say_why():
+    """Every layer of the block is on the mesh and only the last (before pooling)
+    gathers: no activation is made whole between attention and the feed-forward pair.
+    Attention the mesh cannot run, named in tensor_layers, is refused with the reason."""
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import mesh
+
+    graph = from_model(encoder_classifier())
+    splits = mesh.choose(graph, range(len(graph.nodes)), 4, ENCODER)
+    names = {graph.nodes[i].op.name: (s.kind, s.gather) for i, s in splits.items()}
+    assert names["attn"] == ("mesh-heads", False)
+    assert [n for n, (_, gather) in names.items() if gather] == ["ln2"]
+    assert set(names) == set(ENCODER) | {"res1", "ln1", "res2", "ln2"}
+    for layer, words in [(L.MultiHeadAttention(3, 2, name="attn"), "3 heads do not divide"),
+                         (L.MultiHeadAttention(4, 2, dropout=0.1, name="attn"), "dropout")]:
+        inp = keras.Input((SEQ, DIM))
+        graph = from_model(keras.Model(inp, layer(inp, inp)))
+        with pytest.raises(ValueError, match=words):
+            mesh.choose(graph, range(len(graph.nodes)), 4, ["attn"])
