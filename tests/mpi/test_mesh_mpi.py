@@ -35,3 +35,22 @@ def test_encoder_block_on_a_2x2_mesh_under_mpiexec():
         print(f"\nencoder block on a 2x2 mesh: max weight difference {diff:.3g}, "
               f"{history.kept_per_sample:.0f} bytes kept per sample")
     assert diff <= 2e-5
+
+
+@pytest.mark.mpi(min_size=4)
+def test_transformer_encoder_with_attention_on_a_2x2_mesh_under_mpiexec():
+    """Attention (projections by SUMMA, heads over the columns, a padding mask), the
+    feed-forward pair, residuals and LayerNorms on a 2x2 mesh, Adam, 2 microbatches:
+    model.fit's weights."""
+    from test_mesh_models import ENCODER, encoder_classifier, encoder_data
+
+    x, y = encoder_data()
+    start, expected, _ = reference(encoder_classifier, x, y, batch_size=8, epochs=1)
+    model = encoder_classifier()
+    model.set_weights(start)
+    hf.fit(model, x, y, batch_size=8, epochs=1, num_tensor=4, tensor_mesh=(2, 2),
+           num_microbatches=2, tensor_layers=ENCODER, shuffle=False, verbose=0)
+    diff = max_diff(model.get_weights(), expected)
+    if hf.is_main():
+        print(f"\ntransformer encoder on a 2x2 mesh: max weight difference {diff:.3g}")
+    assert diff <= 2e-5
