@@ -75,3 +75,58 @@ def test_the_encoder_block_is_one_mesh_region_and_attention_refusals_say_why():
         graph = from_model(keras.Model(inp, layer(inp, inp)))
         with pytest.raises(ValueError, match=words):
             mesh.choose(graph, range(len(graph.nodes)), 4, ["attn"])
+
+
+VOCAB = 11
+LM = ["tokens", "positions", "attn", "ffn_up", "ffn_down", "lm_head"]
+
+
+def small_lm(optimizer="adam"):
+    """A pre-norm decoder block with its token and position embeddings on the mesh
+    (untied), causal attention, and a Dense language-model head on the mesh too (its
+    logits gathered whole at the model's output: the loss takes them whole)."""
+    keras.utils.set_random_seed(23)
+    ids = keras.Input((SEQ,), dtype="int32", name="ids")
+    pos = keras.Input((SEQ,), dtype="int32", name="pos")
+    x = L.Add(name="embed")([L.Embedding(VOCAB, DIM, name="tokens")(ids),
+                             L.Embedding(SEQ, DIM, name="positions")(pos)])
+    h = L.LayerNormalization(name="ln1")(x)
+    # No biases: the key bias's gradient is zero but for round-off (softmax ignores a
+    # constant added to a query's scores), which Adam scales up to steps of ~lr.
+    h = L.MultiHeadAttention(HEADS, 2, use_bias=False, name="attn")(h, h,
+                                                                    use_causal_mask=True)
+    x = L.Add(name="res1")([x, h])
+    h = L.LayerNormalization(name="ln2")(x)
+    h = L.Dense(16, activation="gelu", name="ffn_up")(h)
+    x = L.Add(name="res2")([x, L.Dense(DIM, name="ffn_down")(h)])
+    x = L.LayerNormalization(name="final_norm")(x)
+    logits = L.Dense(VOCAB, name="lm_head")(x)
+    model = keras.Model([ids, pos], logits)
+    opt = keras.optimizers.SGD(0.1) if optimizer == "sgd" else keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def lm_data(n=16):
+    """Token windows of a small vocabulary (every id repeats within a batch) and their
+    next tokens."""
+    rng = np.random.default_rng(24)
+    stream = rng.integers(0, VOCAB, n * SEQ + 1).astype("int32")
+    x = np.stack([stream[k * SEQ:(k + 1) * SEQ] for k in range(n)])
+    y = np.stack([stream[k * SEQ + 1:(k + 1) * SEQ + 1] for k in range(n)])
+    return [x, np.tile(np.arange(SEQ, dtype="int32"), (n, 1))], y
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer):
+    """Repeated ids: Adam steps a row once per occurrence, as model.fit's sparse
+    gradient does, so the pairs each rank's block gets must be model.fit's."""
+    x, y = lm_data()
+    build = lambda: small_lm(optimizer)  # noqa: E731
+    start, want, _ = reference(build, x, y, epochs=1, batch_size=8)
+    got = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
+                      weights=start, num_tensor=4, tensor_mesh=(2, 2), tensor_layers=LM,
+                      epochs=1, batch_size=8, shuffle=False)
+    for weights, _ in got:
+        assert max_diff(weights, want) < 2e-5

@@ -15,6 +15,7 @@ from ..tensor import registry as _tensor
 from ..tensor.split import MIN_PARAMS, Split
 from .attention import MeshHeads
 from .dense import MeshDense
+from .embedding import MeshEmbedding
 from .elementwise import MeshMap
 from .grid import Mesh
 from .norm import MeshNorm
@@ -25,7 +26,7 @@ __all__ = ["KINDS", "BY_NAME", "Mesh", "MeshPart", "choose", "shard", "describe"
 
 # Kinds that start a region (asked in order), and the kinds that carry it on (chosen
 # only where the region feeds them).
-KINDS = (MeshDense(), MeshHeads())
+KINDS = (MeshDense(), MeshHeads(), MeshEmbedding())
 CARRY = (MeshMap(), MeshNorm())
 BY_NAME = {kind.name: kind for kind in KINDS + CARRY}
 

@@ -153,11 +153,11 @@ class Mesh(Collectives):
         each rank needs all of it)."""
         i, j = self.coords
         features = int(x.shape[-1])
-        middle = tuple(int(d) for d in x.shape[1:-1])
 
         def whole(dy, batch):
-            batch = int(batch)
-            blocks = self.exchange(dy.numpy(), self.block_shapes(batch, middle, features),
+            batch, dy = int(batch), dy.numpy()
+            middle = dy.shape[1:-1]  # as it runs: a sequence may be of any length
+            blocks = self.exchange(dy, self.block_shapes(batch, middle, features),
                                    what, tag, self.everyone())
             return self.assemble(blocks)
 
@@ -179,18 +179,18 @@ class Mesh(Collectives):
         this rank's block of the (replicated) gradient."""
         i, j = self.coords
         batch, features = whole_of(block)
-        middle = tuple(int(d) for d in block.shape[1:-1])
 
         def gather(value, rows):
-            rows = int(rows)
-            blocks = self.exchange(value.numpy(), self.block_shapes(rows, middle, features),
+            rows, value = int(rows), value.numpy()
+            blocks = self.exchange(value, self.block_shapes(rows, value.shape[1:-1], features),
                                    what, tag, self.everyone())
             return self.assemble(blocks)
 
         @tf.custom_gradient
         def op(value):
             out = tf.py_function(gather, [value, batch], value.dtype)
-            out.set_shape((None, *middle, features))
+            out.set_shape(tf.TensorShape([None]).concatenate(block.shape[1:-1])
+                          .concatenate([features]))
             return out, lambda dy: self.slice_block(dy, i, j)
 
         return op(block)
