@@ -130,3 +130,36 @@ def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer):
                       epochs=1, batch_size=8, shuffle=False)
     for weights, _ in got:
         assert max_diff(weights, want) < 2e-5
+
+
+def test_gpt_with_tied_embeddings_on_a_2x2_mesh():
+    """examples/gpt_text.py: pre-norm causal decoder blocks, sequences of any length,
+    the token embedding's matrix reused for the logits (`TiedOutput`). The blocks run on
+    the mesh; the tied embedding stays whole (replicated), since the output layer needs
+    all of it, and naming it for the mesh is refused with that reason. Adam."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "examples"))
+    import gpt_text
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import mesh
+
+    def build():
+        return gpt_text.compile_model(gpt_text.build_model(context=8, dim=8, heads=2,
+                                                           blocks=1), learning_rate=1e-2)
+
+    ids = gpt_text.encode(gpt_text.read_source(400))
+    x, y = gpt_text.windows(ids, 8, 8)
+    x, y = x[:16], y[:16]
+    blocks = ["block0_attention", "block0_ff1", "block0_ff2"]
+    start, want, _ = reference(build, x, y, epochs=1, batch_size=8)
+    got = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
+                      weights=start, num_tensor=4, tensor_mesh=(2, 2), tensor_layers=blocks,
+                      epochs=1, batch_size=8, shuffle=False)
+    for weights, _ in got:
+        assert max_diff(weights, want) < 2e-5
+    graph = from_model(build())
+    with pytest.raises(ValueError, match="tied weights"):
+        mesh.choose(graph, range(len(graph.nodes)), 4, blocks + ["token_embedding"])
