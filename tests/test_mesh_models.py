@@ -1,6 +1,7 @@
 """Transformers on the 2D tensor mesh (`tensor_mesh`, kinds/mesh): attention with its
 projections by SUMMA and its heads over the mesh columns, against plain `model.fit` on
-one process (SGD and Adam, a padding mask, 2 microbatches)."""
+one process (SGD and Adam, a padding mask, 2 microbatches); EinsumDense projections;
+Embedding with the vocabulary over the mesh rows; a GPT with tied embeddings."""
 
 import keras
 import numpy as np
@@ -15,8 +16,8 @@ ENCODER = ["tokens", "attn", "ffn_up", "ffn_down"]
 
 def encoder_classifier(optimizer="adam"):
     """A post-norm transformer encoder block (attention with a padding mask, residuals,
-    LayerNorm, a GELU feed-forward pair) on the mesh; pooling and a softmax head after
-    it, whole. The tokens come as features through a Dense (on the mesh too)."""
+    LayerNorm, a GELU feed-forward pair, its second an EinsumDense) on the mesh;
+    pooling and a softmax head after it, whole. The tokens come as features through a Dense (on the mesh too)."""
     keras.utils.set_random_seed(21)
     ids = keras.Input((SEQ,), dtype="int32", name="ids")
     features = keras.Input((SEQ, 5), name="features")
@@ -25,7 +26,7 @@ def encoder_classifier(optimizer="adam"):
     a = L.MultiHeadAttention(HEADS, 2, name="attn")(x, x, attention_mask=mask)
     x = L.LayerNormalization(name="ln1")(L.Add(name="res1")([x, a]))
     h = L.Dense(16, activation="gelu", name="ffn_up")(x)
-    h = L.Dense(DIM, name="ffn_down")(h)
+    h = L.EinsumDense("abc,cd->abd", (SEQ, DIM), bias_axes="d", name="ffn_down")(h)
     x = L.LayerNormalization(name="ln2")(L.Add(name="res2")([x, h]))
     x = L.GlobalAveragePooling1D()(x)
     out = L.Dense(3, activation="softmax", name="head")(x)
@@ -67,12 +68,16 @@ def test_the_encoder_block_is_one_mesh_region_and_attention_refusals_say_why():
     splits = mesh.choose(graph, range(len(graph.nodes)), 4, ENCODER)
     names = {graph.nodes[i].op.name: (s.kind, s.gather) for i, s in splits.items()}
     assert names["attn"] == ("mesh-heads", False)
+    assert names["ffn_down"] == ("mesh-einsum", False)
     assert [n for n, (_, gather) in names.items() if gather] == ["ln2"]
     assert set(names) == set(ENCODER) | {"res1", "ln1", "res2", "ln2"}
     for layer, words in [(L.MultiHeadAttention(3, 2, name="attn"), "3 heads do not divide"),
-                         (L.MultiHeadAttention(4, 2, dropout=0.1, name="attn"), "dropout")]:
+                         (L.MultiHeadAttention(4, 2, dropout=0.1, name="attn"), "dropout"),
+                         (L.EinsumDense("abc,cde->abde", (SEQ, 2, 4), name="attn"),
+                          "not a projection of the last axis")]:
         inp = keras.Input((SEQ, DIM))
-        graph = from_model(keras.Model(inp, layer(inp, inp)))
+        out = layer(inp) if isinstance(layer, L.EinsumDense) else layer(inp, inp)
+        graph = from_model(keras.Model(inp, out))
         with pytest.raises(ValueError, match=words):
             mesh.choose(graph, range(len(graph.nodes)), 4, ["attn"])
 

@@ -14,7 +14,7 @@ nodes, and whether each gathers its output), `shard` (a rank's part), `describe`
 from ..tensor import registry as _tensor
 from ..tensor.split import MIN_PARAMS, Split
 from .attention import MeshHeads
-from .dense import MeshDense
+from .dense import MeshDense, MeshEinsum
 from .embedding import MeshEmbedding
 from .elementwise import MeshMap
 from .grid import Mesh
@@ -26,7 +26,7 @@ __all__ = ["KINDS", "BY_NAME", "Mesh", "MeshPart", "choose", "shard", "describe"
 
 # Kinds that start a region (asked in order), and the kinds that carry it on (chosen
 # only where the region feeds them).
-KINDS = (MeshDense(), MeshHeads(), MeshEmbedding())
+KINDS = (MeshDense(), MeshEinsum(), MeshHeads(), MeshEmbedding())
 CARRY = (MeshMap(), MeshNorm())
 BY_NAME = {kind.name: kind for kind in KINDS + CARRY}
 

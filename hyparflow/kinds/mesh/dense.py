@@ -13,12 +13,12 @@ of column j, its gradient summed over the column."""
 import keras
 import tensorflow as tf
 
-from ..tensor.split import common_why_not, weights_of
+from ..tensor.split import common_why_not, qualified, weights_of
 from .base import ENTER, GATHER, MeshKind, elementwise
 from .grid import is_block, mark, sizes_of, whole_of
 from .part import BLOCK, COLUMN
 
-__all__ = ["MeshDense", "summa"]
+__all__ = ["MeshDense", "MeshEinsum", "dense_equation", "summa"]
 
 # Roles of a Dense's collectives (`grid.mesh_tag`).
 _X, _W, _BW, _BDX, _BX, _BDW, _BIAS = range(8, 15)
@@ -55,12 +55,62 @@ class MeshDense(MeshKind):
         x = tf.cast(x, op.compute_dtype) if x.dtype.is_floating else x
         weights = weights_of(part)
         y = summa(mesh, x, weights[0], sizes_of(int(op.kernel.shape[0]), mesh.q), part)
-        if op.use_bias:
+        if op.bias is not None:
             y = y + mesh.shared(weights[1], mesh.column, part.what, part.tag(_BIAS))
         if op.activation is not None:
             y = op.activation(y)
-        y = mark(y, batch, op.units)
+        y = mark(y, batch, int(op.kernel.shape[-1]))
         return mesh.to_whole(y, part.what, part.tag(GATHER)) if part.split.gather else y
+
+
+_EINSUM_CALL = "keras.src.layers.core.einsum_dense.EinsumDense.call"
+
+
+def dense_equation(equation):
+    """Whether an EinsumDense `equation` is a Dense on the last axis: "...c,cd->...d"
+    or "abc,cd->abd" (the input's axes kept in order, its last contracted with the
+    kernel's first, the kernel's last the output's last)."""
+    try:
+        ins, out = equation.replace(" ", "").split("->")
+        x, w = ins.split(",")
+    except ValueError:
+        return False
+    return (len(w) == 2 and len(x) >= 2 and x[-1] == w[0] and out == x[:-1] + w[1]
+            and w[1] not in x and len(set(x.replace("...", "."))) == len(x.replace("...", ".")))
+
+
+class MeshEinsum(MeshDense):
+    """An EinsumDense whose equation is a Dense on the last axis (`dense_equation`),
+    with a bias on the output axis or none: run as a mesh Dense (SUMMA)."""
+    name = "mesh-einsum"
+    what = "EinsumDense (a projection of the last axis)"
+
+    def claims(self, op):
+        return isinstance(op, keras.layers.EinsumDense)
+
+    def why_not(self, op, q):
+        if qualified(type(op).call) != _EINSUM_CALL:
+            return (f"its class {type(op).__name__} overrides EinsumDense.call, which the mesh "
+                    "cannot follow")
+        if not dense_equation(op.equation):
+            return (f"its equation {op.equation!r} is not a projection of the last axis "
+                    "(\"...c,cd->...d\"), which is what SUMMA multiplies")
+        if op.bias is not None and tuple(op.bias.shape) != (int(op.kernel.shape[-1]),):
+            return f"its bias (bias_axes={op.bias_axes!r}) is not on the output axis alone"
+        reason = common_why_not(op, [op])
+        if reason is not None:
+            return reason
+        ins, outs = (int(n) for n in op.kernel.shape)
+        if min(ins, outs) < q:
+            return (f"it has fewer input ({ins}) or output ({outs}) features than the mesh's "
+                    f"{q} columns")
+        if not elementwise(op.activation):
+            return (f"its activation {getattr(op.activation, '__name__', op.activation)!r} "
+                    "reads a whole row of features, which a block does not hold")
+        return None
+
+    def cuts(self, op):
+        return [(op.kernel, BLOCK)] + ([(op.bias, COLUMN)] if op.bias is not None else [])
 
 
 def _mm(a, b, **transposed):
