@@ -207,6 +207,15 @@ def _global_sums(fn, y_true, y_pred, sample_weight):
     return ops.cast(total, "float32"), ops.cast(count, "float32")
 
 
+def split_loss(fn, y_pred):
+    """The loss to take on `y_pred`: `fn`, or, when `y_pred` is a split layer's part of
+    the output (the mesh's vocabulary-split logits, kinds/mesh/logits.py), the loss
+    that part gives for `fn` (Keras's reduction around a per-token call made with the
+    other ranks)."""
+    make = getattr(y_pred, "_hyparflow_split_loss", None)
+    return fn if make is None else make(fn)
+
+
 def compile_loss_terms(loss, y_true, y_pred, sample_weight, share, kinds):
     """The compiled loss of one microbatch that is `share` of the global batch, as
     (the part whose sum over microbatches and replicas is the batch's: SHARE and SUM
@@ -230,6 +239,7 @@ def compile_loss_terms(loss, y_true, y_pred, sample_weight, share, kinds):
     for (path, fn, weight, _), metric, kind in zip(loss._flat_losses, metrics, kinds):
         y_t, y_p = _resolve(path, y_true), _resolve(path, y_pred)
         sw = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+        fn = split_loss(fn, y_p)
         if kind == GLOBAL:
             sums.append(_global_sums(fn, y_t, y_p, sw))
             continue

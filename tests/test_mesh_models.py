@@ -88,8 +88,8 @@ LM = ["tokens", "positions", "attn", "ffn_up", "ffn_down", "lm_head"]
 
 def small_lm(optimizer="adam"):
     """A pre-norm decoder block with its token and position embeddings on the mesh
-    (untied), causal attention, and a Dense language-model head on the mesh too (its
-    logits gathered whole at the model's output: the loss takes them whole)."""
+    (untied), causal attention, and a Dense language-model head on the mesh too, its
+    logits in vocabulary blocks for the cross-entropy (kinds/mesh/logits.py)."""
     keras.utils.set_random_seed(23)
     ids = keras.Input((SEQ,), dtype="int32", name="ids")
     pos = keras.Input((SEQ,), dtype="int32", name="pos")
@@ -124,9 +124,16 @@ def lm_data(n=16):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer):
+def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer, monkeypatch):
     """Repeated ids: Adam steps a row once per occurrence, as model.fit's sparse
-    gradient does, so the pairs each rank's block gets must be model.fit's."""
+    gradient does, so the pairs each rank's block gets must be model.fit's. The
+    cross-entropy is taken on the head's vocabulary blocks (no rank holds the logits
+    whole in training)."""
+    from hyparflow.kinds.mesh import logits
+
+    seen, own = [], logits.per_token
+    monkeypatch.setattr(logits, "per_token", lambda part, z, *rest: seen.append(
+        z.shape[-1]) or own(part, z, *rest))
     x, y = lm_data()
     build = lambda: small_lm(optimizer)  # noqa: E731
     start, want, _ = reference(build, x, y, epochs=1, batch_size=8)
@@ -135,6 +142,7 @@ def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer):
                       epochs=1, batch_size=8, shuffle=False)
     for weights, _ in got:
         assert max_diff(weights, want) < 2e-5
+    assert sorted(set(seen)) == [5, 6]  # the vocabulary's blocks, on every rank
 
 
 def test_gpt_with_tied_embeddings_on_a_2x2_mesh():
@@ -168,3 +176,24 @@ def test_gpt_with_tied_embeddings_on_a_2x2_mesh():
     graph = from_model(build())
     with pytest.raises(ValueError, match="tied weights"):
         mesh.choose(graph, range(len(graph.nodes)), 4, blocks + ["token_embedding"])
+
+
+def test_the_language_model_head_keeps_its_logits_in_vocabulary_blocks():
+    """The LM's head is chosen as vocabulary-split logits (its cross-entropy taken on
+    the blocks) when the compiled loss allows it; a loss or metric that reads whole
+    logits keeps it a mesh Dense whose logits are gathered."""
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import mesh
+
+    def head_kind(model):
+        graph = from_model(model)
+        splits = mesh.choose(graph, range(len(graph.nodes)), 4, LM)
+        return next(s.kind for i, s in splits.items() if graph.nodes[i].op.name == "lm_head")
+
+    model = small_lm()
+    assert head_kind(model) == "mesh-logits"
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    assert head_kind(model) == "mesh-dense"
+    model.compile(optimizer="adam", loss="mse")
+    assert head_kind(model) == "mesh-dense"

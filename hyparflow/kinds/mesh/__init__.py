@@ -18,6 +18,7 @@ from .dense import MeshDense, MeshEinsum
 from .embedding import MeshEmbedding
 from .elementwise import MeshMap
 from .grid import Mesh
+from .logits import MeshLogits, eligible
 from .norm import MeshNorm
 from .part import MeshPart
 
@@ -28,7 +29,8 @@ __all__ = ["KINDS", "BY_NAME", "Mesh", "MeshPart", "choose", "shard", "describe"
 # only where the region feeds them).
 KINDS = (MeshDense(), MeshEinsum(), MeshHeads(), MeshEmbedding())
 CARRY = (MeshMap(), MeshNorm())
-BY_NAME = {kind.name: kind for kind in KINDS + CARRY}
+BY_NAME = {MeshLogits.name: MeshLogits()}
+BY_NAME.update({kind.name: kind for kind in KINDS + CARRY})
 
 
 def describe(conjunction="and"):
@@ -83,6 +85,10 @@ def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
         out = graph.nodes[i].outputs
         gather = any(t in outputs or not readers.get(t) or readers[t] - set(region)
                      for t in out)
+        if (kind in (MeshDense.name, MeshEinsum.name) and list(out) == list(graph.outputs)
+                and not readers.get(out[0]) and graph.tensors[out[0]].mask is None
+                and eligible(graph.functional, graph.nodes[i].op)):
+            kind = MeshLogits.name  # the model's logits: cross-entropy on the blocks
         splits[i] = Split(i, kind, gather=gather)
     return splits
 
