@@ -135,11 +135,13 @@ def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer, monkeypatch):
     monkeypatch.setattr(logits, "per_token", lambda part, z, *rest: seen.append(
         z.shape[-1]) or own(part, z, *rest))
     x, y = lm_data()
+    # Per-token weights (a padded tail weighs 0): the loss's normaliser is the batch's.
+    weights = (np.arange(SEQ)[None, :] < np.arange(16)[:, None] % SEQ + 2).astype("float32")
     build = lambda: small_lm(optimizer)  # noqa: E731
-    start, want, _ = reference(build, x, y, epochs=1, batch_size=8)
+    start, want, _ = reference(build, x, y, epochs=1, batch_size=8, sample_weight=weights)
     got = train_ranks(build, x, y, num_stages=1, num_replicas=1, num_microbatches=2,
                       weights=start, num_tensor=4, tensor_mesh=(2, 2), tensor_layers=LM,
-                      epochs=1, batch_size=8, shuffle=False)
+                      epochs=1, batch_size=8, shuffle=False, sample_weight=weights)
     for weights, _ in got:
         assert max_diff(weights, want) < 2e-5
     assert sorted(set(seen)) == [5, 6]  # the vocabulary's blocks, on every rank
