@@ -17,7 +17,8 @@ ENCODER = ["tokens", "attn", "ffn_up", "ffn_down"]
 def encoder_classifier(optimizer="adam"):
     """A post-norm transformer encoder block (attention with a padding mask, residuals,
     LayerNorm, a GELU feed-forward pair, its second an EinsumDense) on the mesh;
-    pooling and a softmax head after it, whole. The tokens come as features through a Dense (on the mesh too)."""
+    pooling and a softmax head after it, whole. The tokens come as features through a
+    Dense (on the mesh too)."""
     keras.utils.set_random_seed(21)
     ids = keras.Input((SEQ,), dtype="int32", name="ids")
     features = keras.Input((SEQ, 5), name="features")

@@ -2,12 +2,13 @@
 activations of a mesh region partitioned by batch rows and features as well as the
 weights (docs/tensor.md, "2D: the mesh").
 
-A mesh region is a run of Dense layers on the mesh (`dense`: SUMMA), attention
-layers (`attention`: SUMMA projections, heads over the mesh columns) and the
-element-wise layers and LayerNormalizations between them (`elementwise`, `norm`); values inside it are blocks, and
-where it meets a layer that is not on the mesh (or a stage's or the model's output)
-the blocks are gathered whole (`grid.Mesh.to_whole`), and a whole value entering it
-is cut (`to_block`). The same interface as the 1D kinds' registry: `choose` (which
+A mesh region is a run of Dense and EinsumDense layers on the mesh (`dense`: SUMMA),
+attention layers (`attention`: SUMMA projections, heads over the mesh columns),
+Embeddings (`embedding`), an LM head's vocabulary-split logits (`logits`) and the
+element-wise layers and LayerNormalizations between them (`elementwise`, `norm`);
+values inside it are blocks, and where it meets a layer that is not on the mesh (or a
+stage's or the model's output) the blocks are gathered whole (`grid.Mesh.to_whole`),
+and a whole value entering it is cut (`to_block`). The same interface as the 1D kinds' registry: `choose` (which
 nodes, and whether each gathers its output), `shard` (a rank's part), `describe`.
 """
 

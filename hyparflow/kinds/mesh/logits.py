@@ -24,11 +24,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ... import _compat
+from ..tensor.split import weights_of
+from .base import ENTER
 from .dense import MeshDense, summa
 from .grid import is_block, mark, rows_of, sizes_of, whole_of
-from .base import ENTER
 from .part import BLOCK, COLUMN
-from ..tensor.split import weights_of
 
 __all__ = ["MeshLogits", "eligible"]
 
@@ -38,8 +39,6 @@ _BIAS, _MAX, _SUM, _TARGET, _LOSSES = 15, 16, 17, 18, 19  # roles (`grid.mesh_ta
 def eligible(model: Any, op: Any) -> bool:
     """Whether the compiled model takes the cross-entropy of `op`'s logits in a way
     the mesh can compute on vocabulary blocks (module docstring)."""
-    from ... import _compat
-
     fn = getattr(model, "loss", None)
     if (not isinstance(fn, keras.losses.SparseCategoricalCrossentropy)
             or type(fn).call is not keras.losses.SparseCategoricalCrossentropy.call
