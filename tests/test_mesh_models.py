@@ -200,3 +200,14 @@ def test_the_language_model_head_keeps_its_logits_in_vocabulary_blocks():
     assert head_kind(model) == "mesh-dense"
     model.compile(optimizer="adam", loss="mse")
     assert head_kind(model) == "mesh-dense"
+
+
+def test_a_checkpoint_of_the_lm_at_2x2_resumes_as_replicas(tmp_path):
+    """Written at 2x2 (the embeddings', attention's and head's blocks of the weights and
+    of Adam's state put together), resumed at T=1 with 4 replicas: model.fit's weights."""
+    from conftest import check_resumes
+
+    x, y = lm_data()
+    check_resumes(small_lm, x, y, tmp_path, [
+        (1, dict(num_tensor=4, tensor_mesh=(2, 2), tensor_layers=LM, num_microbatches=2)),
+        (2, dict(resume=True, num_replicas=4))], batch_size=8, ranks=4, tol=2e-5)
