@@ -198,7 +198,7 @@ def main():
     p.add_argument("--model", choices=["gpt", "dense"], default="gpt")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--memory-limit", type=float, default=256 * 2 ** 20,
                    help="bytes per rank for the largest-batch column (default 256 MiB)")
@@ -211,10 +211,20 @@ def main():
     counter = Counter()
     ranks, cores = hf.size(), len(os.sched_getaffinity(0))
     rows = []
+    started = time.perf_counter()
+
+    def done(what):  # progress, on standard error: a run takes minutes
+        if hf.is_main():
+            print(f"batch {batch}: {what} at {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+
     for batch in args.batches:
         one_d = run(args, batch, counter, num_tensor=Q * Q)
+        done(f"1D {one_d['step'] * 1e3:.0f} ms/step")
         mesh = run(args, batch, counter, num_tensor=Q * Q, tensor_mesh=(Q, Q))
+        done(f"2x2 {mesh['step'] * 1e3:.0f} ms/step")
         plain = [waiting(lambda: keras_row(args, batch, n)) for n in (1, cores)]
+        done(f"Keras {plain[0] * 1e3:.0f} / {plain[1] * 1e3:.0f} ms/step")
         rows.append((batch, one_d, mesh, plain))
     if not hf.is_main():
         return

@@ -365,7 +365,8 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
                               fuses(s, len(c.balance), c.schedule, c.num_microbatches,
                                     c.num_chunks),
                               c.num_tensor)
-                             for c in candidates if c.num_tensor == 1 or (splits and not c.tensor_mesh)
+                             for c in candidates
+                             if c.num_tensor == 1 or (splits and not c.tensor_mesh)
                              for s in range(len(c.balance))])
     plans = []
     for c in candidates:
