@@ -195,13 +195,23 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
             raise ValueError(f"balance={balance!r} and plan= both say how to cut the layer "
                              f"calls; {source} already lists each stage's. Pass one of them.")
         for name in ("num_stages", "num_replicas", "num_microbatches", "num_tensor",
-                     "schedule", "num_chunks", "tensor_layers", "tensor_shares"):
+                     "schedule", "num_chunks", "tensor_layers", "tensor_shares",
+                     "tensor_mesh"):
             if name not in plan:
                 continue
             value = plan[name]
             if name == "tensor_shares":
                 if tensor_shares is None:
                     tensor_shares = value
+                continue
+            if name == "tensor_mesh":
+                mine = _mesh(tensor_mesh, {}) if tensor_mesh is not None else None
+                if mine is not None and _as_tuple(mine) != _as_tuple(value):
+                    raise ValueError(
+                        f"tensor_mesh={tensor_mesh!r} (the argument) contradicts {source}, "
+                        f"which says tensor_mesh={value!r}. Leave the argument out to use "
+                        "the plan, or write a new plan with `hyparflow plan`.")
+                tensor_mesh = _as_tuple(value)
                 continue
             mine = values.get(name)
             if mine is not None and _as_tuple(mine) != _as_tuple(value):

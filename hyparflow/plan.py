@@ -7,6 +7,7 @@ writes it.
       "num_stages": 2, "num_replicas": 2, "num_microbatches": 8, "schedule": "1f1b",
       "num_tensor": 1,                          # optional: ranks per stage splitting layers
       "tensor_layers": ["dense_1", ...],        # optional: which layers they split
+      "tensor_mesh": [2, 2],                    # optional: the T ranks as a 2D mesh
       "rank_mapping": "replica-major",          # rank = (replica * S + stage) * T + tensor
       "stages": [{"layers": ["conv2d", "batch_normalization", ...]}, {"layers": [...]}],
       "predicted": {...}                        # optional: the planner's cost estimate
@@ -57,6 +58,8 @@ def write(path: str, graph: Any, layout: Any,
         plan["num_tensor"] = layout.num_tensor
         if layout.tensor_layers:
             plan["tensor_layers"] = list(layout.tensor_layers)
+        if getattr(layout, "tensor_mesh", None):
+            plan["tensor_mesh"] = list(layout.tensor_mesh)
     if predicted:
         plan["predicted"] = predicted
     with open(path, "w") as f:

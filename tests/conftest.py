@@ -4,8 +4,9 @@ import os
 
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 # Thread-ranks wait for each other inside compiled functions (tensor parallelism):
-# each needs an inter-op thread of its own.
-os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "8")
+# each needs an inter-op thread of its own (9: the 3x3 mesh's ranks; with 8, the ninth
+# rank's exchange never ran and the others timed out waiting for it).
+os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "9")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)
 import numpy as np  # noqa: E402

@@ -56,6 +56,17 @@ def test_contract_under_mpiexec(n):
     assert " passed" in out.stdout
 
 
+def test_two_meshes_on_eight_ranks_under_mpiexec():
+    """The one case at n=8 (S=2 x a 2x2 mesh): only the mesh's file, whose other tests
+    also run at n=2 and 4 above; 8 processes on this host's cores start slowly, so no
+    more than this one."""
+    out, _ = mpiexec(8, "-m", "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
+                     os.path.join(HERE, "mpi", "test_mesh_mpi.py"), "-k", "two_stages")
+    print(out.stdout[-3000:])
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+    assert "1 passed" in out.stdout and "max weight difference" in out.stdout
+
+
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_failure_on_one_rank_ends_all_quickly(fail_rank):
     out, seconds = mpiexec(2, os.path.join(HERE, "mpi", "failing_script.py"), str(fail_rank), "5",

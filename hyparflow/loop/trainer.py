@@ -4,6 +4,7 @@ import dataclasses
 import sys
 
 import keras
+import numpy as np
 
 from ..engine import checkpoint as _ckpt
 from . import costs as _costs
@@ -18,6 +19,26 @@ from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
 from ..engine.runtime import Runtime
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
+
+
+
+def memory_of(runtime, optimizer):
+    """Bytes this rank holds for training, as the runtime has them: `weights` (the
+    variables its stage trains, its parts of split layers, and their non-trainable
+    companions), `optimizer` (the optimizer's state, built on those parts or on ZeRO's
+    shards) and `kept_per_sample` (the activations its backward keeps per sample,
+    `StageBody._run_nodes`): the partition as it runs, for checking the planner's
+    memory model (docs/planning.md)."""
+    stage = runtime.stage
+
+    def size(v):
+        return int(np.prod(v.shape)) * np.dtype(getattr(v.dtype, "name", v.dtype)).itemsize
+
+    fixed = runtime.graph.variables_of(stage.cut.nodes, trainable=False)
+    return {"weights": float(sum(size(v) for v in list(stage.trainable) + list(fixed))),
+            "optimizer": float(sum(size(v) for v in optimizer.variables))
+            if getattr(optimizer, "built", False) else 0.0,
+            "kept_per_sample": getattr(stage, "kept_per_sample", None)}
 
 
 def _validation_epochs(freq, epochs):
@@ -128,6 +149,7 @@ def train(model, x, y, *, comm, layout, options):
         history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
         # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
+        history.memory = memory_of(runtime, model.optimizer)
         if runtime.replicas is not None:
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history

@@ -60,6 +60,12 @@ def _schedule_name(plan: Mapping[str, Any]) -> str:
     return str(plan["schedule"]) + (f":{chunks}" if chunks > 1 else "")
 
 
+def _tensor_name(plan: Mapping[str, Any]) -> str:
+    """T, or the mesh as "2x2" (`tensor_mesh`)."""
+    mesh = plan.get("tensor_mesh")
+    return f"{mesh[0]}x{mesh[1]}" if mesh else str(plan["tensor"])
+
+
 def profile_batches(batch: int, ranks: int, microbatches: Sequence[int], most: int = 512,
                     per_sample: float = 0, memory: Optional[float] = None) -> Tuple[int, int]:
     """Two batch sizes to profile at: the plans' smallest and largest microbatch (at
@@ -256,10 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plans": plans, "one_rank": one}, f, indent=1)
-    print(f"\n{'#':>4} {'S':>3} {'T':>2} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
+    print(f"\n{'#':>4} {'S':>3} {'T':>3} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
-        print(f"{k:>4} {p['stages']:>3} {p['tensor']:>2} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "
+        print(f"{k:>4} {p['stages']:>3} {_tensor_name(p):>3} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "
               f"{p['step_s']:>9.4f} {p['samples_s']:>10.1f} {one['step_s'] / p['step_s']:>8.2f} "
               f"{p['bubble']:>6.3f} {p['comm_s']:>8.4f} {max(p['memory_bytes']) / 2**20:>12.1f} "
               f"{'yes' if p['fits'] else 'no'}")

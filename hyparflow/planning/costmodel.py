@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, NamedTuple, Protocol
 
 __all__ = ["Row", "Network", "Compute", "Across", "Exchanges", "interpolate", "work_and_wait",
-           "tensor_spans", "crosses"]
+           "tensor_spans", "crosses", "summa_bytes", "summa_seconds"]
 
 
 class Row(NamedTuple):
@@ -185,3 +185,28 @@ def crosses(src: int, dst: int, stages: int, replicas: int, num_tensor: int,
         return False
     return any((r * stages + src) * num_tensor // ranks_per_node
                != (r * stages + dst) * num_tensor // ranks_per_node for r in range(replicas))
+
+
+def summa_bytes(q: int, x_bytes: float, w_bytes: float) -> float:
+    """Bytes one rank of a q x q mesh receives (and as many it sends) for one Dense on
+    the mesh (SUMMA, `kinds.mesh.dense`) per microbatch, of a whole input of `x_bytes`
+    and a kernel of `w_bytes`: three products (Y = XW, dX = dY W^T, dW = X^T dY),
+    each moving (q - 1) blocks of 1/q^2 of its two operands (X or dX's partial sums,
+    W or dW's): 3 (q - 1) / q^2 (X + W). Optimus's 6 (q - 1) / q, in units of a
+    1/q share of each operand (X = W = 1/q): the 1D pair's 2 (T - 1) / T moves whole
+    activations instead."""
+    return 3 * (q - 1) * (x_bytes + w_bytes) / (q * q)
+
+
+def summa_seconds(q: int, x_bytes: float, w_bytes: float,
+                  network: "Exchanges") -> tuple[float, float]:
+    """(forward, backward) seconds of one Dense on the q x q mesh per microbatch: q
+    rounds forward, in each one rank of a row broadcasting its block of X to the q - 1
+    others while one of a column broadcasts its block of W (together); backward 4q
+    rounds (W's blocks broadcast, dX's partial sums reduced, X's blocks broadcast,
+    dW's reduced). A round of one root and q - 1 peers is costed as a split layer's
+    exchange among q ranks of that block (the measured one, on this node)."""
+    x, w = x_bytes / (q * q), w_bytes / (q * q)
+    forward = q * network.exchange(x + w, q)
+    backward = 2 * q * (network.exchange(x, q) + network.exchange(w, q))
+    return forward, backward

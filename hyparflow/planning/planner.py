@@ -24,7 +24,15 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   optimizer state are divided by T; each split call adds, per microbatch, an exchange
   between the T ranks forward and one backward ((T - 1) messages of its part, or of the
   whole output for a sum); when the plans run on this node, stages with split layers
-  are instead timed whole under mpiexec, exchanges included (`measure.tensor_stages`).
+  are instead timed whole under mpiexec, exchanges included (`measure.tensor_stages`);
+- the 2D mesh (T = q x q, `tensor_mesh`): every layer of a mesh region (its Dense
+  layers and the element-wise layers and LayerNormalizations they feed) computes on
+  1/q^2 of its values; a Dense's kernel is 1/q^2 per rank, a LayerNormalization's
+  scale 1/q; the region's outputs kept for the backward are 1/q^2 per rank (those
+  gathered whole for a layer outside it, whole); each Dense moves
+  `costmodel.summa_bytes` in q rounds forward and 4q backward (`summa_seconds`), and
+  a region's edges gather or cut among all q^2 ranks. Mesh stages are costed by this
+  model, not timed (`measure.tensor_stages` times 1D splits only).
 
 alpha and beta are measured with MPI (a ping-pong between two ranks, and on one
 node every ring size with all the plan's ranks running: `measure.rings`) or given
@@ -34,12 +42,13 @@ is not (`--nodes`, `--ranks-per-node`).
 
 from dataclasses import replace
 
-from .costmodel import Across, Compute, Network, Row, crosses, interpolate, tensor_spans, work_and_wait
+from .costmodel import (Across, Compute, Network, Row, crosses, interpolate, summa_seconds,
+                        tensor_spans, work_and_wait)
 from ..layout import Layout, resolve
 from ..schedules import CHUNKED, PLANNED
 
 __all__ = ["Network", "Compute", "Row", "predict", "search", "interpolate", "as_layout",
-           "fuses", "tensor_costs"]
+           "fuses", "tensor_costs", "mesh_costs"]
 
 def fuses(s, stages, schedule, micro=2, chunks=1):
     """Whether stage `s` runs forward and backward in one call: where the schedule
@@ -100,9 +109,44 @@ def tensor_costs(graph, num_tensor, m, network, across=False):
     return out
 
 
+def mesh_costs(graph, q, m, network, across=False):
+    """({node: (compute divisor, forward exchange s, backward exchange s)},
+    {node: divisor of its weights and optimizer state}, {node: divisor of its output
+    kept for the backward}) of the calls a q x q mesh would run (the default choice:
+    Dense layers by size, and the element-wise layers and LayerNormalizations the
+    region feeds; `kinds.mesh.choose`)."""
+    from ..kinds import mesh as K
+
+    network = Across(network) if across else network
+    region = K.choose(graph, range(len(graph.nodes)), q * q)
+    producers = {t: n.index for n in graph.nodes for t in n.outputs}
+    costs, weights, kept = {}, {}, {}
+    for i, split in region.items():
+        node = graph.nodes[i]
+        in_bytes, out_bytes = (4 * m * _elements(graph, t)
+                               for t in (node.inputs[0], node.outputs[0]))
+        if split.kind == "mesh-dense":
+            forward, backward = summa_seconds(q, in_bytes, 4 * node.params, network)
+            weights[i] = q * q
+        else:  # element-wise on the blocks; a norm's row sums are a few values per row
+            forward = backward = 0.0
+            if node.params:
+                weights[i] = q  # a scale and offset per column block, alike down a column
+                forward = backward = 2 * network.exchange(8 * m / q, q)
+        if split.gather:  # its blocks gathered whole for a layer outside the region
+            forward += network.exchange(out_bytes / (q * q), q * q)
+        else:
+            kept[i] = q * q
+        if any(producers.get(t) not in region for t in node.inputs):
+            # A whole value entering the region: cut; its gradient gathered whole.
+            backward += network.exchange(in_bytes / (q * q), q * q)
+        costs[i] = (q * q, forward, backward)
+    return costs, weights, kept
+
+
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
-            stage_timer=None, chunks=1):
+            stage_timer=None, chunks=1, tensor_mesh=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
 
     `chunks` (interleaved schedules): `counts` cut S x chunks virtual stages, virtual
@@ -117,7 +161,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     (`measure.stage_costs`): what a stage pays besides its layers, for running its
     backward from a tape and for summing gradients every microbatch. `stage_timer`
     (`measure.StageTimer`): the stages of a pipeline without split layers timed
-    whole, in place of their calls' profiles and `stage_costs`."""
+    whole, in place of their calls' profiles and `stage_costs`. `tensor_mesh` (q, q):
+    the T = q * q tensor ranks as a 2D mesh (`mesh_costs`)."""
     rows = [Row(*r) for r in rows]
     from .. import schedules as sched
     from ..engine.partition import partition
@@ -134,8 +179,12 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         slowdown = compute.slowdown(m)
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
-    split = tensor_costs(graph, num_tensor, m, network,
-                         across=tensor_spans(num_tensor, ranks_per_node))
+    spans = tensor_spans(num_tensor, ranks_per_node)
+    if tensor_mesh:
+        split, weight_div, kept_div = mesh_costs(graph, tensor_mesh[0], m, network, spans)
+    else:
+        split = tensor_costs(graph, num_tensor, m, network, across=spans)
+        weight_div, kept_div = {i: d for i, (d, _, _) in split.items()}, {}
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at
@@ -165,12 +214,15 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
                 transfer[key] = transfer.get(key, 0.0) + moving
         else:  # a copy through shared memory: the stage's own core does it
             send[e.src] += network.message(nbytes)
-    params = [sum(rows[i].param_bytes / div(i) for i in range(a, a + c))
+    wdiv = lambda i: weight_div.get(i, 1)  # noqa: E731
+    kdiv = lambda i: kept_div.get(i, 1)  # noqa: E731
+    params = [sum(rows[i].param_bytes / wdiv(i) for i in range(a, a + c))
               for a, c in zip(starts, counts)]
     forward = [c / 3 for c in work]
     backward = [2 * c / 3 for c in work]
     waits = [(0.0, 0.0)] * stages
-    if stage_timer is not None and num_tensor > 1 and getattr(stage_timer, "splits", False):
+    if (stage_timer is not None and num_tensor > 1 and not tensor_mesh
+            and getattr(stage_timer, "splits", False)):
         # Stages with split layers, timed (exchanges included) with every rank of the
         # node running them and with only their own tensor ranks running. Compute
         # slows with the ranks computing at once; the waits for peers inside the
@@ -242,9 +294,10 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         # Microbatches of activations alive at once: the played program's peak (M with
         # GPipe, S - s with 1F1B, whatever a new schedule keeps).
         in_flight = sim.peak_activations[s]
-        memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / div(i)
+        memory.append(sum((rows[i].param_bytes + rows[i].optimizer_bytes) / wdiv(i)
                           for i in range(a, a + c)) +
-                      sum(rows[i].activation_bytes for i in range(a, a + c)) * m * in_flight)
+                      sum(rows[i].activation_bytes / kdiv(i) for i in range(a, a + c))
+                      * m * in_flight)
         if sched.TABLE[schedule].split:
             # Kept for W: each deferred call's input and output gradient, per microbatch.
             from ..engine import kernels
@@ -256,32 +309,41 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
             "comm_s": (max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b))
                        + max(transfer.values(), default=0.0)) * micro
             + max(network.allreduce(p, replicas, across) for p in rank_params),
-            "tensor_layers": sorted(graph.nodes[i].op.name for i in split),
+            "tensor_layers": sorted(graph.nodes[i].op.name for i in split
+                                    if not tensor_mesh or weight_div.get(i) == num_tensor),
             "memory_bytes": memory, "samples_s": batch / step}
 
 
 def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
            microbatches=(1, 2, 4, 8, 16), schedules=PLANNED,
            ranks_per_node=None,
-           cores=None, tensor=(1, 2, 4), compute=None, stage_costs=None, stage_timer=None,
-           chunks=(2,)):
+           cores=None, tensor=(1, 2, 4, 9), compute=None, stage_costs=None, stage_timer=None,
+           chunks=(2,), meshes=True):
     """Every plan for `ranks` ranks, predicted, best first (plans over the memory
     limit last). `tensor`: the numbers of tensor ranks per stage to try (only those
-    that split some layer). `chunks`: model chunks per rank tried where `schedules`
-    has "interleaved" (S > 1, T = 1, M a multiple of S, enough layer calls)."""
+    that split some layer); with `meshes`, each T = q x q (4, 9) also as a q x q
+    mesh (2D, `tensor_mesh`) where some layer can run on it. `chunks`: model chunks
+    per rank tried where `schedules` has "interleaved" (S > 1, T = 1, M a multiple
+    of S, enough layer calls)."""
     from .. import balance as B
+    from ..kinds import mesh as K
     from ..kinds import tensor as T
 
     shapes = []
+    everything = range(len(graph.nodes))
     for t in tensor:
-        if ranks % t == 0 and (t == 1 or T.choose(graph, range(len(graph.nodes)), t)):
-            shapes += [(s, t) for s in range(1, ranks // t + 1)
+        q = int(round(t ** 0.5))
+        layouts = [None] if t == 1 or T.choose(graph, everything, t) else []
+        if meshes and q > 1 and q * q == t and K.choose(graph, everything, t):
+            layouts.append((q, q))
+        if ranks % t == 0:
+            shapes += [(s, t, mesh) for s in range(1, ranks // t + 1) for mesh in layouts
                        if (ranks // t) % s == 0 and s <= len(graph.nodes)]
     candidates = []
-    for stages, num_tensor in shapes:
+    for stages, num_tensor, mesh in shapes:
         for micro in microbatches:
             shape = resolve(ranks, num_stages=stages, num_tensor=num_tensor,
-                            num_microbatches=micro, environ={})
+                            num_microbatches=micro, tensor_mesh=mesh, environ={})
             if batch < shape.num_replicas * micro:
                 continue
             m = batch / (shape.num_replicas * micro)
@@ -289,7 +351,7 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
             candidates += [replace(shape, schedule=schedule, balance=tuple(counts))
                            for schedule in (schedules if stages > 1 else ("1f1b",))
                            if schedule not in CHUNKED]
-            if stages > 1 and num_tensor == 1 and micro % stages == 0:
+            if stages > 1 and num_tensor == 1 and micro % stages == 0:  # never a mesh
                 candidates += [
                     replace(shape, schedule=schedule, num_chunks=v, balance=tuple(
                         B.solve([Row(*r).seconds(m) for r in rows], stages * v)))
@@ -303,14 +365,16 @@ def search(graph, rows, opt_per_byte, network, batch, ranks, memory_limit=None,
                               fuses(s, len(c.balance), c.schedule, c.num_microbatches,
                                     c.num_chunks),
                               c.num_tensor)
-                             for c in candidates if c.num_tensor == 1 or splits
+                             for c in candidates
+                             if c.num_tensor == 1 or (splits and not c.tensor_mesh)
                              for s in range(len(c.balance))])
     plans = []
     for c in candidates:
         p = predict(graph, rows, opt_per_byte, network, list(c.balance), batch, c.num_replicas,
                     c.num_microbatches, c.schedule, ranks_per_node, cores, c.num_tensor,
-                    compute, stage_costs, stage_timer, c.num_chunks)
+                    compute, stage_costs, stage_timer, c.num_chunks, c.tensor_mesh)
         p.update(stages=c.num_stages, tensor=c.num_tensor, replicas=c.num_replicas,
+                 tensor_mesh=list(c.tensor_mesh) if c.tensor_mesh else None,
                  microbatches=c.num_microbatches, schedule=c.schedule, counts=list(c.balance),
                  chunks=c.num_chunks,
                  fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
@@ -325,5 +389,6 @@ def as_layout(plan):
                   num_microbatches=plan["microbatches"], num_tensor=plan["tensor"],
                   schedule=plan["schedule"], num_chunks=plan.get("chunks", 1),
                   balance=tuple(plan["counts"]),
+                  tensor_mesh=tuple(plan["tensor_mesh"]) if plan.get("tensor_mesh") else None,
                   tensor_layers=tuple(plan["tensor_layers"]) if plan.get("tensor_layers")
                   else None)

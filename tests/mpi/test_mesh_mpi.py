@@ -54,3 +54,24 @@ def test_transformer_encoder_with_attention_on_a_2x2_mesh_under_mpiexec():
     if hf.is_main():
         print(f"\ntransformer encoder on a 2x2 mesh: max weight difference {diff:.3g}")
     assert diff <= 2e-5
+
+
+@pytest.mark.mpi(min_size=8)
+def test_two_stages_of_2x2_meshes_under_mpiexec():
+    """S=2 x a 2x2 mesh each on 8 processes (tests/test_mpi.py runs this file alone at
+    n=8): the pipeline's boundary between two meshes (gathered on one, cut on the
+    next), Adam, 2 microbatches: model.fit's weights."""
+    from test_mesh import REGION, data, mlp
+
+    x, y = data()
+    build = lambda: mlp("adam")  # noqa: E731
+    start, expected, _ = reference(build, x, y, batch_size=16, epochs=2)
+    model = build()
+    model.set_weights(start)
+    hf.fit(model, x, y, batch_size=16, epochs=2, num_stages=2, num_tensor=4,
+           tensor_mesh=(2, 2), num_microbatches=2, tensor_layers=REGION, balance=[3, 4],
+           shuffle=False, verbose=0)
+    diff = max_diff(model.get_weights(), expected)
+    if hf.is_main():
+        print(f"\ntwo stages of 2x2 meshes: max weight difference {diff:.3g}")
+    assert diff <= 2e-5
