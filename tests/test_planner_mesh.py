@@ -107,3 +107,26 @@ def test_a_plan_file_with_a_mesh_trains_as_model_fit(tmp_path):
         assert kept == (whole - head) / 4 + head
     with pytest.raises(ValueError, match="contradicts"):
         hyparflow.layout.resolve(4, plan=path, tensor_mesh=(3, 3))
+
+
+def test_attention_and_embeddings_are_costed_as_mesh_kinds():
+    """Each mesh kind says what it exchanges: attention its four SUMMA projections over a
+    quarter of its weights each, the Embedding its column's sums, a LayerNorm its row
+    statistics; their weights are held in blocks (1/q^2), a norm's by columns (1/q)."""
+    L = keras.layers
+    ids = keras.Input((SEQ,), dtype="int32")
+    x = L.Embedding(1024, 256)(ids)
+    h = L.MultiHeadAttention(4, 64)(x, x, use_causal_mask=True)
+    x = L.LayerNormalization()(L.Add()([x, h]))
+    x = L.Dense(1024, activation="gelu")(x)
+    graph = G.from_model(keras.Model(ids, L.Dense(256)(x)))
+    net, m, q = planner.Network(5e-6, 1e-10), 4, 2
+    split, weights, _ = planner.mesh_costs(graph, q, m, net)
+    by_kind = {type(n.op).__name__: n.index for n in graph.nodes if n.index in split}
+    attn = graph.nodes[by_kind["MultiHeadAttention"]]
+    x = 4 * m * G.numel(graph.tensors[attn.inputs[0]].shape)
+    forward = 4 * costmodel.summa_seconds(q, x, attn.params, net)[0]
+    assert split[attn.index][1] == pytest.approx(forward)
+    assert weights[attn.index] == q * q
+    assert weights[by_kind["Embedding"]] == q * q and split[by_kind["Embedding"]][1] > 0
+    assert weights[by_kind["LayerNormalization"]] == q

@@ -112,9 +112,10 @@ def tensor_costs(graph, num_tensor, m, network, across=False):
 def mesh_costs(graph, q, m, network, across=False):
     """({node: (compute divisor, forward exchange s, backward exchange s)},
     {node: divisor of its weights and optimizer state}, {node: divisor of its output
-    kept for the backward}) of the calls a q x q mesh would run (the default choice:
-    Dense layers by size, and the element-wise layers and LayerNormalizations the
-    region feeds; `kinds.mesh.choose`)."""
+    kept for the backward}) of the calls a q x q mesh would run (the default choice,
+    `kinds.mesh.choose`: Dense, EinsumDense, attention and Embedding layers by size, and
+    the element-wise layers and LayerNormalizations the region feeds). Each kind says
+    what it exchanges (`MeshKind.products`: its SUMMA products, `sums`: the rest)."""
     from ..kinds import mesh as K
 
     network = Across(network) if across else network
@@ -125,14 +126,18 @@ def mesh_costs(graph, q, m, network, across=False):
         node = graph.nodes[i]
         in_bytes, out_bytes = (4 * m * _elements(graph, t)
                                for t in (node.inputs[0], node.outputs[0]))
-        if split.kind == "mesh-dense":
-            forward, backward = summa_seconds(q, in_bytes, 4 * node.params, network)
-            weights[i] = q * q
-        else:  # element-wise on the blocks; a norm's row sums are a few values per row
-            forward = backward = 0.0
-            if node.params:
-                weights[i] = q  # a scale and offset per column block, alike down a column
-                forward = backward = 2 * network.exchange(8 * m / q, q)
+        kind = K.BY_NAME[split.kind]
+        forward = backward = 0.0
+        for x, w in kind.products(in_bytes, 4 * node.params):
+            f, b = summa_seconds(q, x, w, network)
+            forward, backward = forward + f, backward + b
+        shape = graph.tensors[node.outputs[0]].shape
+        tokens = m * _elements(graph, node.outputs[0]) / max(1, int(shape[-1] or 1))
+        ahead, back = kind.sums(tokens, out_bytes, q)
+        forward += sum(network.exchange(b, q) for b in ahead)
+        backward += sum(network.exchange(b, q) for b in back)
+        if node.params:
+            weights[i] = q ** kind.share
         if split.gather:  # its blocks gathered whole for a layer outside the region
             forward += network.exchange(out_bytes / (q * q), q * q)
         else:

@@ -50,6 +50,11 @@ class MeshHeads(MeshKind):
     name = "mesh-heads"
     what = "MultiHeadAttention"
 
+    def products(self, in_bytes, weight_bytes):
+        # The query, key, value and output projections, a quarter of the weights each
+        # (the output projection's input, heads x size, taken as wide as the query's).
+        return [(in_bytes, weight_bytes / 4)] * 4
+
     def claims(self, op: Any) -> bool:
         return isinstance(op, keras.layers.MultiHeadAttention)
 

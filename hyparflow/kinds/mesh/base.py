@@ -34,8 +34,23 @@ class MeshKind(SplitKind):
     training)`: the layer's call on this rank's blocks (a whole input made a block
     first, the output made whole when `part.split.gather`)."""
 
+    # A rank holds 1/q**share of the layer's weights: a kernel's block (2), or a vector
+    # cut over the columns and alike down a column (1: a norm's scale and offset).
+    share = 2
+
     def cuts(self, op: Any) -> List[Tuple[Any, str]]:
         return []
+
+    def products(self, in_bytes: float, weight_bytes: float) -> List[Tuple[float, float]]:
+        """The SUMMA products the layer makes per microbatch, for the planner
+        (`planning.planner.mesh_costs`): [(its whole input's bytes, its kernel's)]."""
+        return []
+
+    def sums(self, rows: float, out_bytes: float, q: int) -> Tuple[List[float], List[float]]:
+        """Bytes a rank exchanges in its row or column group per microbatch besides
+        SUMMA, one entry per exchange, (forward, backward), for the planner. `rows`:
+        the microbatch's rows (tokens for a sequence), `out_bytes`: the whole output."""
+        return [], []
 
     def run(self, part: Any, args: Any, kwargs: Any, training: Any) -> Any:
         raise NotImplementedError

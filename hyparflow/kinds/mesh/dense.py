@@ -28,6 +28,9 @@ class MeshDense(MeshKind):
     name = "mesh-dense"
     what = "Dense"
 
+    def products(self, in_bytes, weight_bytes):
+        return [(in_bytes, weight_bytes)]
+
     def claims(self, op):
         return isinstance(op, keras.layers.Dense)
 

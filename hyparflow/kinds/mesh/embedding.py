@@ -35,6 +35,11 @@ class MeshEmbedding(MeshKind):
     name = "mesh-embedding"
     what = "Embedding"
 
+    def sums(self, rows, out_bytes, q):
+        # Forward, the column's partial lookups summed and scattered by batch rows;
+        # backward, the output's gradient blocks gathered over the column.
+        return [out_bytes / q], [out_bytes / q]
+
     def claims(self, op: Any) -> bool:
         return isinstance(op, keras.layers.Embedding)
 

@@ -57,6 +57,11 @@ class MeshLogits(MeshDense):
     name = "mesh-logits"
     what = None  # chosen by `choose` for an eligible head only
 
+    def sums(self, rows, out_bytes, q):
+        # The cross-entropy on the blocks: each token's maximum and sum of exponentials
+        # over the row group, the target's logit, the per-token losses over the column.
+        return [4 * rows / q] * 4, []
+
     def cuts(self, op):
         return [(op.kernel, BLOCK)] + ([(op.bias, COLUMN)] if op.bias is not None else [])
 

@@ -21,6 +21,12 @@ _MEAN, _MEAN_B, _VAR, _VAR_B, _GAMMA, _BETA = range(8, 14)
 class MeshNorm(MeshKind):
     name = "mesh-norm"
     what = None  # chosen only inside a mesh region (`choose`)
+    share = 1  # its scale and offset: cut over the columns, alike down a column
+
+    def sums(self, rows, out_bytes, q):
+        # The mean's and the variance's row sums, a value per token of the rank's rows,
+        # and their gradients back.
+        return [4 * rows / q] * 2, [4 * rows / q] * 2
 
     def claims(self, op: Any) -> bool:
         return isinstance(op, keras.layers.LayerNormalization)
