@@ -72,6 +72,10 @@ CASES = [  # (ranks, sharding, optimizer, microbatches)
     (2, "auto", "sgd", 2),
     (4, {"user": "table", "item": "row", "cat": "data"}, "adagrad", 1),
     (4, {"user": "row", "item": "row", "cat": "row"}, "adam", 2),
+    # Column-wise, mixed with the other kinds; R=3 cuts 4 columns unevenly (2, 1, 1).
+    (2, {"user": "column", "item": "row", "cat": "table"}, "adam", 1),
+    (3, {"user": "column", "item": "column", "cat": "row"}, "adagrad", 1),
+    (3, {"user": "table", "item": "column", "cat": "column"}, "sgd", 2),
 ]
 
 
@@ -99,6 +103,11 @@ def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
         if p.kind == "data":
             assert all(held[name] is None for _, held in out)
             continue
+        if p.kind == "column":
+            # Every row on every rank, the columns cut: together, each column once.
+            assert [held[name] for _, held in out] == [(ROWS[name], w) for w in p.widths]
+            assert sum(p.widths) == 4
+            continue
         rows = [held[name][0] for _, held in out]
         assert rows == list(p.sizes) and sum(rows) == ROWS[name]
         if p.kind == "row":
@@ -121,8 +130,11 @@ def test_planner_places_by_bytes():
     # A memory limit below a table's share cuts it row-wise.
     limited = {p.table.name: p for p in tplan.place(tables, "auto", 4, memory_limit=40_000)}
     assert limited["big"].kind == "row" and limited["a"].kind == "table"
-    with pytest.raises(ValueError, match=r"embedding_sharding\['a'\] = 'column'"):
-        tplan.place(tables, {"a": "column"}, 2)
+    column = tplan.place(tables, {"a": "column"}, 3)[1]
+    assert column.widths == (3, 3, 2) and column.columns == [0, 3, 6]
+    assert column.bytes_on(2) == 100 * 2 * 4 * 3 and column.ranks == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"'column' needs at least as many columns.*8 < 9"):
+        tplan.place(tables, {"a": "column"}, 9)
 
 
 def _errors(ranks, calls):
@@ -161,7 +173,7 @@ def test_bad_input_is_named():
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
     assert "['users']" in errors["unknown"] and "'user'" in errors["unknown"]
-    assert "'rows'" in errors["kind"] and "'table', 'row', 'data'" in errors["kind"]
+    assert "'rows'" in errors["kind"] and "'table', 'row', 'column', 'data'" in errors["kind"]
     assert "layer 'user'" in errors["vocabulary"]
     assert f"= {ROWS['user'] + 3} is not in [0, {ROWS['user']})" in errors["vocabulary"]
     assert "num_stages=1" in errors["pipeline"]

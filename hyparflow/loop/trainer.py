@@ -102,7 +102,8 @@ def train(model, x, y, *, comm, layout, options):
                                  "batch_size": options.batch_size, "epochs": options.epochs},
                           batch_rows=min(effective, len(sample)), replica_sync=replica_sync,
                           embedding_sharding=options.embedding_sharding,
-                          memory_limit=options.memory_limit)
+                          memory_limit=options.memory_limit,
+                          communication_dtype=options.communication_dtype)
         if runtime.tables is not None and state["verbose"] and comm.rank == 0:
             print(runtime.tables.describe(), flush=True)
     except (ValueError, TypeError, NotImplementedError) as exc:

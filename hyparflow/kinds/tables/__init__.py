@@ -13,9 +13,10 @@ whose pairs stay on their rank, the communicator to connect, the plan to print."
 import keras
 import numpy as np
 
+from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
 from . import plan as _plan
-from .lookup import Router
+from .lookup import Router, wire_dtype
 from .part import TablePart
 
 __all__ = ["Tables", "check_batches"]
@@ -41,20 +42,6 @@ def _why_not(graph, op):
     if getattr(op, "sparse", False):
         return "it has sparse=True"
     return None
-
-
-def _check_optimizer(optimizer):
-    if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
-        raise NotImplementedError(
-            "clipnorm / global_clipnorm need the norm of whole gradients, but a sharded "
-            "table's gradient is spread over its owners. Use clipvalue, or "
-            "embedding_sharding=None.")
-    name = type(optimizer).__name__
-    if name in ("Adafactor", "Muon", "LossScaleOptimizer"):
-        raise NotImplementedError(
-            f"{name} does not update a table row by row, so the owners of a sharded table's "
-            "rows cannot step them apart. Use an element-wise optimizer (SGD, Adam, "
-            "Adagrad, RMSprop, ...) or embedding_sharding=None.")
 
 
 def _factor(optimizer):
@@ -95,14 +82,24 @@ class Tables:
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True):
+             training=True, communication_dtype=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
-        returns None). `rank`: this rank's replica index."""
+        returns None). `rank`: this rank's replica index; `communication_dtype`: the
+        dtype rows and gradients travel in (None: float32)."""
+        wire = wire_dtype(communication_dtype)
         if sharding is None:
+            if wire is not None:
+                raise ValueError(
+                    f"communication_dtype={communication_dtype!r} applies to the exchanges "
+                    "of sharded embedding tables (the replicas' gradient sums stay float32 "
+                    "for now), but embedding_sharding is not set. Set embedding_sharding, "
+                    "or leave communication_dtype out.")
             return None
         _check_layout(layout, sync, graph, model)
         if training:
-            _check_optimizer(model.optimizer)
+            # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
+            check_parted(model.optimizer, "the owners of a sharded table each hold a part "
+                         "of it", "embedding_sharding=None")
         found = _embeddings(graph)
         if not found:
             raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
@@ -117,7 +114,7 @@ class Tables:
             if reason is not None:
                 refused[op.name] = reason
         placements = _plan.place(tables, sharding, layout.num_replicas, memory_limit, refused)
-        router = Router()
+        router = Router(wire)
         parts = {}
         for site, ((i, op), p) in enumerate(zip(found, placements)):
             if p.kind != "data":
