@@ -169,6 +169,9 @@ def test_bad_input_is_named():
         "kind": (tables_model, x, y, {"embedding_sharding": {"user": "rows"}}),
         "pipeline": (tables_model, x, y, {"embedding_sharding": "auto", "num_stages": 2,
                                           "num_replicas": 1}),
+        "dtype": (tables_model, x, y, {"embedding_sharding": "auto",
+                                       "communication_dtype": "bf16"}),
+        "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
@@ -177,6 +180,48 @@ def test_bad_input_is_named():
     assert "layer 'user'" in errors["vocabulary"]
     assert f"= {ROWS['user'] + 3} is not in [0, {ROWS['user']})" in errors["vocabulary"]
     assert "num_stages=1" in errors["pipeline"]
+    assert "communication_dtype='bf16'" in errors["dtype"]
+    assert "'float32', 'bfloat16', 'float16'" in errors["dtype"]
+    assert "embedding_sharding is not set" in errors["no tables"]
+
+
+@pytest.mark.parametrize("dtype,optimizer,bound", [
+    ("bfloat16", "sgd", 1e-4), ("float16", "adagrad", 5e-5), ("bfloat16", "adam", 0.1)])
+def test_reduced_precision_exchanges(dtype, optimizer, bound):
+    """communication_dtype: the rows and gradients of the lookups travel in 16 bits
+    (half the bytes, counted), the sums stay float32; the weights leave model.fit's
+    by the rounding only (a bound, not the exact contract), float32 stays exact.
+    Adam divides each gradient by its own scale, so a coordinate whose gradient is
+    mostly rounding still steps by up to lr (0.05): its bound is two steps, and the
+    loss stays within 1%."""
+    sharding = {"user": "row", "item": "column", "cat": "table"}
+    x, y = tables_data()
+    reference = tables_model(optimizer)
+    start = reference.get_weights()
+    want_loss = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                              verbose=0).history["loss"]
+    want = reference.get_weights()
+
+    def body(comm):
+        out = {}
+        for wire in ("float32", dtype):
+            model = tables_model(optimizer)
+            model.set_weights(start)
+            loss = hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                          comm=comm, embedding_sharding=sharding,
+                          communication_dtype=wire).history["loss"]
+            router = model.get_layer("user").__dict__["_hyparflow_table_part"].router
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), want))
+            out[wire] = (router.payload, router.bytes, diff, loss)
+        return out
+
+    for out in run_ranks(2, body, timeout=300):
+        (full, full_all, exact, _), (half, half_all, drift, loss) = out["float32"], out[dtype]
+        assert full > 0 and half * 2 == full  # rows and gradients: half the bytes
+        assert full_all - half_all == full - half  # ids and counts: as they were
+        assert exact <= 2e-6
+        assert 1e-7 < drift < bound, (dtype, optimizer, drift)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
 
 
 def test_short_last_batch_is_refused():

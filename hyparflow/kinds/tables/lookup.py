@@ -54,12 +54,14 @@ def wire_dtype(name):
 class Router:
     """The ranks that share the sharded tables (`comm`: set once they are connected),
     the dtype rows and gradients travel in (`wire`: None for as they are), and the
-    bytes this rank sent to the others (for the benchmark)."""
+    bytes this rank sent to the others (for the benchmark): all (`bytes`: ids and
+    counts too) and those of rows and gradients (`payload`)."""
 
     def __init__(self, wire=None):
         self.comm = None
         self.wire = wire
         self.bytes = 0
+        self.payload = 0
         self.largest = 0  # the largest message sent, in bytes
 
     def alltoall(self, blocks, counts_in, tail, dtype, tag, what, wire=None):
@@ -80,6 +82,8 @@ class Router:
             block = np.ascontiguousarray(blocks[p], sent)
             reqs.append(comm.isend(block, p, tag))
             self.bytes += block.nbytes
+            if block.dtype.kind != "i":
+                self.payload += block.nbytes
             self.largest = max(self.largest, block.nbytes)
         wait_all(reqs, timeout_seconds(), f"the other ranks' {what}", comm.spin)
         if wire is not None:

@@ -62,10 +62,11 @@ class TablePart:
         if self.column:
             value = value.T
         blocks = [value] * size
-        counted = self.router.bytes  # the counter is the lookups' bytes: not these
+        # The counters are the lookups' bytes: not these.
+        counted = self.router.bytes, self.router.payload
         got = self.router.alltoall(blocks, self.sizes, tuple(value.shape[1:]), value.dtype,
                                    _WEIGHTS_TAG, f"rows of {self.what}")
-        self.router.bytes = counted
+        self.router.bytes, self.router.payload = counted
         whole = np.concatenate(got, axis=0)
         return np.ascontiguousarray(whole.T) if self.column else whole
 
