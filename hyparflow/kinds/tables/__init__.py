@@ -1,6 +1,7 @@
 """Embedding tables sharded over the ranks of a data-parallel run (`fit(...,
 embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
-every rank ("row"), or replicated as before ("data"), while the dense layers stay
+every rank ("row"), its columns cut over every rank ("column"), or replicated as
+before ("data"), while the dense layers stay
 data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
 and rows back; `part` is a rank's rows, trained in the table's place. The owner's
 optimizer steps its rows on their (row, value) pairs, in the order of the global

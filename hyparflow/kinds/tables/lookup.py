@@ -20,6 +20,10 @@ contiguous ranges (`Placement.sizes`):
    back in batch order; its backward sends each row's gradient to its owner in the
    order of `requested`.
 
+A "column" table (`ColumnLookup`) sends every id to every rank instead, and the
+slices of columns come back side by side. Rows and gradients may travel in 16 bits
+(`Router.wire`, `communication_dtype`): cast back to float32 on arrival.
+
 An id outside the table fails on every rank at step 1 (the flag rides with the
 counts), with Keras's words, so no rank waits for a message that never comes."""
 
