@@ -224,6 +224,34 @@ def test_reduced_precision_exchanges(dtype, optimizer, bound):
         np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
 
 
+@pytest.mark.parametrize("first,then", [
+    ({"user": "row", "item": "table", "cat": "column"}, {"user": "column", "item": "row"}),
+    ("auto", None)])
+def test_checkpoint_resumes_with_another_sharding(tmp_path, first, then):
+    """A checkpoint holds whole tables and whole optimizer slots (gathered from their
+    owners), so a run with another sharding, or none, resumes from it: epoch 1 with
+    `first`, epoch 2 with `then`, ends where two epochs of model.fit (Adam) end."""
+    x, y = tables_data()
+    reference = tables_model("adam")
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+
+    def body(comm):
+        for epochs, sharding in ((1, first), (2, then)):
+            model = tables_model("adam")
+            # The second run starts elsewhere: only what it resumes brings it back.
+            model.set_weights([w + (epochs - 1) for w in start])
+            hf.fit(model, x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                   comm=comm, embedding_sharding=sharding, checkpoint_dir=str(tmp_path),
+                   resume=True)
+        return model.get_weights()
+
+    for weights in run_ranks(2, body, timeout=300):
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= 2e-6, (first, then, diff)
+
+
 def test_short_last_batch_is_refused():
     x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
     errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"})})
