@@ -275,3 +275,67 @@ def test_validation_looks_up_sharded_tables():
     for history in run_ranks(2, body, timeout=300):
         np.testing.assert_allclose(history["val_loss"], want["val_loss"], rtol=1e-6)
         np.testing.assert_allclose(history["loss"], want["loss"], rtol=1e-6)
+
+
+def test_plan_costs_the_tables():
+    """The placement's cost: the owners' load follows the ids (a hot row piles onto its
+    row owner, not onto column slices), 16-bit exchanges halve the rows' bytes, the
+    printed table names each table, and the plan file's kinds come back as
+    embedding_sharding (an argument that differs is an error)."""
+    from hyparflow.kinds.tables import cost as C
+
+    tables = [tplan.Table("hot", 1000, 8, factor=3), tplan.Table("wide", 100, 8, factor=3)]
+    placed = tplan.place(tables, {"hot": "row", "wide": "column"}, 2)
+    hot = np.r_[np.zeros(90, int), np.arange(500, 510)]  # 90% on row 0: rank 0's
+    rows = C.costs(placed, 2, {"hot": 100, "wide": 100}, {"hot": hot}, beta=1e-9)
+    assert rows[0].looked_up == (90 * 8, 10 * 8)  # rank 0 owns the hot row
+    assert rows[1].looked_up == (100 * 4, 100 * 4)  # every rank: its 4 columns of each
+    uniform = C.costs(placed, 2, {"hot": 100, "wide": 100})[0]
+    assert uniform.looked_up == (400, 400) and rows[0].seconds > uniform.seconds
+    assert rows[0].stored == 500 * 8 * 4 * 3 and rows[1].stored == 100 * 4 * 4 * 3
+    half = C.costs(placed, 2, {"hot": 100, "wide": 100}, {"hot": hot}, wire_bytes=2)
+    ids = 50 * (1 - 0.9) * 8  # rank 0 asks rank 1 for 10% of its 50 ids
+    assert half[0].sent[0] - ids == (rows[0].sent[0] - ids) / 2
+    text = C.describe(rows, 2)
+    assert "hot" in text and "column" in text and "est. ms" in text
+    kinds = C.to_plan(placed)
+    assert kinds == {"hot": "row", "wide": "column"}
+    assert C.from_plan(None, {"tables": kinds}) == kinds
+    assert C.from_plan("auto", {}) == "auto"
+    with pytest.raises(ValueError, match="differ"):
+        C.from_plan("auto", {"tables": kinds}, "plan.json")
+
+
+def test_plan_file_places_the_tables(tmp_path):
+    """fit(plan=FILE) shards the tables as the plan file's "tables" say, and still
+    trains to model.fit's weights (Adagrad)."""
+    from hyparflow import plan as P
+    from hyparflow.graph import from_model
+    from hyparflow.layout import Layout
+
+    x, y = tables_data()
+    reference = tables_model("adagrad")
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+    kinds = {"user": "column", "item": "row", "cat": "table"}
+
+    def body(comm):
+        model = tables_model("adagrad")
+        model.set_weights(start)
+        # Each thread-rank's model has its own automatic layer names: its own plan.
+        path = str(tmp_path / f"plan{comm.rank}.json")
+        graph = from_model(model)
+        P.write(path, graph, Layout(num_replicas=2, balance=(len(graph.nodes),)),
+                tables=kinds)
+        hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
+               plan=path)
+        held = {name: tuple(model.get_layer(name).__dict__["_hyparflow_table_part"]
+                            .variable.shape) for name in kinds}
+        return model.get_weights(), held
+
+    out = run_ranks(2, body, timeout=300)
+    for weights, held in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
+    assert [held["user"] for _, held in out] == [(ROWS["user"], 2)] * 2
+    assert [held["item"][0] for _, held in out] == [15, 15]

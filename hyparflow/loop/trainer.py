@@ -11,6 +11,7 @@ from . import data as _data
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
 from ..kinds import tables as _tables
+from ..kinds.tables import cost as _tables_cost
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -37,6 +38,9 @@ def train(model, x, y, *, comm, layout, options):
     replica_sync = options.replica_sync
     try:
         check_positive(batch_size=options.batch_size, epochs=options.epochs)
+        # A plan file's table placement ("tables", `hyparflow plan`) is the default.
+        options = dataclasses.replace(options, embedding_sharding=_tables_cost.from_plan(
+            options.embedding_sharding, layout.plan))
         replica_sync = _sync.resolve(options.replica_sync)
         _sync.check(replica_sync, layout.num_replicas)
         if options.resume and not options.checkpoint_dir:

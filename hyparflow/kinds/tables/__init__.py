@@ -20,7 +20,7 @@ from . import plan as _plan
 from .lookup import Router, wire_dtype
 from .part import TablePart
 
-__all__ = ["Tables", "check_batches"]
+__all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
 
 
 def _embeddings(graph):
@@ -73,6 +73,35 @@ def _check_layout(layout, sync, graph, model):
             "step with the whole batch's gradient.")
 
 
+def placements_for(model, graph, sharding, ranks, memory_limit=None, training=True):
+    """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
+    `embedding_sharding=sharding` over `ranks` ranks, storage counted with the model's
+    optimizer's slots (when `training`); what cannot be sharded, with why."""
+    found = _embeddings(graph)
+    if not found:
+        raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
+                         "Embedding layer. Leave embedding_sharding out.")
+    factor = _factor(model.optimizer) if training else 1
+    tables, refused = [], {}
+    for _, op in found:
+        table = op.embeddings
+        tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
+                                  np.dtype(table.dtype).itemsize, factor))
+        reason = _why_not(graph, op)
+        if reason is not None:
+            refused[op.name] = reason
+    return _plan.place(tables, sharding, ranks, memory_limit, refused)
+
+
+def lookups_per_sample(graph):
+    """{Embedding layer name: ids it looks up per sample} (its input's size)."""
+    out = {}
+    for i, op in _embeddings(graph):
+        shape = graph.tensors[graph.nodes[i].inputs[0]].shape
+        out[op.name] = int(np.prod([d or 1 for d in shape[1:]]))
+    return out
+
+
 class Tables:
     """This rank's sharded tables: placements, parts, and the router."""
 
@@ -101,23 +130,11 @@ class Tables:
             # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
-        found = _embeddings(graph)
-        if not found:
-            raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
-                             "Embedding layer. Leave embedding_sharding out.")
-        factor = _factor(model.optimizer) if training else 1
-        tables, refused = [], {}
-        for _, op in found:
-            table = op.embeddings
-            tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
-                                      np.dtype(table.dtype).itemsize, factor))
-            reason = _why_not(graph, op)
-            if reason is not None:
-                refused[op.name] = reason
-        placements = _plan.place(tables, sharding, layout.num_replicas, memory_limit, refused)
+        placements = placements_for(model, graph, sharding, layout.num_replicas,
+                                    memory_limit, training)
         router = Router(wire)
         parts = {}
-        for site, ((i, op), p) in enumerate(zip(found, placements)):
+        for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
             if p.kind != "data":
                 parts[i] = TablePart(op, p, rank, router, site)
         self = cls(placements, parts, [], layout.num_replicas)
