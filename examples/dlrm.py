@@ -66,6 +66,11 @@ def dlrm(rows):
     return model
 
 
+def build_model():
+    """The default model, for `hyparflow plan examples/dlrm.py --embedding-sharding auto`."""
+    return dlrm(sizes(8, 100_000))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=16384)
