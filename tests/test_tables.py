@@ -253,9 +253,18 @@ def test_checkpoint_resumes_with_another_sharding(tmp_path, first, then):
 
 
 def test_short_last_batch_is_refused():
+    """A last batch with fewer than R x M samples: refused up front (arrays), or when
+    the dataset yields it (every rank iterates alike, so every rank raises)."""
+    import tensorflow as tf
+
     x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
-    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"})})
+    dataset = lambda: tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(16)  # noqa: E731
+    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"}),
+                         "dataset": (tables_model, dataset(), None,
+                                     {"embedding_sharding": "auto"})})
     assert "last batch has 1 samples" in errors["short"]
+    assert "the dataset's last batch has 1 samples" in errors["dataset"]
+    assert "drop_remainder=True" in errors["dataset"]
 
 
 def test_validation_looks_up_sharded_tables():

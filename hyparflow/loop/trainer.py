@@ -76,6 +76,9 @@ def train(model, x, y, *, comm, layout, options):
             )
         if options.embedding_sharding is not None and isinstance(source, _data.ArraySource):
             _tables.check_batches(len(sample), options.batch_size, replicas, microbatches)
+        elif options.embedding_sharding is not None:
+            source.check = lambda n: _tables.check_batches(n, n + 1, replicas, microbatches,
+                                                           "the dataset")
         if validation_data is not None:
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)

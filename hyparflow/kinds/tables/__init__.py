@@ -160,12 +160,16 @@ class Tables:
 
 def check_batches(samples, batch_size, replicas, microbatches, what="the data"):
     """Every replica must look up as many microbatches as the others each step (their
-    lookups pair up): a short last batch with fewer than R x M samples is refused."""
+    lookups pair up, and each owner serves every replica's): a short last batch with
+    fewer than R x M samples is refused. A dataset's batches are checked one by one
+    (`batch_size` = samples + 1: the batch is its own "last")."""
     last = samples % batch_size
     if 0 < last < replicas * microbatches:
+        sizes = ("" if batch_size == samples + 1 else
+                 f" ({samples} samples, batch_size={batch_size})")
         raise ValueError(
             f"With embedding_sharding every replica looks its microbatches up together, but "
-            f"{what}'s last batch has {last} samples ({samples} samples, batch_size="
-            f"{batch_size}), fewer than num_replicas x num_microbatches = "
-            f"{replicas * microbatches}. Drop those last {last} samples, or pick a batch_size "
-            "whose last batch has at least that many.")
+            f"{what}'s last batch has {last} samples{sizes}, fewer than num_replicas x "
+            f"num_microbatches = {replicas * microbatches}. Drop those last {last} samples "
+            "(a dataset: .batch(..., drop_remainder=True)), or pick a batch_size whose last "
+            "batch has at least that many.")
