@@ -348,3 +348,35 @@ def test_plan_file_places_the_tables(tmp_path):
         assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
     assert [held["user"] for _, held in out] == [(ROWS["user"], 2)] * 2
     assert [held["item"][0] for _, held in out] == [15, 15]
+
+
+def test_plan_command_places_the_tables(tmp_path, capsys):
+    """`hyparflow plan --embedding-sharding auto --ids FUNCTION`'s table step: the
+    placement printed with its costs, the owners' load from the ids, only the plans
+    with one stage and one tensor rank kept (their kinds go into the plan file)."""
+    import argparse
+
+    from hyparflow.graph import from_model
+    from hyparflow.planning import command
+    from hyparflow.planning.costmodel import Network
+
+    source = tmp_path / "model.py"
+    source.write_text("import numpy as np\n\ndef first_ids():\n"
+                      "    return {'user': np.zeros(64, int)}\n")  # every lookup: row 0
+    args = argparse.Namespace(embedding_sharding='{"user": "row", "item": "column"}',
+                              ids="first_ids", communication_dtype="bfloat16",
+                              batch_size=16, model=str(source))
+    model = tables_model("adam")
+    plans = [dict(stages=2, tensor=1, replicas=1, microbatches=2, schedule="1f1b", step_s=0.1),
+             dict(stages=1, tensor=1, replicas=2, microbatches=1, schedule="1f1b", step_s=0.2)]
+    kinds, allowed = command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2,
+                                     None, plans)
+    assert kinds == {"user": "row", "item": "column", "cat": "data"}
+    assert allowed == plans[1:]
+    text = capsys.readouterr().out
+    user = next(line for line in text.splitlines() if line.strip().startswith("user"))
+    assert " row " in user and "100%" in user  # rank 0 owns every looked-up row
+    assert "S=1 T=1 R=2" in text
+    with pytest.raises(ValueError, match="one stage and one tensor rank"):
+        command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2, None,
+                        plans[:1])

@@ -154,6 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "'{\"layer\": \"row\", ...}'): plans with one stage and one "
                              "tensor rank only; the tables' placement is costed, printed "
                              "and written into the plan file (its \"tables\")")
+    parser.add_argument("--ids", metavar="FUNCTION",
+                        help="with --embedding-sharding: a function of the model's Python "
+                             "file returning {Embedding layer name: ids of the first "
+                             "batches}, for the owners' load (default: uniform ids)")
     parser.add_argument("--communication-dtype", choices=["float32", "bfloat16", "float16"],
                         help="the tables' exchanges in 16 bits (their estimate's bytes)")
     args = parser.parse_args(argv)   # a Namespace: untyped attributes
@@ -288,10 +292,11 @@ def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, 
             limit: Optional[float], plans: List[Plan]) -> Tuple[Dict[str, str], List[Plan]]:
     """Place and cost the Embedding tables (`--embedding-sharding`) over the replicas
     of a plan with one stage and one tensor rank; print the placement; return its
-    kinds for the plan file and the plans it allows. The ids are taken as uniform
-    (`hyparflow plan` sees no data)."""
+    kinds for the plan file and the plans it allows. The owners' load is from the ids
+    `--ids` returns, else uniform (`hyparflow plan` sees no data)."""
     from ..kinds import tables as T
     from ..kinds.tables import cost as C
+    from .profile import load_function
 
     text = args.embedding_sharding
     sharding = text if text == "auto" else json.loads(text)
@@ -302,9 +307,14 @@ def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, 
     placements = T.placements_for(model, graph, sharding, ranks, limit)
     per_sample = T.lookups_per_sample(graph)
     wire = 2 if args.communication_dtype in ("bfloat16", "float16") else 4
+    ids = load_function(args.model, args.ids, "--ids")() if args.ids else None
     rows = C.costs(placements, ranks, {k: v * args.batch_size for k, v in per_sample.items()},
-                   wire_bytes=wire, alpha=network.alpha, beta=network.beta)
+                   ids, wire_bytes=wire, alpha=network.alpha, beta=network.beta)
     print("\n" + C.describe(rows, ranks))
+    best = allowed[0]
+    print(f"with the tables sharded over the replicas: plan S=1 T=1 R={best['replicas']} "
+          f"M={best['microbatches']} {_schedule_name(best)}, {best['step_s']:.4f} s per "
+          "step without the tables' exchanges")
     return C.to_plan(placements), allowed
 
 

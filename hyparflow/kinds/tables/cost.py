@@ -104,21 +104,23 @@ def costs(placements: Sequence[Placement], ranks: int, lookups: Mapping[str, flo
 def describe(rows: Sequence[Cost], ranks: int) -> str:
     """The plan's cost as a table: table, kind, ranks, bytes (the most one rank
     stores, weights + optimizer slots), the most bytes one rank sends per step, the
-    estimated ms of its busiest rank."""
+    busiest rank's share of the looked-up values (its load), the estimated ms of the
+    busiest rank."""
     lines = [f"embedding tables over {ranks} ranks (per step; stored: weights + optimizer "
              "slots, the most on one rank)",
              f"  {'table':<20} {'kind':<6} {'ranks':<10} {'stored bytes':>14} "
-             f"{'sent bytes':>12} {'est. ms':>8}"]
+             f"{'sent bytes':>12} {'load':>5} {'est. ms':>8}"]
     for c in rows:
         p = c.placement
         where = ("all (copy)" if p.sizes is None else
                  str(p.ranks[0]) if p.kind == "table" else f"0-{ranks - 1}")
+        load = max(c.looked_up) / max(1, sum(c.looked_up))
         lines.append(f"  {p.table.name:<20} {p.kind:<6} {where:<10} {c.stored:>14,} "
-                     f"{max(c.sent):>12,} {c.seconds * 1e3:>8.3f}")
+                     f"{max(c.sent):>12,} {load:>5.0%} {c.seconds * 1e3:>8.3f}")
     total = sum(c.seconds for c in rows)
     lines.append(f"  {'total':<20} {'':<6} {'':<10} "
                  f"{max(sum(c.placement.bytes_on(r) for c in rows) for r in range(ranks)):>14,} "
-                 f"{max(sum(c.sent[r] for c in rows) for r in range(ranks)):>12,} "
+                 f"{max(sum(c.sent[r] for c in rows) for r in range(ranks)):>12,} {'':>5} "
                  f"{total * 1e3:>8.3f}")
     return "\n".join(lines)
 
