@@ -160,6 +160,12 @@ def _errors(ranks, calls):
     return results[0]
 
 
+def adafactor():
+    model = tables_model()
+    model.compile(keras.optimizers.Adafactor(), "mse")
+    return model
+
+
 def test_bad_input_is_named():
     x, y = tables_data()
     bad = [a.copy() for a in x]
@@ -172,6 +178,7 @@ def test_bad_input_is_named():
         "dtype": (tables_model, x, y, {"embedding_sharding": "auto",
                                        "communication_dtype": "bf16"}),
         "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
+        "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
@@ -183,6 +190,8 @@ def test_bad_input_is_named():
     assert "communication_dtype='bf16'" in errors["dtype"]
     assert "'float32', 'bfloat16', 'float16'" in errors["dtype"]
     assert "embedding_sharding is not set" in errors["no tables"]
+    assert "Adafactor updates a weight matrix as a whole" in errors["adafactor"]
+    assert "owners of a sharded table" in errors["adafactor"]
 
 
 @pytest.mark.parametrize("dtype,optimizer,bound", [

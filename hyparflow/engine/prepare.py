@@ -13,7 +13,7 @@ from .. import graph as _graph
 from . import errors as errors_
 
 __all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
-           "build_like_fit", "check_model", "check_optimizer", "check_agreement",
+           "build_like_fit", "check_model", "check_optimizer", "check_parted", "check_agreement",
            "build_compiled", "target_specs", "input_specs", "weight_specs"]
 
 
