@@ -1,12 +1,14 @@
-"""Step time and bytes per step of examples/dlrm.py's model: sharded tables
-("auto"), today's replicated tables (their gradient pairs gathered over the
-replicas), and plain Keras `model.fit` on one process.
+"""Step time and bytes per step of examples/dlrm.py's model on the ranks of one
+mpiexec run: each sharding kind for every table ("table", "row", "column"), the
+planner's "auto", "auto" with bfloat16 exchanges, today's replicated tables (their
+gradient pairs gathered over the replicas), then plain Keras `model.fit` on rank 0
+alone with all the cores (the other ranks wait without spinning).
 
-    mpiexec -n 2 python benchmarks/tables.py            # the hyparflow rows
-    python benchmarks/tables.py --keras                  # the model.fit row
+    mpiexec -n 2 python benchmarks/tables.py
 
-Bytes per step: what rank 0 sent for the tables' lookups (sharded), or the sparse
-pairs it received (replicated), from the run's trace."""
+Bytes per step: what rank 0 sent for the tables' lookups (ids, rows, gradients:
+`Router.bytes`; rows and gradients alone: `Router.payload`), or the sparse pairs it
+received (replicated), from the run's trace."""
 
 import argparse
 import json
@@ -35,9 +37,33 @@ class Clock(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self.start)
 
 
+def _pairs(trace):
+    """Bytes of sparse pairs and of dense gradients in the replicas' sums (trace)."""
+    if not os.path.exists(trace):
+        return 0, 0
+    with open(trace) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    total = lambda key: sum(e.get("args", {}).get(key, 0) for e in events  # noqa: E731
+                            if e.get("name") == "allreduce")
+    return total("sparse_bytes"), total("dense_bytes")
+
+
+def _keras_alone(run):
+    """`run()` on rank 0 while the others wait in a barrier they test every 50 ms (a
+    blocking MPI barrier would spin on a core)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.rank == 0:
+        run()
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.05)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--keras", action="store_true")
     p.add_argument("--features", type=int, default=8)
     p.add_argument("--largest", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=1024)
@@ -45,35 +71,42 @@ def main():
     args = p.parse_args()
     rows = sizes(args.features, args.largest)
     x, y = click_data(args.batch * args.steps, rows)
-    if args.keras:
+    names = [f"table{k}" for k in range(len(rows))]
+    runs = [(f'"{kind}" (every table)', {n: kind for n in names}, None)
+            for kind in ("table", "row", "column")]
+    runs += [('"auto"', "auto", None), ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
+             ('"column", bfloat16 exchanges', {n: "column" for n in names}, "bfloat16"),
+             ("replicated tables (no sharding)", None, None)]
+    if hf.is_main():
+        print(f"| {hf.size()} ranks | ms / step | table bytes / step (rank 0) | of them rows "
+              "and gradients | dense allreduce bytes / step |\n|---|---:|---:|---:|---:|")
+    for name, sharding, dtype in runs:
+        model, clock = dlrm(rows), Clock()
+        trace = os.path.join(tempfile.gettempdir(), f"tables_bench_{hf.rank()}.json")
+        if os.path.exists(trace):
+            os.remove(trace)
+        hf.fit(model, x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+               embedding_sharding=sharding, communication_dtype=dtype, callbacks=[clock],
+               trace=trace)
+        parts = [layer.__dict__.get("_hyparflow_table_part") for layer in model.layers]
+        routers = {id(q.router): q.router for q in parts if q is not None}
+        sent = sum(r.bytes for r in routers.values())
+        payload = sum(r.payload for r in routers.values())
+        pairs, dense = _pairs(trace)
+        if hf.is_main():
+            print(f"| {name} | {np.median(clock.times[2:]) * 1e3:.1f} | "
+                  f"{(sent + pairs) / args.steps:,.0f} | "
+                  f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} |",
+                  flush=True)
+
+    def keras_fit():
         model, clock = dlrm(rows), Clock()
         model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[clock])
-        print(f"model.fit, 1 process: {np.median(clock.times[2:]) * 1e3:.1f} ms/step")
-        return
-    for name, sharding in (("sharded (auto)", "auto"), ("replicated (data)", None)):
-        model, clock = dlrm(rows), Clock()
-        trace = os.path.join(tempfile.gettempdir(), f"tables_bench_{hf.rank()}.json")
-        hf.fit(model, x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-               embedding_sharding=sharding, callbacks=[clock], trace=trace)
-        sent = 0
-        part = [layer.__dict__.get("_hyparflow_table_part") for layer in model.layers]
-        routers = {id(q.router): q.router for q in part if q is not None}
-        sent = sum(r.bytes for r in routers.values())
-        pairs = 0
-        if os.path.exists(trace):
-            with open(trace) as f:
-                events = json.load(f)
-            events = events.get("traceEvents", events) if isinstance(events, dict) else events
-            pairs = sum(e.get("args", {}).get("sparse_bytes", 0) for e in events
-                        if e.get("name") == "allreduce")
-            dense = sum(e.get("args", {}).get("dense_bytes", 0) for e in events
-                        if e.get("name") == "allreduce")
-        if hf.is_main():
-            print(f"{name}, {hf.size()} ranks: {np.median(clock.times[2:]) * 1e3:.1f} ms/step, "
-                  f"table bytes/step {(sent + pairs) / args.steps:,.0f} "
-                  f"(lookups {sent / args.steps:,.0f}, gathered pairs {pairs / args.steps:,.0f}), "
-                  f"dense allreduce {dense / args.steps:,.0f}")
+        print(f"| `model.fit`, 1 process, all cores | {np.median(clock.times[2:]) * 1e3:.1f} "
+              "| - | - | - |", flush=True)
+
+    _keras_alone(keras_fit)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,18 @@ def dlrm(rows):
     return model
 
 
+def build_model():
+    """The default model, for `hyparflow plan examples/dlrm.py --embedding-sharding auto`."""
+    return dlrm(sizes(8, 100_000))
+
+
+def first_ids():
+    """{table: its ids in the first 8 batches of 1024}, for `hyparflow plan --ids
+    first_ids`: the power law puts most lookups on the low rows."""
+    x, _ = click_data(8 * 1024, sizes(8, 100_000))
+    return {f"table{k}": ids for k, ids in enumerate(x[1:])}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=16384)

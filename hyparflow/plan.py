@@ -10,7 +10,8 @@ writes it.
       "tensor_mesh": [2, 2],                    # optional: the T ranks as a 2D mesh
       "rank_mapping": "replica-major",          # rank = (replica * S + stage) * T + tensor
       "stages": [{"layers": ["conv2d", "batch_normalization", ...]}, {"layers": [...]}],
-      "predicted": {...}                        # optional: the planner's cost estimate
+      "predicted": {...},                       # optional: the planner's cost estimate
+      "tables": {"user": "row", "item": "table"}  # optional: embedding_sharding
     }
 
 Layer calls are named as `hyparflow.graph` names them: the layer's name, with `#2`,
@@ -36,9 +37,12 @@ class Plan(dict):  # type: ignore[type-arg]
 
 
 def write(path: str, graph: Any, layout: Any,
-          predicted: Optional[Mapping[str, float]] = None) -> "Plan":
+          predicted: Optional[Mapping[str, float]] = None,
+          tables: Optional[Mapping[str, str]] = None) -> "Plan":
     """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
-    of each stage) as a plan for `graph`'s model."""
+    of each stage) as a plan for `graph`'s model; `tables`: the Embedding tables'
+    sharding kinds ({layer name: kind}), which `fit(plan=...)` uses as its
+    `embedding_sharding` (kinds/tables/cost.py)."""
     counts = list(layout.balance)
     chunks = getattr(layout, "num_chunks", 1)  # interleaved: S x chunks virtual stages
     if len(counts) != layout.num_stages * chunks or sum(counts) != len(graph.nodes):
@@ -62,6 +66,8 @@ def write(path: str, graph: Any, layout: Any,
             plan["tensor_mesh"] = list(layout.tensor_mesh)
     if predicted:
         plan["predicted"] = predicted
+    if tables:
+        plan["tables"] = dict(tables)
     with open(path, "w") as f:
         json.dump(plan, f, indent=1)
     return Plan(plan)

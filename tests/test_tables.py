@@ -72,6 +72,10 @@ CASES = [  # (ranks, sharding, optimizer, microbatches)
     (2, "auto", "sgd", 2),
     (4, {"user": "table", "item": "row", "cat": "data"}, "adagrad", 1),
     (4, {"user": "row", "item": "row", "cat": "row"}, "adam", 2),
+    # Column-wise, mixed with the other kinds; R=3 cuts 4 columns unevenly (2, 1, 1).
+    (2, {"user": "column", "item": "row", "cat": "table"}, "adam", 1),
+    (3, {"user": "column", "item": "column", "cat": "row"}, "adagrad", 1),
+    (3, {"user": "table", "item": "column", "cat": "column"}, "sgd", 2),
 ]
 
 
@@ -99,6 +103,11 @@ def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
         if p.kind == "data":
             assert all(held[name] is None for _, held in out)
             continue
+        if p.kind == "column":
+            # Every row on every rank, the columns cut: together, each column once.
+            assert [held[name] for _, held in out] == [(ROWS[name], w) for w in p.widths]
+            assert sum(p.widths) == 4
+            continue
         rows = [held[name][0] for _, held in out]
         assert rows == list(p.sizes) and sum(rows) == ROWS[name]
         if p.kind == "row":
@@ -121,8 +130,11 @@ def test_planner_places_by_bytes():
     # A memory limit below a table's share cuts it row-wise.
     limited = {p.table.name: p for p in tplan.place(tables, "auto", 4, memory_limit=40_000)}
     assert limited["big"].kind == "row" and limited["a"].kind == "table"
-    with pytest.raises(ValueError, match=r"embedding_sharding\['a'\] = 'column'"):
-        tplan.place(tables, {"a": "column"}, 2)
+    column = tplan.place(tables, {"a": "column"}, 3)[1]
+    assert column.widths == (3, 3, 2) and column.columns == [0, 3, 6]
+    assert column.bytes_on(2) == 100 * 2 * 4 * 3 and column.ranks == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"'column' needs at least as many columns.*8 < 9"):
+        tplan.place(tables, {"a": "column"}, 9)
 
 
 def _errors(ranks, calls):
@@ -148,6 +160,12 @@ def _errors(ranks, calls):
     return results[0]
 
 
+def adafactor():
+    model = tables_model()
+    model.compile(keras.optimizers.Adafactor(), "mse")
+    return model
+
+
 def test_bad_input_is_named():
     x, y = tables_data()
     bad = [a.copy() for a in x]
@@ -157,20 +175,105 @@ def test_bad_input_is_named():
         "kind": (tables_model, x, y, {"embedding_sharding": {"user": "rows"}}),
         "pipeline": (tables_model, x, y, {"embedding_sharding": "auto", "num_stages": 2,
                                           "num_replicas": 1}),
+        "dtype": (tables_model, x, y, {"embedding_sharding": "auto",
+                                       "communication_dtype": "bf16"}),
+        "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
+        "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
     assert "['users']" in errors["unknown"] and "'user'" in errors["unknown"]
-    assert "'rows'" in errors["kind"] and "'table', 'row', 'data'" in errors["kind"]
+    assert "'rows'" in errors["kind"] and "'table', 'row', 'column', 'data'" in errors["kind"]
     assert "layer 'user'" in errors["vocabulary"]
     assert f"= {ROWS['user'] + 3} is not in [0, {ROWS['user']})" in errors["vocabulary"]
     assert "num_stages=1" in errors["pipeline"]
+    assert "communication_dtype='bf16'" in errors["dtype"]
+    assert "'float32', 'bfloat16', 'float16'" in errors["dtype"]
+    assert "embedding_sharding is not set" in errors["no tables"]
+    assert "Adafactor updates a weight matrix as a whole" in errors["adafactor"]
+    assert "owners of a sharded table" in errors["adafactor"]
+
+
+@pytest.mark.parametrize("dtype,optimizer,bound", [
+    ("bfloat16", "sgd", 1e-4), ("float16", "adagrad", 5e-5), ("bfloat16", "adam", 0.1)])
+def test_reduced_precision_exchanges(dtype, optimizer, bound):
+    """communication_dtype: the rows and gradients of the lookups travel in 16 bits
+    (half the bytes, counted), the sums stay float32; the weights leave model.fit's
+    by the rounding only (a bound, not the exact contract), float32 stays exact.
+    Adam divides each gradient by its own scale, so a coordinate whose gradient is
+    mostly rounding still steps by up to lr (0.05): its bound is two steps, and the
+    loss stays within 1%."""
+    sharding = {"user": "row", "item": "column", "cat": "table"}
+    x, y = tables_data()
+    reference = tables_model(optimizer)
+    start = reference.get_weights()
+    want_loss = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                              verbose=0).history["loss"]
+    want = reference.get_weights()
+
+    def body(comm):
+        out = {}
+        for wire in ("float32", dtype):
+            model = tables_model(optimizer)
+            model.set_weights(start)
+            loss = hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                          comm=comm, embedding_sharding=sharding,
+                          communication_dtype=wire).history["loss"]
+            router = model.get_layer("user").__dict__["_hyparflow_table_part"].router
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), want))
+            out[wire] = (router.payload, router.bytes, diff, loss)
+        return out
+
+    for out in run_ranks(2, body, timeout=300):
+        (full, full_all, exact, _), (half, half_all, drift, loss) = out["float32"], out[dtype]
+        assert full > 0 and half * 2 == full  # rows and gradients: half the bytes
+        assert full_all - half_all == full - half  # ids and counts: as they were
+        assert exact <= 2e-6
+        assert 1e-7 < drift < bound, (dtype, optimizer, drift)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
+
+
+@pytest.mark.parametrize("first,then", [
+    ({"user": "row", "item": "table", "cat": "column"}, {"user": "column", "item": "row"}),
+    ("auto", None)])
+def test_checkpoint_resumes_with_another_sharding(tmp_path, first, then):
+    """A checkpoint holds whole tables and whole optimizer slots (gathered from their
+    owners), so a run with another sharding, or none, resumes from it: epoch 1 with
+    `first`, epoch 2 with `then`, ends where two epochs of model.fit (Adam) end."""
+    x, y = tables_data()
+    reference = tables_model("adam")
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+
+    def body(comm):
+        for epochs, sharding in ((1, first), (2, then)):
+            model = tables_model("adam")
+            # The second run starts elsewhere: only what it resumes brings it back.
+            model.set_weights([w + (epochs - 1) for w in start])
+            hf.fit(model, x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                   comm=comm, embedding_sharding=sharding, checkpoint_dir=str(tmp_path),
+                   resume=True)
+        return model.get_weights()
+
+    for weights in run_ranks(2, body, timeout=300):
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= 2e-6, (first, then, diff)
 
 
 def test_short_last_batch_is_refused():
+    """A last batch with fewer than R x M samples: refused up front (arrays), or when
+    the dataset yields it (every rank iterates alike, so every rank raises)."""
+    import tensorflow as tf
+
     x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
-    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"})})
+    dataset = lambda: tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(16)  # noqa: E731
+    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"}),
+                         "dataset": (tables_model, dataset(), None,
+                                     {"embedding_sharding": "auto"})})
     assert "last batch has 1 samples" in errors["short"]
+    assert "the dataset's last batch has 1 samples" in errors["dataset"]
+    assert "drop_remainder=True" in errors["dataset"]
 
 
 def test_validation_looks_up_sharded_tables():
@@ -190,3 +293,99 @@ def test_validation_looks_up_sharded_tables():
     for history in run_ranks(2, body, timeout=300):
         np.testing.assert_allclose(history["val_loss"], want["val_loss"], rtol=1e-6)
         np.testing.assert_allclose(history["loss"], want["loss"], rtol=1e-6)
+
+
+def test_plan_costs_the_tables():
+    """The placement's cost: the owners' load follows the ids (a hot row piles onto its
+    row owner, not onto column slices), 16-bit exchanges halve the rows' bytes, the
+    printed table names each table, and the plan file's kinds come back as
+    embedding_sharding (an argument that differs is an error)."""
+    from hyparflow.kinds.tables import cost as C
+
+    tables = [tplan.Table("hot", 1000, 8, factor=3), tplan.Table("wide", 100, 8, factor=3)]
+    placed = tplan.place(tables, {"hot": "row", "wide": "column"}, 2)
+    hot = np.r_[np.zeros(90, int), np.arange(500, 510)]  # 90% on row 0: rank 0's
+    rows = C.costs(placed, 2, {"hot": 100, "wide": 100}, {"hot": hot}, beta=1e-9)
+    assert rows[0].looked_up == (90 * 8, 10 * 8)  # rank 0 owns the hot row
+    assert rows[1].looked_up == (100 * 4, 100 * 4)  # every rank: its 4 columns of each
+    uniform = C.costs(placed, 2, {"hot": 100, "wide": 100})[0]
+    assert uniform.looked_up == (400, 400) and rows[0].seconds > uniform.seconds
+    assert rows[0].stored == 500 * 8 * 4 * 3 and rows[1].stored == 100 * 4 * 4 * 3
+    half = C.costs(placed, 2, {"hot": 100, "wide": 100}, {"hot": hot}, wire_bytes=2)
+    ids = 50 * (1 - 0.9) * 8  # rank 0 asks rank 1 for 10% of its 50 ids
+    assert half[0].sent[0] - ids == (rows[0].sent[0] - ids) / 2
+    text = C.describe(rows, 2)
+    assert "hot" in text and "column" in text and "est. ms" in text
+    kinds = C.to_plan(placed)
+    assert kinds == {"hot": "row", "wide": "column"}
+    assert C.from_plan(None, {"tables": kinds}) == kinds
+    assert C.from_plan("auto", {}) == "auto"
+    with pytest.raises(ValueError, match="differ"):
+        C.from_plan("auto", {"tables": kinds}, "plan.json")
+
+
+def test_plan_file_places_the_tables(tmp_path):
+    """fit(plan=FILE) shards the tables as the plan file's "tables" say, and still
+    trains to model.fit's weights (Adagrad)."""
+    from hyparflow import plan as P
+    from hyparflow.graph import from_model
+    from hyparflow.layout import Layout
+
+    x, y = tables_data()
+    reference = tables_model("adagrad")
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+    kinds = {"user": "column", "item": "row", "cat": "table"}
+
+    def body(comm):
+        model = tables_model("adagrad")
+        model.set_weights(start)
+        # Each thread-rank's model has its own automatic layer names: its own plan.
+        path = str(tmp_path / f"plan{comm.rank}.json")
+        graph = from_model(model)
+        P.write(path, graph, Layout(num_replicas=2, balance=(len(graph.nodes),)),
+                tables=kinds)
+        hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
+               plan=path)
+        held = {name: tuple(model.get_layer(name).__dict__["_hyparflow_table_part"]
+                            .variable.shape) for name in kinds}
+        return model.get_weights(), held
+
+    out = run_ranks(2, body, timeout=300)
+    for weights, held in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
+    assert [held["user"] for _, held in out] == [(ROWS["user"], 2)] * 2
+    assert [held["item"][0] for _, held in out] == [15, 15]
+
+
+def test_plan_command_places_the_tables(tmp_path, capsys):
+    """`hyparflow plan --embedding-sharding auto --ids FUNCTION`'s table step: the
+    placement printed with its costs, the owners' load from the ids, only the plans
+    with one stage and one tensor rank kept (their kinds go into the plan file)."""
+    import argparse
+
+    from hyparflow.graph import from_model
+    from hyparflow.planning import command
+    from hyparflow.planning.costmodel import Network
+
+    source = tmp_path / "model.py"
+    source.write_text("import numpy as np\n\ndef first_ids():\n"
+                      "    return {'user': np.zeros(64, int)}\n")  # every lookup: row 0
+    args = argparse.Namespace(embedding_sharding='{"user": "row", "item": "column"}',
+                              ids="first_ids", communication_dtype="bfloat16",
+                              batch_size=16, model=str(source))
+    model = tables_model("adam")
+    plans = [dict(stages=2, tensor=1, replicas=1, microbatches=2, schedule="1f1b", step_s=0.1),
+             dict(stages=1, tensor=1, replicas=2, microbatches=1, schedule="1f1b", step_s=0.2)]
+    kinds, allowed = command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2,
+                                     None, plans)
+    assert kinds == {"user": "row", "item": "column", "cat": "data"}
+    assert allowed == plans[1:]
+    text = capsys.readouterr().out
+    user = next(line for line in text.splitlines() if line.strip().startswith("user"))
+    assert " row " in user and "100%" in user  # rank 0 owns every looked-up row
+    assert "S=1 T=1 R=2" in text
+    with pytest.raises(ValueError, match="one stage and one tensor rank"):
+        command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2, None,
+                        plans[:1])

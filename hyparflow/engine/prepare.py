@@ -13,7 +13,7 @@ from .. import graph as _graph
 from . import errors as errors_
 
 __all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
-           "build_like_fit", "check_model", "check_optimizer", "check_agreement",
+           "build_like_fit", "check_model", "check_optimizer", "check_parted", "check_agreement",
            "build_compiled", "target_specs", "input_specs", "weight_specs"]
 
 
@@ -132,17 +132,25 @@ def check_optimizer(optimizer, num_stages, num_tensor=1):
             f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
             "clipvalue, or num_stages=1.")
     if num_tensor > 1:
-        if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
-            raise NotImplementedError(
-                f"clipnorm / global_clipnorm need the norm of whole variables, which "
-                f"num_tensor={num_tensor} ranks each hold a part of. Use clipvalue, or "
-                "num_tensor=1.")
-        name = type(optimizer).__name__
-        if name in ("Adafactor", "Muon"):
-            raise NotImplementedError(
-                f"{name} updates a weight matrix as a whole (not element by element), so "
-                f"it cannot step the parts of a split layer separately. Use num_tensor=1, "
-                "or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...).")
+        check_parted(optimizer, f"num_tensor={num_tensor} ranks each hold a part of a "
+                     "split layer's variables", "num_tensor=1")
+
+
+def check_parted(optimizer, holders, fix):
+    """Refuse what needs whole variables when `holders` (who holds the parts, a
+    phrase) step their parts apart: clipnorm / global_clipnorm (a whole gradient's
+    norm), Adafactor and Muon (matrix-wise updates). `fix`: the option that avoids it.
+    One list for every kind that parts a variable (tensor splits, sharded tables)."""
+    if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+        raise NotImplementedError(
+            f"clipnorm / global_clipnorm need the norm of whole gradients, but {holders}. "
+            f"Use clipvalue, or {fix}.")
+    name = type(optimizer).__name__
+    if name in ("Adafactor", "Muon"):
+        raise NotImplementedError(
+            f"{name} updates a weight matrix as a whole (not element by element), but "
+            f"{holders}, which step them apart. Use an element-wise optimizer (SGD, Adam, "
+            f"AdamW, Adagrad, RMSprop, ...), or {fix}.")
 
 
 def _open_specs(graph, arrays, ids):

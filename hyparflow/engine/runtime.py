@@ -70,13 +70,15 @@ class Runtime:
 
     def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
                  recompute=False, trace=None, training=True, facts=None, batch_rows=None,
-                 replica_sync=None, embedding_sharding=None, memory_limit=None):
+                 replica_sync=None, embedding_sharding=None, memory_limit=None,
+                 communication_dtype=None):
         """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
         `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
         method, under which each replica steps on its own (`hyparflow.replicas`);
         `embedding_sharding`: the Embedding tables sharded over the replicas
-        (`kinds.tables`), placed within `memory_limit` bytes per rank."""
+        (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
+        gradients exchanged in `communication_dtype` (None: float32)."""
         _prepare.check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
@@ -96,12 +98,14 @@ class Runtime:
         self.training = training
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
                                           topo.replica(comm.rank), memory_limit=memory_limit,
-                                          sync=self.sync, training=training)
+                                          sync=self.sync, training=training,
+                                          communication_dtype=communication_dtype)
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
             "counts": part.counts, "tensor_layers": split_names,
             "embedding_sharding": embedding_sharding,
+            "communication_dtype": communication_dtype,
         })
         _prepare.build_compiled(model, graph, sample, batch_rows)
         # A compute_loss override or layers adding losses of their own: checked on

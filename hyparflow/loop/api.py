@@ -82,7 +82,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         plan: Optional[str] = None, num_tensor: Optional[int] = None,
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
         num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
-        tensor_mesh: Any = None, embedding_sharding: Any = None) -> Any:
+        tensor_mesh: Any = None, embedding_sharding: Any = None,
+        communication_dtype: Optional[str] = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -185,10 +186,15 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             (num_stages=1, num_replicas >= 2) while the other layers stay
             data-parallel: "auto" (a greedy plan by bytes, printed on rank 0;
             row-wise for a table over one rank's share or `memory_limit`) or
-            {layer name: "table" | "row" | "data"} (whole on one rank, rows cut
-            over every rank, replicated; unnamed tables stay "data"). Ids go to the
-            rows' owners and rows come back; the owners step their rows, so the
-            weights are still model.fit's (docs/recommenders.md).
+            {layer name: "table" | "row" | "column" | "data"} (whole on one rank,
+            rows cut over every rank, columns cut over every rank, replicated;
+            unnamed tables stay "data"). Ids go to the rows' owners and rows come
+            back; the owners step their rows, so the weights are still model.fit's
+            (docs/recommenders.md).
+        communication_dtype: "bfloat16" or "float16": the sharded tables' rows and
+            gradients travel in it (half the bytes; sums stay float32). It leaves
+            the exact contract: the weights drift from model.fit's by the rounding
+            (docs/recommenders.md). None or "float32": as they are.
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
@@ -210,7 +216,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         validation_steps=validation_steps, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep=keep, resume=resume, check_finite=check_finite,
         speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync,
-        embedding_sharding=embedding_sharding)
+        embedding_sharding=embedding_sharding, communication_dtype=communication_dtype)
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,

@@ -42,3 +42,4 @@ class FitOptions:
     replica_sync: Any = None
     # Sharded embedding tables (kinds/tables).
     embedding_sharding: Any = None
+    communication_dtype: Any = None

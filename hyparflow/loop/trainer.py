@@ -12,6 +12,7 @@ from . import data as _data
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
 from ..kinds import tables as _tables
+from ..kinds.tables import cost as _tables_cost
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -58,6 +59,9 @@ def train(model, x, y, *, comm, layout, options):
     replica_sync = options.replica_sync
     try:
         check_positive(batch_size=options.batch_size, epochs=options.epochs)
+        # A plan file's table placement ("tables", `hyparflow plan`) is the default.
+        options = dataclasses.replace(options, embedding_sharding=_tables_cost.from_plan(
+            options.embedding_sharding, layout.plan))
         replica_sync = _sync.resolve(options.replica_sync)
         _sync.check(replica_sync, layout.num_replicas)
         if options.resume and not options.checkpoint_dir:
@@ -93,6 +97,9 @@ def train(model, x, y, *, comm, layout, options):
             )
         if options.embedding_sharding is not None and isinstance(source, _data.ArraySource):
             _tables.check_batches(len(sample), options.batch_size, replicas, microbatches)
+        elif options.embedding_sharding is not None:
+            source.check = lambda n: _tables.check_batches(n, n + 1, replicas, microbatches,
+                                                           "the dataset")
         if validation_data is not None:
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)
@@ -123,7 +130,8 @@ def train(model, x, y, *, comm, layout, options):
                                  "batch_size": options.batch_size, "epochs": options.epochs},
                           batch_rows=min(effective, len(sample)), replica_sync=replica_sync,
                           embedding_sharding=options.embedding_sharding,
-                          memory_limit=options.memory_limit)
+                          memory_limit=options.memory_limit,
+                          communication_dtype=options.communication_dtype)
         if runtime.tables is not None and state["verbose"] and comm.rank == 0:
             print(runtime.tables.describe(), flush=True)
     except (ValueError, TypeError, NotImplementedError) as exc:

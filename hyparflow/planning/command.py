@@ -155,6 +155,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
                                                 "profile once, plan for many clusters")
     parser.add_argument("--output", help="write the best plan that fits here (JSON)")
+    parser.add_argument("--embedding-sharding", metavar="auto|JSON",
+                        help="shard the Embedding tables over the replicas ('auto', or "
+                             "'{\"layer\": \"row\", ...}'): plans with one stage and one "
+                             "tensor rank only; the tables' placement is costed, printed "
+                             "and written into the plan file (its \"tables\")")
+    parser.add_argument("--ids", metavar="FUNCTION",
+                        help="with --embedding-sharding: a function of the model's Python "
+                             "file returning {Embedding layer name: ids of the first "
+                             "batches}, for the owners' load (default: uniform ids)")
+    parser.add_argument("--communication-dtype", choices=["float32", "bfloat16", "float16"],
+                        help="the tables' exchanges in 16 bits (their estimate's bytes)")
     args = parser.parse_args(argv)   # a Namespace: untyped attributes
     hosts = None
     if args.hosts:
@@ -271,12 +282,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{'yes' if p['fits'] else 'no'}")
     print(f"\nscaling efficiency of the best plan: "
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
+    tables = None
+    if args.embedding_sharding:
+        tables, plans = _tables(args, model, graph, network, ranks, limit, plans)
     if args.output:
         best = next((p for p in plans if p["fits"]), plans[0])
         P.write(args.output, graph, as_layout(best),
-                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")})
+                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")},
+                tables=tables)
         print(f"wrote {args.output}")
     return 0
+
+
+def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, ranks: int,
+            limit: Optional[float], plans: List[Plan]) -> Tuple[Dict[str, str], List[Plan]]:
+    """Place and cost the Embedding tables (`--embedding-sharding`) over the replicas
+    of a plan with one stage and one tensor rank; print the placement; return its
+    kinds for the plan file and the plans it allows. The owners' load is from the ids
+    `--ids` returns, else uniform (`hyparflow plan` sees no data)."""
+    from ..kinds import tables as T
+    from ..kinds.tables import cost as C
+    from .profile import load_function
+
+    text = args.embedding_sharding
+    sharding = text if text == "auto" else json.loads(text)
+    allowed = [p for p in plans if p["stages"] == 1 and p["tensor"] == 1]
+    if not allowed:
+        raise ValueError("--embedding-sharding needs plans with one stage and one tensor "
+                         "rank (the tables are sharded over the replicas); none was found.")
+    placements = T.placements_for(model, graph, sharding, ranks, limit)
+    per_sample = T.lookups_per_sample(graph)
+    wire = 2 if args.communication_dtype in ("bfloat16", "float16") else 4
+    ids = load_function(args.model, args.ids, "--ids")() if args.ids else None
+    rows = C.costs(placements, ranks, {k: v * args.batch_size for k, v in per_sample.items()},
+                   ids, wire_bytes=wire, alpha=network.alpha, beta=network.beta)
+    print("\n" + C.describe(rows, ranks))
+    best = allowed[0]
+    print(f"with the tables sharded over the replicas: plan S=1 T=1 R={best['replicas']} "
+          f"M={best['microbatches']} {_schedule_name(best)}, {best['step_s']:.4f} s per "
+          "step without the tables' exchanges")
+    return C.to_plan(placements), allowed
 
 
 if __name__ == "__main__":

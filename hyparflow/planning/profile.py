@@ -87,9 +87,14 @@ def load_model(source: str, function: str = "build_model") -> Any:
 
     if source.endswith(".keras"):
         return keras.saving.load_model(source)
+    return load_function(source, function)()
+
+
+def load_function(source: str, function: str, flag: str = "--function") -> Any:
+    """The function named `function` of the Python file `source`."""
     namespace: Dict[str, Any] = {"__name__": "hyparflow_plan_model", "__file__": source}
     with open(source) as f:
         exec(compile(f.read(), source, "exec"), namespace)  # the user's own model file
     if function not in namespace:
-        raise ValueError(f"{source} defines no function {function!r} (use --function NAME).")
-    return namespace[function]()
+        raise ValueError(f"{source} defines no function {function!r} (use {flag} NAME).")
+    return namespace[function]

@@ -1,6 +1,7 @@
 """Sharded embedding tables over real MPI (issue 34): messages past 64 KB each way
-(rows of 256 values, bags of 8 ids per sample), every kind, against `model.fit` on one
-process. SGD: with Adam (lr 0.05) this 772-wide model ends 1.7e-5 from model.fit with
+(rows of 256 values, bags of 8 ids per sample), table-, row- and column-wise, against
+`model.fit` on one process (the replicated "data" path has tests of its own). SGD:
+with Adam (lr 0.05) this 772-wide model ends 1.7e-5 from model.fit with
 sharded tables and, alike to the digit, with today's replicated tables (the summation
 order of the Dense layer's 772 inputs, amplified by Adam's division); the in-process
 tests cover Adam on a narrower model.
@@ -39,7 +40,7 @@ def test_sharded_tables_under_mpiexec():
             router[:] = [model.get_layer("item").__dict__["_hyparflow_table_part"].router]
 
     hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
-           embedding_sharding={"user": "table", "item": "row", "cat": "data"},
+           embedding_sharding={"user": "table", "item": "row", "cat": "column"},
            callbacks=[Look()])
     diff = max_diff(model.get_weights(), want)
     if hf.is_main():

@@ -1,6 +1,7 @@
 """Embedding tables sharded over the ranks of a data-parallel run (`fit(...,
 embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
-every rank ("row"), or replicated as before ("data"), while the dense layers stay
+every rank ("row"), its columns cut over every rank ("column"), or replicated as
+before ("data"), while the dense layers stay
 data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
 and rows back; `part` is a rank's rows, trained in the table's place. The owner's
 optimizer steps its rows on their (row, value) pairs, in the order of the global
@@ -13,12 +14,13 @@ whose pairs stay on their rank, the communicator to connect, the plan to print."
 import keras
 import numpy as np
 
+from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
 from . import plan as _plan
-from .lookup import Router
+from .lookup import Router, wire_dtype
 from .part import TablePart
 
-__all__ = ["Tables", "check_batches"]
+__all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
 
 
 def _embeddings(graph):
@@ -41,20 +43,6 @@ def _why_not(graph, op):
     if getattr(op, "sparse", False):
         return "it has sparse=True"
     return None
-
-
-def _check_optimizer(optimizer):
-    if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
-        raise NotImplementedError(
-            "clipnorm / global_clipnorm need the norm of whole gradients, but a sharded "
-            "table's gradient is spread over its owners. Use clipvalue, or "
-            "embedding_sharding=None.")
-    name = type(optimizer).__name__
-    if name in ("Adafactor", "Muon", "LossScaleOptimizer"):
-        raise NotImplementedError(
-            f"{name} does not update a table row by row, so the owners of a sharded table's "
-            "rows cannot step them apart. Use an element-wise optimizer (SGD, Adam, "
-            "Adagrad, RMSprop, ...) or embedding_sharding=None.")
 
 
 def _factor(optimizer):
@@ -85,6 +73,35 @@ def _check_layout(layout, sync, graph, model):
             "step with the whole batch's gradient.")
 
 
+def placements_for(model, graph, sharding, ranks, memory_limit=None, training=True):
+    """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
+    `embedding_sharding=sharding` over `ranks` ranks, storage counted with the model's
+    optimizer's slots (when `training`); what cannot be sharded, with why."""
+    found = _embeddings(graph)
+    if not found:
+        raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
+                         "Embedding layer. Leave embedding_sharding out.")
+    factor = _factor(model.optimizer) if training else 1
+    tables, refused = [], {}
+    for _, op in found:
+        table = op.embeddings
+        tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
+                                  np.dtype(table.dtype).itemsize, factor))
+        reason = _why_not(graph, op)
+        if reason is not None:
+            refused[op.name] = reason
+    return _plan.place(tables, sharding, ranks, memory_limit, refused)
+
+
+def lookups_per_sample(graph):
+    """{Embedding layer name: ids it looks up per sample} (its input's size)."""
+    out = {}
+    for i, op in _embeddings(graph):
+        shape = graph.tensors[graph.nodes[i].inputs[0]].shape
+        out[op.name] = int(np.prod([d or 1 for d in shape[1:]]))
+    return out
+
+
 class Tables:
     """This rank's sharded tables: placements, parts, and the router."""
 
@@ -95,31 +112,29 @@ class Tables:
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True):
+             training=True, communication_dtype=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
-        returns None). `rank`: this rank's replica index."""
+        returns None). `rank`: this rank's replica index; `communication_dtype`: the
+        dtype rows and gradients travel in (None: float32)."""
+        wire = wire_dtype(communication_dtype)
         if sharding is None:
+            if wire is not None:
+                raise ValueError(
+                    f"communication_dtype={communication_dtype!r} applies to the exchanges "
+                    "of sharded embedding tables (the replicas' gradient sums stay float32 "
+                    "for now), but embedding_sharding is not set. Set embedding_sharding, "
+                    "or leave communication_dtype out.")
             return None
         _check_layout(layout, sync, graph, model)
         if training:
-            _check_optimizer(model.optimizer)
-        found = _embeddings(graph)
-        if not found:
-            raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
-                             "Embedding layer. Leave embedding_sharding out.")
-        factor = _factor(model.optimizer) if training else 1
-        tables, refused = [], {}
-        for _, op in found:
-            table = op.embeddings
-            tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
-                                      np.dtype(table.dtype).itemsize, factor))
-            reason = _why_not(graph, op)
-            if reason is not None:
-                refused[op.name] = reason
-        placements = _plan.place(tables, sharding, layout.num_replicas, memory_limit, refused)
-        router = Router()
+            # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
+            check_parted(model.optimizer, "the owners of a sharded table each hold a part "
+                         "of it", "embedding_sharding=None")
+        placements = placements_for(model, graph, sharding, layout.num_replicas,
+                                    memory_limit, training)
+        router = Router(wire)
         parts = {}
-        for site, ((i, op), p) in enumerate(zip(found, placements)):
+        for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
             if p.kind != "data":
                 parts[i] = TablePart(op, p, rank, router, site)
         self = cls(placements, parts, [], layout.num_replicas)
@@ -145,12 +160,16 @@ class Tables:
 
 def check_batches(samples, batch_size, replicas, microbatches, what="the data"):
     """Every replica must look up as many microbatches as the others each step (their
-    lookups pair up): a short last batch with fewer than R x M samples is refused."""
+    lookups pair up, and each owner serves every replica's): a short last batch with
+    fewer than R x M samples is refused. A dataset's batches are checked one by one
+    (`batch_size` = samples + 1: the batch is its own "last")."""
     last = samples % batch_size
     if 0 < last < replicas * microbatches:
+        sizes = ("" if batch_size == samples + 1 else
+                 f" ({samples} samples, batch_size={batch_size})")
         raise ValueError(
             f"With embedding_sharding every replica looks its microbatches up together, but "
-            f"{what}'s last batch has {last} samples ({samples} samples, batch_size="
-            f"{batch_size}), fewer than num_replicas x num_microbatches = "
-            f"{replicas * microbatches}. Drop those last {last} samples, or pick a batch_size "
-            "whose last batch has at least that many.")
+            f"{what}'s last batch has {last} samples{sizes}, fewer than num_replicas x "
+            f"num_microbatches = {replicas * microbatches}. Drop those last {last} samples "
+            "(a dataset: .batch(..., drop_remainder=True)), or pick a batch_size whose last "
+            "batch has at least that many.")

@@ -20,6 +20,10 @@ contiguous ranges (`Placement.sizes`):
    back in batch order; its backward sends each row's gradient to its owner in the
    order of `requested`.
 
+A "column" table (`ColumnLookup`) sends every id to every rank instead, and the
+slices of columns come back side by side. Rows and gradients may travel in 16 bits
+(`Router.wire`, `communication_dtype`): cast back to float32 on arrival.
+
 An id outside the table fails on every rank at step 1 (the flag rides with the
 counts), with Keras's words, so no rank waits for a message that never comes."""
 
@@ -28,37 +32,67 @@ import tensorflow as tf
 
 from ...engine.comm import timeout_seconds, wait_all
 
-__all__ = ["Router", "TAG_BASE"]
+__all__ = ["Router", "Lookup", "ColumnLookup", "TAG_BASE", "wire_dtype"]
 
 TAG_BASE = 1 << 12
 _ROLES = 4
 COUNTS, IDS, ROWS, GRADS = range(_ROLES)
 
 
-class Router:
-    """The ranks that share the sharded tables (`comm`: set once they are connected)
-    and the bytes this rank sent to the others (for the benchmark)."""
+def wire_dtype(name):
+    """The numpy dtype rows and gradients travel in for `communication_dtype=name`
+    (None: as they are, float32)."""
+    if name is None or name == "float32":
+        return None
+    if name == "bfloat16":
+        import ml_dtypes  # comes with TensorFlow
 
-    def __init__(self):
+        return np.dtype(ml_dtypes.bfloat16)
+    if name == "float16":
+        return np.dtype(np.float16)
+    raise ValueError(
+        f"communication_dtype={name!r} is not a dtype hyparflow exchanges in. Use one of "
+        "['float32', 'bfloat16', 'float16'] (or None: float32).")
+
+
+class Router:
+    """The ranks that share the sharded tables (`comm`: set once they are connected),
+    the dtype rows and gradients travel in (`wire`: None for as they are), and the
+    bytes this rank sent to the others (for the benchmark): all (`bytes`: ids and
+    counts too) and those of rows and gradients (`payload`)."""
+
+    def __init__(self, wire=None):
         self.comm = None
+        self.wire = wire
         self.bytes = 0
+        self.payload = 0
         self.largest = 0  # the largest message sent, in bytes
 
-    def alltoall(self, blocks, counts_in, tail, dtype, tag, what):
-        """Send blocks[p] to rank p; receive counts_in[p] rows of shape `tail` from each."""
+    def alltoall(self, blocks, counts_in, tail, dtype, tag, what, wire=None):
+        """Send blocks[p] to rank p; receive counts_in[p] rows of shape `tail` (or
+        tail[p], a list of shapes: one per rank) from each. `wire`: the dtype on the
+        wire (received values are cast back to `dtype`: sums stay in it)."""
         comm = self.comm
-        out, reqs = [None] * comm.size, []
+        out, reqs, got = [None] * comm.size, [], []
+        sent = dtype if wire is None else wire
         for p in range(comm.size):
             if p == comm.rank:
                 out[p] = blocks[p]
                 continue
-            out[p] = np.empty((int(counts_in[p]),) + tuple(tail), dtype)
+            shape = tail[p] if isinstance(tail, list) else tail
+            out[p] = np.empty((int(counts_in[p]),) + tuple(shape), sent)
+            got.append(p)
             reqs.append(comm.irecv(out[p], p, tag))
-            block = np.ascontiguousarray(blocks[p], dtype)
+            block = np.ascontiguousarray(blocks[p], sent)
             reqs.append(comm.isend(block, p, tag))
             self.bytes += block.nbytes
+            if block.dtype.kind != "i":
+                self.payload += block.nbytes
             self.largest = max(self.largest, block.nbytes)
         wait_all(reqs, timeout_seconds(), f"the other ranks' {what}", comm.spin)
+        if wire is not None:
+            for p in got:
+                out[p] = out[p].astype(dtype)
         return out
 
 
@@ -67,7 +101,8 @@ def _offsets(counts):
 
 
 class Lookup:
-    """The lookup of one sharded table (`part`: this rank's `TablePart`)."""
+    """The lookup of one table sharded by rows ("table" or "row"; `part`: this rank's
+    `TablePart`): each id goes to the one rank owning its row."""
 
     def __init__(self, part, router, site):
         self.part, self.router = part, router
@@ -76,19 +111,18 @@ class Lookup:
         self.ends = np.cumsum(p.sizes).astype(np.int64)
         self.starts = np.asarray(p.starts, np.int64)
         self.rows, self.dim = p.table.rows, p.table.dim
+        self.width = int(part.variable.shape[1])  # the columns of this rank's part
         self.what = f"lookups of layer {part.op.name!r}"
 
     # -- numpy, inside py_function -------------------------------------------
-    def route(self, ids):
-        shape = tuple(ids.shape)
-        ids = ids.numpy().astype(np.int64, copy=False).reshape(-1)
+    def _heads(self, ids, shape, counts):
+        """Send each rank how many ids it gets (counts[p]) with the flag of a bad id;
+        raise Keras's error on every rank if any rank has one; the counts received."""
         comm, size = self.router.comm, self.router.comm.size
         bad = np.flatnonzero((ids < 0) | (ids >= self.rows))
-        owner = np.searchsorted(self.ends, ids, side="right")
-        order = np.argsort(owner, kind="stable")
         # With a bad id nothing but the flag is sent: every rank raises after the counts.
-        counts = (np.bincount(owner, minlength=size) if bad.size == 0
-                  else np.zeros(size, np.int64))
+        if bad.size:
+            counts = np.zeros(size, np.int64)
         flag = [int(bad[0]), int(ids[bad[0]])] if bad.size else [-1, 0]
         head = [np.array([counts[p], *flag], np.int64) for p in range(size)]
         heads = self.router.alltoall(head, [3] * size, (), np.int64, self.tag + COUNTS,
@@ -104,13 +138,24 @@ class Lookup:
                     f"{self.part.op.name!r}: indices[{at}] = {value} is not in "
                     f"[0, {self.rows}){mine}. Every id must be below the layer's "
                     f"input_dim={self.rows}: fix the ids, or raise input_dim.")
-        recv = np.array([h[0] for h in heads], np.int64)
+        return np.array([h[0] for h in heads], np.int64)
+
+    def _ids(self, blocks, recv):
+        got = self.router.alltoall(blocks, recv, (), np.int64, self.tag + IDS, self.what)
+        return np.concatenate(got) if got else np.zeros(0, np.int64)
+
+    def route(self, ids):
+        shape = tuple(ids.shape)
+        ids = ids.numpy().astype(np.int64, copy=False).reshape(-1)
+        size = self.router.comm.size
+        owner = np.searchsorted(self.ends, np.clip(ids, 0, self.rows - 1), side="right")
+        order = np.argsort(owner, kind="stable")
+        counts = np.bincount(owner, minlength=size).astype(np.int64)
+        recv = self._heads(ids, shape, counts)
         local = (ids[order] - self.starts[owner[order]]).astype(np.int64)
         off = _offsets(counts)
-        blocks = [local[off[p]:off[p + 1]] for p in range(size)]
-        got = self.router.alltoall(blocks, recv, (), np.int64, self.tag + IDS, self.what)
-        requested = np.concatenate(got) if got else np.zeros(0, np.int64)
-        return requested, counts.astype(np.int64), recv, order.astype(np.int64)
+        requested = self._ids([local[off[p]:off[p + 1]] for p in range(size)], recv)
+        return requested, counts, recv, order.astype(np.int64)
 
     def rows_back(self, rows, sent, recv, order):
         rows, sent, recv, order = rows.numpy(), sent.numpy(), recv.numpy(), order.numpy()
@@ -118,7 +163,7 @@ class Lookup:
         off = _offsets(recv)
         blocks = [rows[off[p]:off[p + 1]] for p in range(size)]
         got = self.router.alltoall(blocks, sent, (self.dim,), rows.dtype, self.tag + ROWS,
-                                   self.what)
+                                   self.what, self.router.wire)
         out = np.empty((len(order), self.dim), rows.dtype)
         out[order] = np.concatenate(got)
         return out
@@ -130,7 +175,7 @@ class Lookup:
         off = _offsets(sent)
         blocks = [ordered[off[p]:off[p + 1]] for p in range(size)]
         got = self.router.alltoall(blocks, recv, (self.dim,), dy.dtype, self.tag + GRADS,
-                                   f"gradients of {self.what}")
+                                   f"gradients of {self.what}", self.router.wire)
         return np.concatenate(got).reshape(-1, self.dim)
 
     # -- TensorFlow ----------------------------------------------------------
@@ -141,7 +186,7 @@ class Lookup:
         requested.set_shape([None])
         table = self.part.variable.value
         rows = tf.gather(table, requested)
-        dim, dtype = self.dim, rows.dtype
+        dim, width, dtype = self.dim, self.width, rows.dtype
 
         @tf.custom_gradient
         def exchange(rows, sent, recv, order):
@@ -151,10 +196,50 @@ class Lookup:
             def grad(dy):
                 g = tf.py_function(self.grads_back, [tf.convert_to_tensor(dy), sent, recv, order],
                                    dtype)
-                g.set_shape([None, dim])
+                g.set_shape([None, width])
                 return g, None, None, None
 
             return out, grad
 
         out = exchange(rows, sent, recv, order)
         return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], 0))
+
+
+class ColumnLookup(Lookup):
+    """The lookup of a table sharded by columns: every id goes to every rank, each
+    looks its columns of the rows up (all rows are on every rank), the slices come
+    back and are put side by side in rank order; the backward sends each rank the
+    gradient's columns it owns. The owner's `requested` is every rank's ids in rank
+    order, as for rows: its pairs are in the global batch's order."""
+
+    def __init__(self, part, router, site):
+        super().__init__(part, router, site)
+        p = part.placement
+        self.widths = list(p.widths)
+        self.firsts = p.columns
+
+    def route(self, ids):
+        shape = tuple(ids.shape)
+        ids = ids.numpy().astype(np.int64, copy=False).reshape(-1)
+        size = self.router.comm.size
+        counts = np.full(size, ids.size, np.int64)
+        recv = self._heads(ids, shape, counts)
+        requested = self._ids([ids] * size, recv)
+        return requested, counts, recv, np.arange(ids.size, dtype=np.int64)
+
+    def rows_back(self, rows, sent, recv, order):
+        rows, sent, recv = rows.numpy(), sent.numpy(), recv.numpy()
+        size = self.router.comm.size
+        off = _offsets(recv)
+        blocks = [rows[off[p]:off[p + 1]] for p in range(size)]
+        got = self.router.alltoall(blocks, sent, [(w,) for w in self.widths], rows.dtype,
+                                   self.tag + ROWS, self.what, self.router.wire)
+        return np.concatenate(got, axis=1)
+
+    def grads_back(self, dy, sent, recv, order):
+        dy, recv = dy.numpy(), recv.numpy()
+        size = self.router.comm.size
+        blocks = [dy[:, self.firsts[p]:self.firsts[p] + self.widths[p]] for p in range(size)]
+        got = self.router.alltoall(blocks, recv, (self.width,), dy.dtype, self.tag + GRADS,
+                                   f"gradients of {self.what}", self.router.wire)
+        return np.concatenate(got).reshape(-1, self.width)

@@ -9,25 +9,28 @@ import tensorflow as tf
 
 from ... import _compat
 from ..tensor.shard import part_variable
-from .lookup import Lookup
+from .lookup import ColumnLookup, Lookup
 
 __all__ = ["TablePart"]
 
 
 class TablePart:
     """Rank `rank`'s rows of Embedding `op` as `placement` (a `plan.Placement`) gives
-    them: possibly none (a whole table placed on another rank)."""
+    them: possibly none (a whole table placed on another rank); for "column", its
+    columns of every row."""
 
     def __init__(self, op, placement, rank, router, site):
         self.op, self.placement, self.rank, self.router = op, placement, rank, router
-        self.sizes = list(placement.sizes)
-        self.start = placement.starts[rank]
+        self.column = placement.kind == "column"
+        # Along the cut axis (rows, or columns for "column"): what each rank owns.
+        self.sizes = list(placement.widths if self.column else placement.sizes)
+        self.start = (placement.columns if self.column else placement.starts)[rank]
         table = op.embeddings
         # Named as the table, so Keras names its optimizer slots as the table's.
         self.variable = part_variable(table, self._slice(table.numpy(), 0))
         self.cuts = [(table, self.variable, 0)]
         self.what = f"layer {op.name!r}"
-        self.lookup = Lookup(self, router, site)
+        self.lookup = (ColumnLookup if self.column else Lookup)(self, router, site)
         # The layer knows its part while it trains (what a rank holds can be asked).
         op.__dict__["_hyparflow_table_part"] = self
 
@@ -41,7 +44,8 @@ class TablePart:
         return int(np.prod(self.variable.shape)) * np.dtype(self.variable.dtype).itemsize
 
     def _slice(self, value, axis):
-        return value[self.start:self.start + self.sizes[self.rank]]
+        end = self.start + self.sizes[self.rank]
+        return value[:, self.start:end] if self.column else value[self.start:end]
 
     def sliced(self, value, axis):
         return self._slice(value, axis)
@@ -51,13 +55,20 @@ class TablePart:
         self.variable.assign(self._slice(self.op.embeddings.numpy(), 0))
 
     def gathered(self, value, axis):
-        """The whole table (or a slot shaped like it) from every rank's rows."""
+        """The whole table (or a slot shaped like it) from every rank's rows (or
+        columns: sent transposed, so the cut axis is first)."""
         size = self.router.comm.size
-        counts = self.sizes
-        blocks = [np.asarray(value)] * size
-        got = self.router.alltoall(blocks, counts, tuple(value.shape[1:]), value.dtype,
+        value = np.asarray(value)
+        if self.column:
+            value = value.T
+        blocks = [value] * size
+        # The counters are the lookups' bytes: not these.
+        counted = self.router.bytes, self.router.payload
+        got = self.router.alltoall(blocks, self.sizes, tuple(value.shape[1:]), value.dtype,
                                    _WEIGHTS_TAG, f"rows of {self.what}")
-        return np.concatenate(got, axis=0)
+        self.router.bytes, self.router.payload = counted
+        whole = np.concatenate(got, axis=0)
+        return np.ascontiguousarray(whole.T) if self.column else whole
 
     def gather(self):
         """Put the table back together on every rank (collective over the ranks)."""

@@ -1,8 +1,10 @@
 """Where each embedding table lives (pure: no TensorFlow, Keras or MPI).
 
 A table is "table"-wise (all its rows on one rank), "row"-wise (its rows cut into R
-contiguous ranges, one per rank) or "data" (every rank holds it whole: hyparflow's
-replicated path, its gradient pairs gathered over the replicas). `place` turns the
+contiguous ranges, one per rank), "column"-wise (its embedding dimension cut into R
+contiguous slices, one per rank: every rank holds every row's slice) or "data" (every
+rank holds it whole: hyparflow's replicated path, its gradient pairs gathered over
+the replicas). `place` turns the
 user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
 table: the rows each rank owns. "auto" is the greedy rule TorchRec's planner starts
 from: biggest table first, row-wise when it is larger than one rank's share of all
@@ -15,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["Table", "Placement", "KINDS", "place", "describe", "storage_factor"]
 
-KINDS = ("table", "row", "data")
+KINDS = ("table", "row", "column", "data")
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,24 @@ class Table:
 @dataclass(frozen=True)
 class Placement:
     """Where `table` lives: `kind`, and `sizes[r]`, the rows rank r owns (contiguous:
-    rank r owns rows sum(sizes[:r]) .. sum(sizes[:r+1])); None for "data"."""
+    rank r owns rows sum(sizes[:r]) .. sum(sizes[:r+1])); None for "data". For
+    "column", `sizes` is every row on every rank and `widths[r]` the columns rank r
+    owns (contiguous, like the rows)."""
 
     table: Table
     kind: str
     sizes: Optional[Tuple[int, ...]] = None
     why: str = ""
+    widths: Optional[Tuple[int, ...]] = None
+
+    @property
+    def columns(self) -> List[int]:
+        """The first column each rank owns (0 for all but "column")."""
+        out, n = [], 0
+        for w in self.widths or (0,) * len(self.sizes or ()):
+            out.append(n)
+            n += w
+        return out
 
     @property
     def starts(self) -> List[int]:
@@ -55,13 +69,15 @@ class Placement:
     def bytes_on(self, rank: int) -> int:
         if self.sizes is None:
             return self.table.bytes
-        return self.sizes[rank] * self.table.dim * self.table.itemsize * self.table.factor
+        width = self.table.dim if self.widths is None else self.widths[rank]
+        return self.sizes[rank] * width * self.table.itemsize * self.table.factor
 
     @property
     def ranks(self) -> List[int]:
         if self.sizes is None:
             return []
-        return [r for r, s in enumerate(self.sizes) if s]
+        return [r for r, s in enumerate(self.sizes)
+                if s and (self.widths is None or self.widths[r])]
 
 
 def storage_factor(optimizer_name: str, *, momentum: float = 0.0, amsgrad: bool = False,
@@ -98,7 +114,7 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
             if kind not in KINDS:
                 raise ValueError(
                     f"embedding_sharding[{name!r}] = {kind!r} is not a sharding kind. Use one "
-                    f"of {list(KINDS)} ('column' is not supported yet).")
+                    f"of {list(KINDS)}.")
             if kind != "data" and name in refused:
                 raise ValueError(
                     f"embedding_sharding[{name!r}] = {kind!r}, but layer {name!r} cannot be "
@@ -107,7 +123,7 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
     else:
         raise ValueError(
             f"embedding_sharding must be 'auto' or a dict {{layer name: 'table' | 'row' | "
-            f"'data'}}. Received: embedding_sharding={sharding!r}")
+            f"'column' | 'data'}}. Received: embedding_sharding={sharding!r}")
     load = [0] * ranks
     chosen: Dict[str, Placement] = {}
     shardable = [t for t in tables if t.name not in refused]
@@ -129,6 +145,16 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
                     f"ranks ({t.rows} < {ranks}). Use 'table' for it.")
             sizes = _even(t.rows, ranks)
             chosen[t.name] = Placement(t, "row", sizes)
+            for r in range(ranks):
+                load[r] += chosen[t.name].bytes_on(r)
+        elif kind == "column":
+            if t.dim < ranks:
+                raise ValueError(
+                    f"embedding_sharding[{t.name!r}] = 'column' needs at least as many "
+                    f"columns (output_dim) as ranks ({t.dim} < {ranks}). Use 'row' or "
+                    "'table' for it.")
+            chosen[t.name] = Placement(t, "column", (t.rows,) * ranks,
+                                       widths=_even(t.dim, ranks))
             for r in range(ranks):
                 load[r] += chosen[t.name].bytes_on(r)
         elif kind == "data":
@@ -160,6 +186,8 @@ def describe(placements: Sequence[Placement], ranks: int) -> str:
             where = "all (copy)"
         elif p.kind == "table":
             where = str(p.ranks[0])
+        elif p.kind == "column":
+            where = f"0-{ranks - 1} (cols)"
         else:
             where = f"0-{ranks - 1}"
         per = [p.bytes_on(r) for r in range(ranks)]
