@@ -8,10 +8,12 @@ thread and on all cores in the same run.
 
 `--model gpt` (default): a GPT-style stack of 2 pre-norm blocks, width 512, sequence
 128, 8 heads with a causal mask, feed-forward 2048 (GELU), and a per-token Dense(16)
-head, MSE. The feed-forward pairs (`up*`, `down*`) are the split layers in both
-layouts; attention stays whole (replicated) in both, as the mesh has no attention yet,
-so the mesh region of each block is its feed-forward pair, the residual Add and the
-next LayerNormalization, gathered whole before the attention. `--model dense`: input
+head, MSE. The split layers in both layouts are the attention layers (1D: heads over
+the ranks, a column/row pair; the mesh: projections by SUMMA, heads over its columns)
+and the feed-forward pairs (`up*`, `down*`); on the mesh each block is then one region
+(attention, residuals, LayerNormalizations, feed-forward), gathered whole only for the
+head. `--attention whole` leaves attention whole (replicated) in both, the feed-forward
+region alone on the mesh. `--model dense`: input
 512, two residual blocks Dense(512, relu) -> Dense(512) -> Add, a Dense(10) head.
 
 Adam, one microbatch, `--steps` steps per epoch, 2 epochs; the second is timed (traces
@@ -124,7 +126,8 @@ def run(args, batch, counter, **layout):
 
     x, y = data(args.model, args.width, args.seq, batch, args.steps)
     times = []
-    names = [f"{k}{b}" for b in range(2) for k in ("up", "down")]
+    kinds = ("up", "down") + (("attn",) if args.attention == "split" else ())
+    names = [f"{k}{b}" for b in range(2) for k in kinds if args.model == "gpt" or k != "attn"]
     history = hf.fit(build(args.model, args.width, args.seq), x, y, batch_size=batch, epochs=2,
                      verbose=0, callbacks=[clock(times), counter.callback(args.steps)],
                      tensor_layers=names if layout.get("num_tensor", 1) > 1 else None,
@@ -134,21 +137,27 @@ def run(args, batch, counter, **layout):
 
 
 def formula(args, batch, mesh):
-    """Bytes a rank sends per step by the formulas, for the split Dense layers: the
-    mesh's 3 (q - 1) / q^2 (X + W) per layer (`costmodel.summa_bytes`), 1D's
-    2 (T - 1) / T of the whole activation per sum (the pair's output forward, its
-    input's gradient backward), as a ring allreduce would send it."""
+    """Bytes a rank sends per step by the formulas, for the split layers: the mesh's
+    3 (q - 1) / q^2 (X + W) per SUMMA product (`costmodel.summa_bytes`; attention makes
+    four, of a quarter of its weights each), 1D's 2 (T - 1) / T of the whole activation
+    per sum (a pair's output forward, its input's gradient backward; attention is one
+    pair), as a ring allreduce would send it."""
     from hyparflow.planning.costmodel import summa_bytes
 
     rows = batch * (1 if args.model == "dense" else args.seq)
     hidden = args.width * (1 if args.model == "dense" else 4)
     total = 0.0
+    attention = args.model == "gpt" and args.attention == "split"
     for _ in range(2):
         if mesh:
             for fan_in, fan_out in ((args.width, hidden), (hidden, args.width)):
                 total += summa_bytes(Q, 4 * rows * fan_in, 4 * fan_in * fan_out)
+            if attention:
+                w = args.width
+                total += 4 * summa_bytes(Q, 4 * rows * w, 4 * w * w)
         else:
-            total += 2 * 2 * (Q * Q - 1) / (Q * Q) * 4 * rows * args.width
+            pairs = 2 if attention else 1
+            total += pairs * 2 * 2 * (Q * Q - 1) / (Q * Q) * 4 * rows * args.width
     return total
 
 
@@ -199,6 +208,7 @@ def main():
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--attention", choices=["split", "whole"], default="split")
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--memory-limit", type=float, default=256 * 2 ** 20,
                    help="bytes per rank for the largest-batch column (default 256 MiB)")
@@ -228,7 +238,8 @@ def main():
         rows.append((batch, one_d, mesh, plain))
     if not hf.is_main():
         return
-    shape = (f"GPT-style stack, 2 blocks, width {args.width}, sequence {args.seq}"
+    shape = (f"GPT-style stack, 2 blocks, width {args.width}, sequence {args.seq}, "
+             f"attention {args.attention}"
              if args.model == "gpt" else f"Dense stack width {args.width}")
     print(f"\n{shape}, T=4 ({ranks} ranks on {cores} cores"
           + (": oversubscribed, times are relative at best)" if cores < ranks else ")"))
