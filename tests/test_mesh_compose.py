@@ -36,7 +36,7 @@ def fit_ranks(build, x, y, start, ranks, **kwargs):
 
 @pytest.mark.parametrize("optimizer, ranks, layout", [
     ("sgd", 8, dict(num_replicas=2, num_microbatches=2)),
-    # recompute matters where a backward is not fused with its forward: S >= 2.
+    # recompute: every backward replays its forward's exchanges (no F and B fused).
     ("sgd", 8, dict(TWO_STAGES, schedule="zb-batched", recompute=True)),
     ("adam", 8, dict(TWO_STAGES, schedule="zb-h1")),
     ("adam", 8, dict(TWO_STAGES, schedule="1f1b-w", recompute=True)),
