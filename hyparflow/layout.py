@@ -90,9 +90,6 @@ class Layout:
             raise ValueError(f"tensor_shares={self.tensor_shares!r} with tensor_mesh={mesh!r}: "
                              "the mesh cuts rows and columns evenly. Leave tensor_shares out, "
                              "or leave tensor_mesh out for an uneven 1D split.")
-        if self.num_chunks > 1:
-            raise NotImplementedError("schedule='interleaved' with tensor_mesh is not "
-                                      "supported. Use schedule='1f1b'.")
 
     def _check_chunks(self) -> None:
         chunks = self.num_chunks

@@ -5,8 +5,10 @@ import os
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 # Thread-ranks wait for each other inside compiled functions (tensor parallelism):
 # each needs an inter-op thread of its own (9: the 3x3 mesh's ranks; with 8, the ninth
-# rank's exchange never ran and the others timed out waiting for it).
-os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "9")
+# rank's exchange never ran and the others timed out waiting for it), and a mesh
+# rank's backward can have two independent exchanges waiting at once (8 threads
+# for 8 mesh ranks ran out under S=2 x 2x2 with recompute: tests/test_mesh_compose.py).
+os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "16")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)
 import numpy as np  # noqa: E402
