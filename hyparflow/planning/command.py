@@ -18,7 +18,8 @@ from .costmodel import Compute, Network, Row
 from ..schedules import PLANNED
 from .planner import as_layout, search
 
-__all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches"]
+__all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches",
+           "split_kinds"]
 
 Plan = Dict[str, Any]   # one ranked plan (JSON)
 
@@ -73,6 +74,20 @@ def profile_batches(batch: int, ranks: int, microbatches: Sequence[int], most: i
     hi = max(2, min(batch, most))
     lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
     return lo, hi
+
+
+def split_kinds(graph: Any, layout: Any) -> Dict[str, str]:
+    """{layer call: split kind} of the layers `layout` splits, stage by stage, as the
+    engine's runtime chooses them (a strategy file names each one's kind)."""
+    from ..engine.partition import partition
+    from ..kinds import tensor as T
+
+    if layout.num_tensor == 1:
+        return {}
+    part = partition(graph, len(layout.balance), list(layout.balance))
+    return {graph.nodes[i].name: sp.kind for p in part.stages
+            for i, sp in T.choose(graph, p.nodes, layout.num_tensor,
+                                  layout.tensor_layers).items()}
 
 
 def _memory() -> Optional[int]:
@@ -267,8 +282,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
     if args.output:
         best = next((p for p in plans if p["fits"]), plans[0])
-        P.write(args.output, graph, as_layout(best),
-                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")})
+        layout = as_layout(best)
+        P.write(args.output, graph, layout,
+                predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")},
+                splits=split_kinds(graph, layout))
         print(f"wrote {args.output}")
     return 0
 

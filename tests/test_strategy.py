@@ -1,0 +1,213 @@
+"""Strategy files (docs/strategy.md): the schema and its validator agree, a bad file
+is named field by field, old plan files load, the schedule goes out and back in as
+torch pipelining's CSV, and a per-layer strategy trains to plain Keras's weights."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import max_diff, reference, train_ranks
+from hyparflow import graph as G, plan as P, strategy as S
+from hyparflow.engine.local import run_ranks
+from hyparflow.layout import Layout
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "docs" / "strategy.schema.json").read_text())
+
+
+def wide_mlp(optimizer=None):
+    """Narrow Dense layers around one wide pair (a column and a row split)."""
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((10,))
+    x = keras.layers.Dense(12, activation="relu", name="narrow_in")(inp)
+    x = keras.layers.Dense(64, activation="relu", name="wide_up")(x)
+    x = keras.layers.Dense(12, activation="tanh", name="wide_down")(x)
+    x = keras.layers.Dense(12, activation="relu", name="narrow_mid")(x)
+    out = keras.layers.Dense(3, activation="softmax", name="head")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer or keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    return model
+
+
+def data(n=64):
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(n, 10)).astype("float32"), rng.integers(0, 3, n)
+
+
+def strategy(layers, shape, **extra):
+    doc = {"format": "hyparflow-strategy", "version": 1,
+           "mesh": {"axes": ["stage", "tensor", "replica"], "shape": shape},
+           "num_microbatches": 2, "schedule": "1f1b",
+           "stages": [{"recompute": False} for _ in range(shape[0])], "layers": layers}
+    doc.update(extra)
+    return doc
+
+
+def test_the_schema_and_the_validator_name_the_same_fields_and_kinds():
+    from hyparflow.kinds.tensor import registry
+
+    assert set(S.KINDS) == set(registry.BY_NAME)
+    layer = SCHEMA["properties"]["layers"]["items"]
+    assert layer["properties"]["split"]["enum"] == list(S.SPLITS)
+    assert set(layer["properties"]) == {"name", "stage", "split"}
+    assert set(SCHEMA["properties"]) == S.TOP
+    assert SCHEMA["properties"]["mesh"]["properties"]["axes"]["const"] == list(S.AXES)
+    assert SCHEMA["properties"]["format"]["const"] == S.FORMAT
+
+
+def test_a_bad_file_is_named_field_by_field():
+    good = strategy([{"name": "a", "stage": 0}, {"name": "b", "stage": 1, "split": "whole"}],
+                    [2, 1, None])
+    assert S.validate(good) == []
+    bad = strategy([{"name": "a", "stage": 1}, {"name": "b", "stage": 0, "split": "columns"},
+                    {"name": "a", "stage": 1, "extra": 3}], [2, "two", 1],
+                   num_microbatches=0)
+    errors = "\n".join(S.validate(bad))
+    assert "mesh.shape[1] (tensor): must be an integer >= 1. Received: 'two'" in errors
+    assert "num_microbatches: must be an integer >= 1. Received: 0" in errors
+    assert "layers[1].stage: 0 after a layer on stage 1" in errors
+    assert "layers[1].split: unknown split 'columns'" in errors
+    assert "layers[2].name: 'a' is listed twice" in errors
+    assert "layers[2].extra: not a field of a layer entry" in errors
+    split_alone = strategy([{"name": "a", "stage": 0, "split": "column"}], [1, 1, 1])
+    assert "one tensor rank splits nothing" in "\n".join(S.validate(split_alone))
+    mixed = strategy([{"name": "a", "stage": 0, "split": "auto"}, {"name": "b", "stage": 0}],
+                     [1, 2, 1])
+    assert "must be on every layer or on none" in "\n".join(S.validate(mixed))
+
+
+def test_plan_writes_a_valid_strategy_and_old_plan_files_still_load(tmp_path):
+    graph = G.from_model(wide_mlp())
+    names = [n.name for n in graph.nodes]
+    path = tmp_path / "new.json"
+    plan = P.write(str(path), graph, Layout(num_stages=2, num_tensor=1, num_microbatches=2,
+                                            balance=(2, 3)),
+                   predicted={"step_s": 0.01}, recompute=(True, False))
+    doc = json.loads(path.read_text())
+    assert S.validate(doc) == [] and doc["format"] == "hyparflow-strategy"
+    assert [e["stage"] for e in doc["layers"]] == [0, 0, 1, 1, 1]
+    assert plan["recompute"] == [True, False] and P.read(str(path)).counts == [2, 3]
+    old = {"format": "hyparflow-plan", "version": 1, "num_stages": 1, "num_replicas": 1,
+           "num_microbatches": 2, "schedule": "1f1b", "num_tensor": 2,
+           "tensor_layers": ["wide_up"], "stages": [{"layers": names}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    read = P.read(str(tmp_path / "old.json"))
+    assert read.counts == [len(names)] and read["tensor_layers"] == ["wide_up"]
+    as_strategy = read.strategy
+    assert S.validate(as_strategy) == []
+    assert [e["split"] for e in as_strategy["layers"]][1:3] == ["split", "whole"]
+    back = S.to_plan(as_strategy)
+    assert back["tensor_layers"] == ["wide_up"] and back["num_tensor"] == 2
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                         ("zb-batched", 1), ("interleaved", 2)])
+def test_schedules_go_out_and_back_in_as_torch_action_lists(name, chunks):
+    from hyparflow.planning import schedule_csv as C
+    from hyparflow.schedules import build
+
+    lists = build(name, 2, 4, chunks)
+    text = C.export(lists)
+    assert all(cell[0].isdigit() and cell[1] in "FIWB" for row in text.split() for cell in
+               row.split(","))
+    back = C.parse(text)
+    assert C.match(back, 4) == name
+    makespan, bubble = C.check(back, 4)
+    assert makespan > 0 and 0 <= bubble < 1
+    with pytest.raises(ValueError, match="row 1, column 0: '0F0' is stage 0"):
+        C.parse("0F0,0B0\n0F0,1B0\n")
+
+
+def test_the_command_validates_and_shows_without_tensorflow(tmp_path):
+    good = strategy([{"name": "narrow_in", "stage": 0},
+                     {"name": "wide_up", "stage": 1, "split": "column"}], [2, 2, None])
+    bad = dict(good, layers=[{"name": "x", "stage": 4}])
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = ("import sys, hyparflow_command; from hyparflow.cli import main; "
+            "code = main(sys.argv[1:]); assert 'tensorflow' not in sys.modules; sys.exit(code)")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", code, "strategy", *args], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+
+    shown = run("show", "good.json")
+    assert shown.returncode == 0, shown.stderr
+    assert "wide_up" in shown.stdout and "column" in shown.stdout
+    assert "stage 1: ranks 2-3" in shown.stdout
+    assert run("validate", "good.json").returncode == 0
+    failed = run("validate", "bad.json")
+    assert failed.returncode == 1 and "layers[0].stage: must be an integer in 0..1" in failed.stderr
+    out = run("export-schedule", "good.json", "--output", "s.csv")
+    assert out.returncode == 0, out.stderr
+    imported = run("import-schedule", "s.csv")
+    assert "'1f1b' gives the same lists" in imported.stdout, imported.stderr
+
+
+# Two per-layer strategies at 2 ranks, each against plain Keras with Adam: a chosen
+# uneven cut with stage 0 recomputing, and one stage whose tensor ranks split only
+# the wide pair (the narrow layers stay whole).
+CUT = [{"name": n, "stage": s} for n, s in (("narrow_in", 0), ("wide_up", 0),
+                                              ("wide_down", 0), ("narrow_mid", 1),
+                                              ("head", 1))]
+SPLIT = [{"name": n, "stage": 0, "split": k} for n, k in (
+    ("narrow_in", "whole"), ("wide_up", "column"), ("wide_down", "row"),
+    ("narrow_mid", "whole"), ("head", "whole"))]
+
+
+@pytest.mark.parametrize("layers,shape,recompute", [(CUT, [2, 1, 1], [True, False]),
+                                                   (SPLIT, [1, 2, 1], [False])])
+def test_a_per_layer_strategy_trains_to_keras_weights(tmp_path, monkeypatch, layers, shape,
+                                                     recompute):
+    from hyparflow.engine import runtime, stage
+
+    seen = {"recompute": set(), "split": set()}
+    made, chose = stage.Stage.__init__, runtime.Runtime._choose_splits
+
+    def init(self, graph, cut, *args, **kwargs):  # what each rank's stage was told
+        made(self, graph, cut, *args, **kwargs)
+        seen["recompute"].add((cut.index, self.recompute))
+
+    def choose(self):
+        mine, names = chose(self)
+        seen["split"].update(names)
+        return mine, names
+
+    monkeypatch.setattr(stage.Stage, "__init__", init)
+    monkeypatch.setattr(runtime.Runtime, "_choose_splits", choose)
+    x, y = data()
+    start, expected, _ = reference(wide_mlp, x, y, epochs=2, batch_size=16)
+    doc = strategy([dict(e) for e in layers], shape,
+                   stages=[{"recompute": r} for r in recompute])
+    path = tmp_path / "strategy.json"
+    path.write_text(json.dumps(doc))
+    # (S and T passed again, as the plan says, for train_ranks to count the ranks)
+    results = train_ranks(wide_mlp, x, y, num_stages=shape[0], num_replicas=None,
+                          num_microbatches=None, num_tensor=shape[1], plan=str(path),
+                          weights=start, batch_size=16, epochs=2, shuffle=False)
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+    assert seen["recompute"] == set(enumerate(recompute))
+    assert seen["split"] == {e["name"] for e in layers if e.get("split", "whole") != "whole"}
+
+
+def test_a_kind_the_engine_would_not_use_is_named(tmp_path):
+    x, y = data(32)
+    wrong = [dict(e, split="row" if e["name"] == "wide_up" else e["split"]) for e in SPLIT]
+    path = tmp_path / "strategy.json"
+    path.write_text(json.dumps(strategy(wrong, [1, 2, 1])))
+
+    def body(comm):
+        import hyparflow as hf
+
+        hf.fit(wide_mlp(), x, y, batch_size=16, epochs=1, plan=str(path), comm=comm, verbose=0)
+
+    with pytest.raises(ValueError, match=r"layers\[1\]\.split: the strategy splits 'wide_up' "
+                                         r"as 'row', but the engine splits it as 'column'"):
+        run_ranks(2, body, timeout=120)
