@@ -136,7 +136,7 @@ def _check_layers(layers: Any, stages: int, shape: Sequence[Any], tmesh: Any,
             bad(f"{where}.name: {name!r} is listed twice; a shared layer's later calls are "
                 f"{name}#2, {name}#3, ...")
         seen.add(name)
-        stage = entry.get("stage")
+        stage: Any = entry.get("stage")
         if not _int(stage, 0) or stage >= stages:
             bad(f"{where}.stage: must be an integer in 0..{stages - 1}. Received: {stage!r}")
         elif stage < last or stage > last + 1:
@@ -303,10 +303,10 @@ def table(doc: Mapping[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def figure(doc: Mapping[str, Any], width: int = 22) -> str:
+def figure(doc: Mapping[str, Any], most: int = 40) -> str:
     """The mesh drawn as text: a box per stage (its layer calls, split ones marked *)
     holding its tensor ranks, one row of boxes per replica (`?` replicas: the world
-    size decides)."""
+    size decides); a box lists at most `most` characters of names."""
     stages, tensor, replicas = doc["mesh"]["shape"]
     chunks = doc.get("num_chunks", 1)
     names: List[List[str]] = [[] for _ in range(stages * chunks)]
@@ -322,9 +322,12 @@ def figure(doc: Mapping[str, Any], width: int = 22) -> str:
             first = (r * stages + s) * tensor
             ranks = f"ranks {first}-{first + tensor - 1}" if tensor > 1 else f"rank {first}"
             calls = [n for j in range(s, stages * chunks, stages) for n in names[j]]
-            shown = ", ".join(calls[:3]) + (f", +{len(calls) - 3}" if len(calls) > 3 else "")
-            boxes.append([f"stage {s}: {ranks}", shown[:width]])
-        lines.append(f"replica {r}" if replicas else "replica r")
+            shown = ", ".join(calls)
+            if len(shown) > most:
+                shown = shown[:most - 5].rsplit(", ", 1)[0] + ", ..."
+            boxes.append([f"stage {s}: {ranks}", shown])
+        width = max(len(text) for box in boxes for text in box)
+        lines.append(f"replica {r}" if replicas else "replica r (each alike)")
         for row in range(2):
             lines.append(" -> ".join(f"[{b[row]:<{width}}]" for b in boxes))
     return "\n".join(lines)

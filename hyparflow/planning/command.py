@@ -85,8 +85,9 @@ def split_kinds(graph: Any, layout: Any) -> Dict[str, str]:
     if layout.num_tensor == 1:
         return {}
     part = partition(graph, len(layout.balance), list(layout.balance))
+    choose: Any = T.choose  # the kinds are untyped (TensorFlow's layers)
     return {graph.nodes[i].name: sp.kind for p in part.stages
-            for i, sp in T.choose(graph, p.nodes, layout.num_tensor,
+            for i, sp in choose(graph, p.nodes, layout.num_tensor,
                                   layout.tensor_layers).items()}
 
 
