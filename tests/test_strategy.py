@@ -211,3 +211,31 @@ def test_a_kind_the_engine_would_not_use_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"layers\[1\]\.split: the strategy splits 'wide_up' "
                                          r"as 'row', but the engine splits it as 'column'"):
         run_ranks(2, body, timeout=120)
+
+
+def one_wide_mlp():
+    """Narrow Dense layers (each over MIN_PARAMS weights, so the global rule splits
+    them too) and one very wide output layer."""
+    inp = keras.Input((256,))
+    x = inp
+    for k in range(3):
+        x = keras.layers.Dense(256, activation="relu", name=f"narrow{k}")(x)
+    model = keras.Model(inp, keras.layers.Dense(16384, name="wide")(x))
+    return model
+
+
+def test_the_per_layer_search_splits_only_the_wide_layer_and_beats_every_global_tuple():
+    from hyparflow.planning import planner, search
+
+    graph = G.from_model(one_wide_mlp())
+    # Compute in proportion to the weights; a network whose latency makes an exchange
+    # dearer than a narrow layer's half.
+    rows = [(0.0, 1e-10 * n.params, 4 * n.params, 8 * n.params, 4 * 256) for n in graph.nodes]
+    network = planner.Network(2e-4, 1e-9)
+    everything = planner.search(graph, rows, 0.0, network, 16, 2, microbatches=(1, 2))
+    assert any(p["tensor"] == 2 and len(p["tensor_layers"]) == 4 for p in everything)
+    best, done = search.layers(graph, rows, 0.0, network, 16, 2, microbatches=(1, 2),
+                               seconds=20)
+    assert best["tensor"] == 2 and best["tensor_layers"] == ["wide"], best
+    assert best["step_s"] < min(p["step_s"] for p in everything)
+    assert done["predicted"] >= done["shapes"] > 0

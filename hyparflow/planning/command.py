@@ -91,6 +91,44 @@ def split_kinds(graph: Any, layout: Any) -> Dict[str, str]:
                                   layout.tensor_layers).items()}
 
 
+def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
+               network: Network, ranks: int, limit: Optional[float],
+               compute: Optional[Compute], extra: Any, best: Plan) -> Plan:
+    """`--search layers`: the best per-layer strategy beside the best global tuple,
+    both priced by the layer profiles (the stages timed whole time only the rule's
+    split layers); returns the plan to write, the per-layer one when it is faster."""
+    from . import search as per_layer
+    from .planner import predict
+
+    model = dict(ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
+                 cores=args.cores if args.nodes == 1 or args.hosts else None,
+                 compute=compute, stage_costs=extra)
+    with _Phase(f"searching per-layer strategies (at most {args.search_seconds:g} s of "
+                "local moves)"):
+        found, done = per_layer.layers(graph, rows, opt_per_byte, network, args.batch_size,
+                                       ranks, limit, microbatches=args.microbatches,
+                                       schedules=[s for s in args.schedules
+                                                  if s != "interleaved"],
+                                       seconds=args.search_seconds, **model)
+    if found is None:
+        print("per-layer search: no layer of the model can be split")
+        return best
+    glob = dict(best, **predict(graph, rows, opt_per_byte, network, best["counts"],
+                                args.batch_size, best["replicas"], best["microbatches"],
+                                best["schedule"], num_tensor=best["tensor"],
+                                chunks=best.get("chunks", 1), **model))
+    print(f"\nper-layer search: {done['predicted']} strategies predicted over {done['shapes']} "
+          f"shapes in {done['seconds']:.1f} s; both below priced by the layer profiles")
+    for what, p in (("best global tuple", glob), ("best per layer", found)):
+        split = ", ".join(p["tensor_layers"]) or "nothing"
+        print(f"  {what:<17} S={p['stages']} T={p['tensor']} R={p['replicas']} "
+              f"M={p['microbatches']} {_schedule_name(p)}, cut {p['counts']}, splits "
+              f"{split}: step {p['step_s']:.4f} s, peak {max(p['memory_bytes']) / 2**20:.1f} "
+              f"MB/rank{'' if p['fits'] else ' (over the memory limit)'}")
+    better = found["fits"] >= glob["fits"] and found["step_s"] < glob["step_s"]
+    return found if better else best
+
+
 def _memory() -> Optional[int]:
     """Bytes of this machine's memory (None where the OS does not say)."""
     try:
@@ -164,7 +202,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
                                                 "profile once, plan for many clusters")
-    parser.add_argument("--output", help="write the best plan that fits here (JSON)")
+    parser.add_argument("--output", help="write the best plan that fits here (a strategy "
+                                         "file, docs/strategy.md)")
+    parser.add_argument("--search", choices=("global", "layers"), default="global",
+                        help="layers: also search per-layer strategies (each layer split or "
+                             "whole, and the cut) and report the best beside the best "
+                             "global tuple (docs/planning.md)")
+    parser.add_argument("--search-seconds", type=float, default=30.0,
+                        help="time for --search layers' local moves (default 30)")
     args = parser.parse_args(argv)   # a Namespace: untyped attributes
     hosts = None
     if args.hosts:
@@ -281,8 +326,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{'yes' if p['fits'] else 'no'}")
     print(f"\nscaling efficiency of the best plan: "
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
+    best = next((p for p in plans if p["fits"]), plans[0])
+    if args.search == "layers":
+        best = _per_layer(args, graph, rows, opt_per_byte, network, ranks, limit, compute,
+                          extra, best)
     if args.output:
-        best = next((p for p in plans if p["fits"]), plans[0])
         layout = as_layout(best)
         P.write(args.output, graph, layout,
                 predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")},

@@ -82,17 +82,17 @@ def _elements(graph, t):
     return numel(graph.tensors[t].shape)
 
 
-def tensor_costs(graph, num_tensor, m, network, across=False):
+def tensor_costs(graph, num_tensor, m, network, across=False, layers=None):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
-    `num_tensor` ranks would split (the default choice: by size); `across`: the tensor
-    ranks of a stage span hosts."""
+    `num_tensor` ranks would split (`layers`: those named, else the default choice:
+    by size); `across`: the tensor ranks of a stage span hosts."""
     from ..kinds import tensor as T
 
     if num_tensor == 1:
         return {}
     out = {}
     network = Across(network) if across else network
-    for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
+    for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor, layers).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
         out[i] = (num_tensor, *T.exchange(split, out_bytes, in_bytes, num_tensor, network,
@@ -102,8 +102,10 @@ def tensor_costs(graph, num_tensor, m, network, across=False):
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
-            stage_timer=None, chunks=1):
+            stage_timer=None, chunks=1, tensor_layers=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
+    `tensor_layers`: the layers split over `num_tensor` ranks (None: the default
+    choice, by size; `search.layers` names them per layer).
 
     `chunks` (interleaved schedules): `counts` cut S x chunks virtual stages, virtual
     stage j on rank j % S; the play runs each rank's chunks one action at a time,
@@ -135,7 +137,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
         opt_rate = compute.optimizer if compute.optimizer is not None else opt_per_byte
     starts = [sum(counts[:s]) for s in range(stages)]
     split = tensor_costs(graph, num_tensor, m, network,
-                         across=tensor_spans(num_tensor, ranks_per_node))
+                         across=tensor_spans(num_tensor, ranks_per_node), layers=tensor_layers)
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),
         # and the shared play slows whatever a stage does by how many ranks compute at
