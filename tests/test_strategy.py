@@ -3,6 +3,7 @@ is named field by field, old plan files load, the schedule goes out and back in 
 torch pipelining's CSV, and a per-layer strategy trains to plain Keras's weights."""
 
 import json
+import re
 import os
 import pathlib
 import subprocess
@@ -239,3 +240,33 @@ def test_the_per_layer_search_splits_only_the_wide_layer_and_beats_every_global_
     assert best["tensor"] == 2 and best["tensor_layers"] == ["wide"], best
     assert best["step_s"] < min(p["step_s"] for p in everything)
     assert done["predicted"] >= done["shapes"] > 0
+
+
+def test_plan_search_layers_writes_the_faster_strategy(tmp_path, capsys):
+    from hyparflow.planning import command
+
+    source = tmp_path / "wide.py"
+    source.write_text("import keras\nimport test_strategy\n\ndef build_model():\n"
+                      "    model = test_strategy.one_wide_mlp()\n"
+                      "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy("
+                      "from_logits=True))\n    return model\n")
+    out = tmp_path / "wide.json"
+    # A given network (nothing under mpiexec) whose latency makes the narrow layers'
+    # exchanges dearer than their halves.
+    assert command.main([str(source), "--batch-size", "16", "--ranks", "2", "--latency",
+                         "200us", "--bandwidth", "1GB/s", "--microbatches", "1", "2",
+                         "--search", "layers", "--search-seconds", "5",
+                         "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    steps = dict(re.findall(r"best (global tuple|per layer) .* step ([0-9.]+) s", text))
+    assert len(steps) == 2, text
+    # The faster of the two is written (the per-layer one on a tie it did not beat:
+    # the global); its split layers named with the engine's kinds.
+    chosen = "per layer" if float(steps["per layer"]) < float(steps["global tuple"]) else \
+        "global tuple"
+    named = re.search(rf"best {chosen} .* splits (.*): step", text).group(1)
+    doc = json.loads(out.read_text())
+    assert S.validate(doc) == []
+    split = [(e["name"], e["split"]) for e in doc["layers"] if e["split"] != "whole"]
+    assert [n for n, _ in split] == ([] if named == "nothing" else named.split(", "))
+    assert {k for _, k in split} <= {"column", "row"} and "wide" in dict(split)
