@@ -68,7 +68,8 @@ LAYERS = {
                 "cluster.heartbeat", "cluster.restart", "cluster.report"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command",
-                 "planning.schedule_csv", "planning.strategy_command", "planning.search"},
+                 "planning.schedule_csv", "planning.strategy_command", "planning.search",
+                 "planning.dataset"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",

@@ -270,3 +270,53 @@ def test_plan_search_layers_writes_the_faster_strategy(tmp_path, capsys):
     split = [(e["name"], e["split"]) for e in doc["layers"] if e["split"] != "whole"]
     assert [n for n, _ in split] == ([] if named == "nothing" else named.split(", "))
     assert {k for _, k in split} <= {"column", "row"} and "wide" in dict(split)
+
+
+def _plan_dataset(tmp_path, source, *extra):
+    from hyparflow.planning import command, dataset
+
+    out = tmp_path / "space.csv"
+    assert command.main([str(source), "--batch-size", "16", "--ranks", "2", "--latency",
+                         "200us", "--bandwidth", "1GB/s", "--microbatches", "1", "2",
+                         "--search", "layers", "--search-seconds", "2", "--explore-all",
+                         "--dataset", str(out), *extra]) == 0
+    import csv
+
+    with open(out) as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == dataset.COLUMNS
+    return table
+
+
+def test_the_explored_space_is_a_dataset_of_valid_strategies(tmp_path):
+    source = tmp_path / "wide.py"
+    source.write_text("import keras\nimport test_strategy\n\ndef build_model():\n"
+                      "    model = test_strategy.one_wide_mlp()\n"
+                      "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy("
+                      "from_logits=True))\n    return model\n")
+    table = _plan_dataset(tmp_path, source)
+    assert {r["search"] for r in table} == {"global", "layers"}
+    # S x T x R = 2 in every way, each microbatch count, and no candidate twice.
+    assert {(r["stages"], r["tensor"], r["replicas"]) for r in table} == {
+        ("1", "2", "1"), ("2", "1", "1"), ("1", "1", "2")}
+    assert len({(r["search"], r["strategy"]) for r in table}) == len(table)
+    assert len({(r["model"], r["machine"]) for r in table}) == 1
+    assert all(re.fullmatch(r"[0-9a-f]{12}", r[k]) for r in table for k in ("model", "machine"))
+    for r in table:
+        doc = json.loads(r["strategy"])
+        assert S.validate(doc) == [], r
+        assert doc["mesh"]["shape"] == [int(r["stages"]), int(r["tensor"]), int(r["replicas"])]
+        assert float(r["predicted_step_s"]) > 0 and int(r["memory_per_rank_bytes"]) > 0
+        assert r["measured_step_s"] == ""
+
+
+@pytest.mark.mpiexec
+def test_measure_runs_candidates_for_real(tmp_path):
+    source = tmp_path / "small.py"
+    source.write_text("import models\n\ndef build_model():\n    return models.mlp('adam')\n")
+    table = _plan_dataset(tmp_path, source, "--measure", "2", "--measure-steps", "2")
+    measured = [r for r in table if r["measured_step_s"]]
+    assert len(measured) == 2 and all(float(r["measured_step_s"]) > 0 for r in measured)
+    ranked = sorted((r for r in table if r["fits"] == "1"),
+                    key=lambda r: float(r["predicted_step_s"]))
+    assert measured[0] in (ranked[0], ranked[-1]) and measured[1] in (ranked[0], ranked[-1])

@@ -93,7 +93,8 @@ def split_kinds(graph: Any, layout: Any) -> Dict[str, str]:
 
 def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
                network: Network, ranks: int, limit: Optional[float],
-               compute: Optional[Compute], extra: Any, best: Plan) -> Plan:
+               compute: Optional[Compute], extra: Any, best: Plan,
+               explored: List[Plan]) -> Plan:
     """`--search layers`: the best per-layer strategy beside the best global tuple,
     both priced by the layer profiles (the stages timed whole time only the rule's
     split layers); returns the plan to write, the per-layer one when it is faster."""
@@ -110,6 +111,7 @@ def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
                                        schedules=[s for s in args.schedules
                                                   if s != "interleaved"],
                                        seconds=args.search_seconds, **model)
+    explored += done["plans"]
     if found is None:
         print("per-layer search: no layer of the model can be split")
         return best
@@ -127,6 +129,33 @@ def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
               f"MB/rank{'' if p['fits'] else ' (over the memory limit)'}")
     better = found["fits"] >= glob["fits"] and found["step_s"] < glob["step_s"]
     return found if better else best
+
+
+def _dataset(args: Any, graph: Any, plans: List[Plan], ranks: int) -> None:
+    """--explore-all --dataset: every candidate as a CSV row; --measure K of them."""
+    from .. import strategy as S
+    from . import dataset
+
+    def strategy_of(p: Plan) -> Dict[str, Any]:
+        layout = as_layout(p)
+        return S.make([n.name for n in graph.nodes], p["counts"], stages=p["stages"],
+                      tensor=p["tensor"], replicas=p["replicas"],
+                      microbatches=p["microbatches"], schedule=p["schedule"],
+                      chunks=p.get("chunks", 1), splits=split_kinds(graph, layout),
+                      predicted={"step_s": p["step_s"], "samples_s": p["samples_s"]})
+
+    machine = dataset.machine_fingerprint(args.cores, _memory(), args.nodes,
+                                          args.ranks_per_node, args.hosts)
+    table = dataset.rows(plans, graph, dataset.model_fingerprint(graph, args.batch_size),
+                         machine, ranks, strategy_of)
+    if args.measure:
+        with _Phase(f"measuring {args.measure} of the {len(table)} candidates for real "
+                    f"(hf.fit under mpiexec, {args.measure_steps} steps each)"):
+            dataset.measure(table, args.measure, ranks, args.model, args.function,
+                            args.batch_size, args.measure_steps)
+    dataset.write(args.dataset, table)
+    print(f"wrote {args.dataset}: {len(table)} candidates"
+          + (f", {args.measure} measured" if args.measure else ""))
 
 
 def _memory() -> Optional[int]:
@@ -210,7 +239,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "global tuple (docs/planning.md)")
     parser.add_argument("--search-seconds", type=float, default=30.0,
                         help="time for --search layers' local moves (default 30)")
+    parser.add_argument("--explore-all", action="store_true",
+                        help="write every candidate predicted (the global tuples, and with "
+                             "--search layers every per-layer strategy priced) to --dataset")
+    parser.add_argument("--dataset", metavar="CSV",
+                        help="the explored space as CSV (columns: docs/planning.md)")
+    parser.add_argument("--measure", type=int, default=0, metavar="K",
+                        help="with --dataset: run K candidates spread over the ranking for "
+                             "real under mpiexec and add their measured step time")
+    parser.add_argument("--measure-steps", type=int, default=5,
+                        help="steps timed per measured candidate (default 5, after one)")
     args = parser.parse_args(argv)   # a Namespace: untyped attributes
+    if bool(args.explore_all) != bool(args.dataset):
+        parser.error("--explore-all and --dataset go together: --explore-all --dataset "
+                     "space.csv")
+    if args.measure and args.nodes > 1:
+        parser.error(f"--measure {args.measure} runs candidates on this node; it cannot with "
+                     f"--nodes {args.nodes}")
     hosts = None
     if args.hosts:
         from ..cluster import hosts as H
@@ -327,9 +372,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\nscaling efficiency of the best plan: "
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
     best = next((p for p in plans if p["fits"]), plans[0])
+    explored: List[Plan] = []
     if args.search == "layers":
         best = _per_layer(args, graph, rows, opt_per_byte, network, ranks, limit, compute,
-                          extra, best)
+                          extra, best, explored)
+    if args.dataset:
+        _dataset(args, graph, plans + explored, ranks)
     if args.output:
         layout = as_layout(best)
         P.write(args.output, graph, layout,

@@ -59,13 +59,14 @@ def layers(graph: Any, rows: Sequence[Any], opt_per_byte: float, network: Any, b
            **model: Any) -> Tuple[Optional[Dict[str, Any]], Dict[str, Any]]:
     """The best per-layer plan (as `planner.search`'s, with its `tensor_layers` and
     "search": "layers"), or None when no shape has a layer to split, and what the
-    search did ({"seconds", "predicted", "shapes"}). `model`: `predict`'s keywords
+    search did ({"seconds", "predicted", "shapes", "plans": every strategy priced}). `model`: `predict`'s keywords
     (ranks_per_node, cores, compute, stage_costs)."""
     from .. import balance as B
 
     start = time.monotonic()
     rows = [Row(*r) for r in rows]
     evaluated = 0
+    explored: List[Dict[str, Any]] = []  # every strategy priced, for --explore-all
 
     def price(shape: Any, counts: Sequence[int], split: Sequence[int]) -> Dict[str, Any]:
         nonlocal evaluated
@@ -80,6 +81,7 @@ def layers(graph: Any, rows: Sequence[Any], opt_per_byte: float, network: Any, b
                  microbatches=shape.num_microbatches, schedule=shape.schedule,
                  counts=list(counts), chunks=1, search="layers", split=sorted(split),
                  fits=memory_limit is None or max(p["memory_bytes"]) <= memory_limit)
+        explored.append(p)
         return p
 
     seeded: List[Tuple[Any, Dict[str, Any]]] = []
@@ -109,7 +111,8 @@ def layers(graph: Any, rows: Sequence[Any], opt_per_byte: float, network: Any, b
                         split = [max(able, key=lambda i: rows[i].seconds(m))]
                     seeded.append((shape, price(shape, B.solve(cost, s), split)))
     if not seeded:
-        return None, {"seconds": time.monotonic() - start, "predicted": 0, "shapes": 0}
+        return None, {"seconds": time.monotonic() - start, "predicted": 0, "shapes": 0,
+                      "plans": []}
     seeded.sort(key=lambda c: (not c[1]["fits"], c[1]["step_s"]))
     best = seeded[0][1]
     for shape, plan in seeded[:seeds]:
@@ -119,7 +122,8 @@ def layers(graph: Any, rows: Sequence[Any], opt_per_byte: float, network: Any, b
             best = plan
         if time.monotonic() > start + seconds:
             break
-    return best, {"seconds": time.monotonic() - start, "predicted": evaluated, "shapes": shapes}
+    return best, {"seconds": time.monotonic() - start, "predicted": evaluated, "shapes": shapes,
+                  "plans": explored}
 
 
 def _climb(shape: Any, plan: Dict[str, Any], able: Sequence[int], price: Any,
