@@ -127,6 +127,13 @@ def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
               f"M={p['microbatches']} {_schedule_name(p)}, cut {p['counts']}, splits "
               f"{split}: step {p['step_s']:.4f} s, peak {max(p['memory_bytes']) / 2**20:.1f} "
               f"MB/rank{'' if p['fits'] else ' (over the memory limit)'}")
+    if args.json:  # beside the ranked plans: both, as priced here
+        with open(args.json) as f:
+            saved = json.load(f)
+        saved.update(per_layer=found, global_by_profiles=glob,
+                     search={k: v for k, v in done.items() if k != "plans"})
+        with open(args.json, "w") as f:
+            json.dump(saved, f, indent=1)
     better = found["fits"] >= glob["fits"] and found["step_s"] < glob["step_s"]
     return found if better else best
 
