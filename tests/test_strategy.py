@@ -313,7 +313,11 @@ def test_the_explored_space_is_a_dataset_of_valid_strategies(tmp_path):
 @pytest.mark.mpiexec
 def test_measure_runs_candidates_for_real(tmp_path):
     source = tmp_path / "small.py"
-    source.write_text("import models\n\ndef build_model():\n    return models.mlp('adam')\n")
+    # Self-contained: the ranks under mpiexec import it without this folder on their path.
+    source.write_text("import keras\n\ndef build_model():\n"
+                      "    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, "
+                      "activation='relu', name='a'), keras.layers.Dense(4, name='b')])\n"
+                      "    model.compile('adam', 'mse')\n    return model\n")
     table = _plan_dataset(tmp_path, source, "--measure", "2", "--measure-steps", "2")
     measured = [r for r in table if r["measured_step_s"]]
     assert len(measured) == 2 and all(float(r["measured_step_s"]) > 0 for r in measured)
