@@ -304,11 +304,25 @@ def _plan(argv: Sequence[str]) -> int:
     return command.main(argv)
 
 
+def _add_strategy(sub: Subparsers) -> None:
+    # As `plan`: main() hands the rest to the strategy command's own parser.
+    p = sub.add_parser("strategy", help="validate, show, export or import a strategy file",
+                       add_help=False, description="See `hyparflow strategy --help`.")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: _strategy(args.rest))
+
+
+def _strategy(argv: Sequence[str]) -> int:
+    from .planning import strategy_command
+
+    return strategy_command.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace,plan,strategy}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
@@ -316,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_trace(sub)
     _add_plan(sub)
+    _add_strategy(sub)
     return parser
 
 
@@ -323,6 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])
+    if argv[:1] == ["strategy"]:
+        return _strategy(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

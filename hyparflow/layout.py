@@ -217,6 +217,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
                     f"{name}={value!r}. Leave the argument out to use the plan, or write a "
                     f"new plan with `hyparflow plan`.")
             values[name], origin[name] = value, source
+        if tensor_mesh is None and plan.get("tensor_mesh") is not None:
+            tensor_mesh = tuple(plan["tensor_mesh"])  # a strategy's [q, q]
     if source is not None and settings.reshaped(environ):
         plan = _after_restart(world_size, values, origin, source, plan)
     mesh = _mesh(tensor_mesh, environ)

@@ -1,6 +1,8 @@
-"""A parallel plan as a small JSON file: stages with their layer calls, replicas,
-microbatches, schedule and rank mapping. `fit(plan=...)` reads it; `hyparflow plan`
-writes it.
+"""Plan files: the layout `hyparflow plan` writes and `fit(plan=...)` reads.
+
+`hyparflow plan` writes a strategy file (`hyparflow.strategy`, docs/strategy.md: the
+mesh (stage, tensor, replica), each layer call's stage and split, each stage's
+recompute). The plan files it wrote before, of format "hyparflow-plan", still load:
 
     {
       "format": "hyparflow-plan", "version": 1,
@@ -14,14 +16,18 @@ writes it.
       "tables": {"user": "row", "item": "table"}  # optional: embedding_sharding
     }
 
-Layer calls are named as `hyparflow.graph` names them: the layer's name, with `#2`,
-`#3`... for its second and later calls.
+Either way `read` gives a `Plan`: those fields (a strategy's as `strategy.to_plan`
+makes them), and the file as a strategy (`Plan.strategy`). Layer calls are named as
+`hyparflow.graph` names them: the layer's name, with `#2`, `#3`... for its second
+and later calls.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from . import strategy as _strategy
 
 __all__ = ["Plan", "read", "write", "counts_for"]
 
@@ -35,52 +41,63 @@ class Plan(dict):  # type: ignore[type-arg]
     def counts(self) -> list[int]:
         return [len(s["layers"]) for s in self["stages"]]
 
+    @property
+    def strategy(self) -> Dict[str, Any]:
+        """The plan as a strategy file's JSON (an old plan file: default entries)."""
+        found = self.get("strategy")
+        return dict(found) if found is not None else _strategy.from_plan(self)
+
 
 def write(path: str, graph: Any, layout: Any,
           predicted: Optional[Mapping[str, float]] = None,
+          splits: Optional[Mapping[str, str]] = None,
+          recompute: Sequence[bool] = (),
           tables: Optional[Mapping[str, str]] = None) -> "Plan":
     """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
-    of each stage) as a plan for `graph`'s model; `tables`: the Embedding tables'
-    sharding kinds ({layer name: kind}), which `fit(plan=...)` uses as its
-    `embedding_sharding` (kinds/tables/cost.py)."""
+    of each stage) as a strategy file for `graph`'s model. `splits`: {layer call: split
+    kind} of the split layers (by default those of `layout.tensor_layers`, "split",
+    or with none named "auto", the engine's default); `recompute`: per stage; `tables`:
+    the Embedding tables' sharding kinds ({layer name: kind}), which `fit(plan=...)`
+    uses as its `embedding_sharding` (kinds/tables/cost.py)."""
     counts = list(layout.balance)
     chunks = getattr(layout, "num_chunks", 1)  # interleaved: S x chunks virtual stages
     if len(counts) != layout.num_stages * chunks or sum(counts) != len(graph.nodes):
         raise ValueError(f"A plan needs the layer-call count of each of the "
                          f"{layout.num_stages * chunks} stages, {len(graph.nodes)} in all. "
                          f"Received: balance={counts}")
-    stages, start = [], 0
-    for c in counts:
-        stages.append({"layers": [n.name for n in graph.nodes[start:start + c]]})
-        start += c
-    plan = {"format": FORMAT, "version": VERSION, "num_stages": layout.num_stages,
-            "num_replicas": layout.num_replicas, "num_microbatches": layout.num_microbatches,
-            "schedule": layout.schedule, "rank_mapping": "replica-major", "stages": stages}
-    if chunks > 1:
-        plan["num_chunks"] = chunks
-    if layout.num_tensor > 1:
-        plan["num_tensor"] = layout.num_tensor
-        if layout.tensor_layers:
-            plan["tensor_layers"] = list(layout.tensor_layers)
-        if getattr(layout, "tensor_mesh", None):
-            plan["tensor_mesh"] = list(layout.tensor_mesh)
-    if predicted:
-        plan["predicted"] = predicted
+    names = [n.name for n in graph.nodes]
+    if splits is None and layout.num_tensor > 1 and layout.tensor_layers:
+        named = set(layout.tensor_layers)
+        splits = {n.name: "split" for n in graph.nodes if n.op.name in named}
+    mesh = getattr(layout, "tensor_mesh", None)
+    if splits is not None and mesh is not None:
+        splits = {n: "mesh" for n in splits}
+    doc = _strategy.make(names, counts, stages=layout.num_stages, tensor=layout.num_tensor,
+                         replicas=layout.num_replicas, microbatches=layout.num_microbatches,
+                         schedule=layout.schedule, chunks=chunks, splits=splits,
+                         recompute=recompute, tensor_mesh=mesh, predicted=predicted)
+    shares = getattr(layout, "tensor_shares", None)
+    if isinstance(shares, tuple):
+        doc["tensor_shares"] = list(shares)
     if tables:
-        plan["tables"] = dict(tables)
+        doc["tables"] = dict(tables)
     with open(path, "w") as f:
-        json.dump(plan, f, indent=1)
-    return Plan(plan)
+        json.dump(doc, f, indent=1)
+    return Plan(_strategy.to_plan(doc))
 
 
 def read(path: str) -> "Plan":
+    """A strategy file, or a plan file of format "hyparflow-plan", as a `Plan`."""
     try:
         with open(path) as f:
             plan = json.load(f)
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot read plan {path}: {exc}") from None
-    if plan.get("format") != FORMAT or plan.get("version") != VERSION:
-        raise ValueError(f"{path} is not a {FORMAT} file of version {VERSION}.")
+    if isinstance(plan, dict) and plan.get("format") == _strategy.FORMAT:
+        return Plan(_strategy.to_plan(_strategy.check(plan, path)))
+    if not isinstance(plan, dict) or plan.get("format") != FORMAT or plan.get("version") != VERSION:
+        raise ValueError(f"{path} is neither a {_strategy.FORMAT} file of version "
+                         f"{_strategy.VERSION} nor a {FORMAT} file of version {VERSION}.")
     if plan.get("rank_mapping", "replica-major") != "replica-major":
         raise ValueError(f"{path}: only rank_mapping 'replica-major' is supported. "
                          f"Received: {plan.get('rank_mapping')!r}")

@@ -134,7 +134,7 @@ def _subcommands():
 
 
 def test_every_subcommand_is_checked_here():
-    assert _subcommands() == ["export", "info", "plan", "run", "slurm", "trace"]
+    assert _subcommands() == ["export", "info", "plan", "run", "slurm", "strategy", "trace"]
 
 
 @pytest.mark.parametrize("command", _subcommands())

@@ -16,6 +16,8 @@ RULES = {
     "hyparflow.settings": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.layout": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.plan": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.strategy": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.planning.schedule_csv": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.planning.planner": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.planning.costmodel": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
@@ -65,7 +67,9 @@ LAYERS = {
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
                 "cluster.heartbeat", "cluster.restart", "cluster.report"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
-                 "planning.profile", "planning.costmodel", "planning.command"},
+                 "planning.profile", "planning.costmodel", "planning.command",
+                 "planning.schedule_csv", "planning.strategy_command", "planning.search",
+                 "planning.dataset"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
@@ -79,7 +83,7 @@ LAYERS = {
     "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
                                                              "lower", "simulate")},
     "base": {"_compat", "_env", "graph"},
-    "pure": {"layout", "plan", "balance", "topology", "sync", "settings", "clock", "flat"},
+    "pure": {"layout", "plan", "strategy", "balance", "topology", "sync", "settings", "clock", "flat"},
 }
 # What a training process runs: it must not reach the planning wing, by any import.
 TRAINING = {"layers"} | LAYERS["loop"] | LAYERS["engine"] | LAYERS["kinds"] \

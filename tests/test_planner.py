@@ -214,7 +214,11 @@ def test_plan_command_writes_a_plan_fit_accepts(tmp_path, capsys):
                      re.M), text
     assert re.search(r"^ +# +S +T +R +M schedule", text, re.M), text
     plan = json.loads(out.read_text())
-    assert plan["num_stages"] * plan["num_replicas"] == 2 and "predicted" in plan
+    from hyparflow import strategy
+
+    assert plan["format"] == "hyparflow-strategy" and strategy.validate(plan) == []
+    stages, tensor, replicas = plan["mesh"]["shape"]
+    assert stages * tensor * replicas == 2 and "predicted" in plan
     x, y = models.mlp_data(64)
     run_ranks(2, lambda comm: hf.fit(models.mlp(), x, y, batch_size=32, verbose=0,
                                      plan=str(out), comm=comm))

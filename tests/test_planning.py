@@ -69,7 +69,7 @@ def test_plan_file_round_trip(tmp_path):
     P.write(str(path), g, Layout(num_stages=2, num_replicas=2, num_microbatches=2,
                                  balance=(2, 3)), predicted={"step_s": 0.01})
     data = json.loads(path.read_text())
-    assert data["stages"][0]["layers"] == [n.name for n in g.nodes[:2]]
+    assert [e["name"] for e in data["layers"] if e["stage"] == 0] == [n.name for n in g.nodes[:2]]
     start = model.get_weights()
 
     def body(comm):
@@ -83,7 +83,7 @@ def test_plan_file_round_trip(tmp_path):
                            weights=start, batch_size=16, epochs=1, shuffle=False, balance=[2, 3],
                            schedule="1f1b")
     assert max_diff(planned[0], explicit[0][0]) == 0.0
-    bad = dict(data, stages=[{"layers": ["nope"]}, data["stages"][1]])
+    bad = dict(data, layers=[dict(data["layers"][0], name="nope")] + data["layers"][1:])
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="not this model's"):
         run_ranks(4, body, timeout=300)

@@ -9,6 +9,7 @@ from .. import _compat
 from . import customised as _customised
 from . import errors as errors_
 from .. import graph as _graph
+from .. import strategy as _strategy
 from ..cluster import heartbeat as _heartbeat
 from . import normaliser as _normaliser
 from . import overlap
@@ -126,7 +127,9 @@ class Runtime:
                           is_last=(s == layout.num_stages - 1), run_eagerly=eager,
                           y_specs=y_specs,
                           sw_specs=_prepare.weight_specs(sample),
-                          per_output=sample.per_output, recompute=recompute, shards=shards)
+                          per_output=sample.per_output,
+                          recompute=recompute or _strategy.recomputes(layout.plan, s),
+                          shards=shards)
         else:
             # One Stage per model chunk (virtual stages s, s + S, ...), and one that
             # computes nothing but holds the rank's gradient sums for all of them:
@@ -136,7 +139,8 @@ class Runtime:
             chunks = [Stage(graph, part.stages[j], model, part, is_last=(j == last),
                             run_eagerly=eager, y_specs=y_specs,
                             sw_specs=_prepare.weight_specs(sample),
-                            per_output=sample.per_output, recompute=recompute)
+                            per_output=sample.per_output,
+                            recompute=recompute or _strategy.recomputes(layout.plan, j))
                       for j in virtual]
             union = _partition.StageCut(s, [i for j in virtual for i in part.stages[j].nodes],
                                          [], [], [])
@@ -219,6 +223,9 @@ class Runtime:
                 f"its {kinds.describe('or')} with at least {kinds.MIN_PARAMS} weights "
                 "can be. Name the layers to split with tensor_layers=[...], or use "
                 "num_tensor=1.")
+        # A strategy file's named kinds must be the ones the engine splits by.
+        _strategy.check_kinds(layout.plan, {graph.nodes[i].name: sp.kind
+                                            for i, sp in every.items()})
         mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
         return ({i: sp for i, sp in every.items() if i in mine},
                 sorted(graph.nodes[i].op.name for i in every))

@@ -133,8 +133,10 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         speeds: relative speed of each stage's ranks ("measure": a short
             calibration on every rank), so a faster rank gets more work.
         memory_limit: bytes per rank that no stage may exceed (with `balance`).
-        plan: a plan file (see `hyparflow plan`): stages with their layer calls,
-            replicas, microbatches, schedule and tensor split from it. An argument
+        plan: a plan file (see `hyparflow plan`): a strategy file (docs/strategy.md:
+            each layer call's stage and split, each stage's recompute) or a plan file
+            of the format before; stages with their layer calls, replicas,
+            microbatches, schedule and tensor split from it. An argument
             that contradicts it is an error. The layout is resolved once, from the
             arguments, then the plan, then $HYPARFLOW_NUM_*, then the world size
             (see `hyparflow.layout`).

@@ -18,7 +18,8 @@ from .costmodel import Compute, Network, Row
 from ..schedules import PLANNED
 from .planner import as_layout, search
 
-__all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches"]
+__all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches",
+           "split_kinds"]
 
 Plan = Dict[str, Any]   # one ranked plan (JSON)
 
@@ -79,6 +80,95 @@ def profile_batches(batch: int, ranks: int, microbatches: Sequence[int], most: i
     hi = max(2, min(batch, most))
     lo = max(1, min(batch // max(1, ranks * max(microbatches)), hi // 4))
     return lo, hi
+
+
+def split_kinds(graph: Any, layout: Any) -> Dict[str, str]:
+    """{layer call: split kind} of the layers `layout` splits, stage by stage, as the
+    engine's runtime chooses them (a strategy file names each one's kind)."""
+    from ..engine.partition import partition
+    from ..kinds import tensor as T
+
+    if layout.num_tensor == 1:
+        return {}
+    part = partition(graph, len(layout.balance), list(layout.balance))
+    choose: Any = T.choose  # the kinds are untyped (TensorFlow's layers)
+    return {graph.nodes[i].name: sp.kind for p in part.stages
+            for i, sp in choose(graph, p.nodes, layout.num_tensor,
+                                  layout.tensor_layers).items()}
+
+
+def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
+               network: Network, ranks: int, limit: Optional[float],
+               compute: Optional[Compute], extra: Any, best: Plan,
+               explored: List[Plan]) -> Plan:
+    """`--search layers`: the best per-layer strategy beside the best global tuple,
+    both priced by the layer profiles (the stages timed whole time only the rule's
+    split layers); returns the plan to write, the per-layer one when it is faster."""
+    from . import search as per_layer
+    from .planner import predict
+
+    model = dict(ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
+                 cores=args.cores if args.nodes == 1 or args.hosts else None,
+                 compute=compute, stage_costs=extra)
+    with _Phase(f"searching per-layer strategies (at most {args.search_seconds:g} s of "
+                "local moves)"):
+        found, done = per_layer.layers(graph, rows, opt_per_byte, network, args.batch_size,
+                                       ranks, limit, microbatches=args.microbatches,
+                                       schedules=[s for s in args.schedules
+                                                  if s != "interleaved"],
+                                       seconds=args.search_seconds, **model)
+    explored += done["plans"]
+    if found is None:
+        print("per-layer search: no layer of the model can be split")
+        return best
+    glob = dict(best, **predict(graph, rows, opt_per_byte, network, best["counts"],
+                                args.batch_size, best["replicas"], best["microbatches"],
+                                best["schedule"], num_tensor=best["tensor"],
+                                chunks=best.get("chunks", 1), **model))
+    print(f"\nper-layer search: {done['predicted']} strategies predicted over {done['shapes']} "
+          f"shapes in {done['seconds']:.1f} s; both below priced by the layer profiles")
+    for what, p in (("best global tuple", glob), ("best per layer", found)):
+        split = ", ".join(p["tensor_layers"]) or "nothing"
+        print(f"  {what:<17} S={p['stages']} T={p['tensor']} R={p['replicas']} "
+              f"M={p['microbatches']} {_schedule_name(p)}, cut {p['counts']}, splits "
+              f"{split}: step {p['step_s']:.4f} s, peak {max(p['memory_bytes']) / 2**20:.1f} "
+              f"MB/rank{'' if p['fits'] else ' (over the memory limit)'}")
+    if args.json:  # beside the ranked plans: both, as priced here
+        with open(args.json) as f:
+            saved = json.load(f)
+        saved.update(per_layer=found, global_by_profiles=glob,
+                     search={k: v for k, v in done.items() if k != "plans"})
+        with open(args.json, "w") as f:
+            json.dump(saved, f, indent=1)
+    better = found["fits"] >= glob["fits"] and found["step_s"] < glob["step_s"]
+    return found if better else best
+
+
+def _dataset(args: Any, graph: Any, plans: List[Plan], ranks: int) -> None:
+    """--explore-all --dataset: every candidate as a CSV row; --measure K of them."""
+    from .. import strategy as S
+    from . import dataset
+
+    def strategy_of(p: Plan) -> Dict[str, Any]:
+        layout = as_layout(p)
+        return S.make([n.name for n in graph.nodes], p["counts"], stages=p["stages"],
+                      tensor=p["tensor"], replicas=p["replicas"],
+                      microbatches=p["microbatches"], schedule=p["schedule"],
+                      chunks=p.get("chunks", 1), splits=split_kinds(graph, layout),
+                      predicted={"step_s": p["step_s"], "samples_s": p["samples_s"]})
+
+    machine = dataset.machine_fingerprint(args.cores, _memory(), args.nodes,
+                                          args.ranks_per_node, args.hosts)
+    table = dataset.rows(plans, graph, dataset.model_fingerprint(graph, args.batch_size),
+                         machine, ranks, strategy_of)
+    if args.measure:
+        with _Phase(f"measuring {args.measure} of the {len(table)} candidates for real "
+                    f"(hf.fit under mpiexec, {args.measure_steps} steps each)"):
+            dataset.measure(table, args.measure, ranks, args.model, args.function,
+                            args.batch_size, args.measure_steps)
+    dataset.write(args.dataset, table)
+    print(f"wrote {args.dataset}: {len(table)} candidates"
+          + (f", {args.measure} measured" if args.measure else ""))
 
 
 def _memory() -> Optional[int]:
@@ -154,7 +244,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", help="write every ranked plan here")
     parser.add_argument("--profile-cache", help="reuse (or write) the layer profiles here: "
                                                 "profile once, plan for many clusters")
-    parser.add_argument("--output", help="write the best plan that fits here (JSON)")
+    parser.add_argument("--output", help="write the best plan that fits here (a strategy "
+                                         "file, docs/strategy.md)")
+    parser.add_argument("--search", choices=("global", "layers"), default="global",
+                        help="layers: also search per-layer strategies (each layer split or "
+                             "whole, and the cut) and report the best beside the best "
+                             "global tuple (docs/planning.md)")
+    parser.add_argument("--search-seconds", type=float, default=30.0,
+                        help="time for --search layers' local moves (default 30)")
+    parser.add_argument("--explore-all", action="store_true",
+                        help="write every candidate predicted (the global tuples, and with "
+                             "--search layers every per-layer strategy priced) to --dataset")
+    parser.add_argument("--dataset", metavar="CSV",
+                        help="the explored space as CSV (columns: docs/planning.md)")
+    parser.add_argument("--measure", type=int, default=0, metavar="K",
+                        help="with --dataset: run K candidates spread over the ranking for "
+                             "real under mpiexec and add their measured step time")
+    parser.add_argument("--measure-steps", type=int, default=5,
+                        help="steps timed per measured candidate (default 5, after one)")
     parser.add_argument("--embedding-sharding", metavar="auto|JSON",
                         help="shard the Embedding tables over the replicas ('auto', or "
                              "'{\"layer\": \"row\", ...}'): plans with one stage and one "
@@ -167,6 +274,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--communication-dtype", choices=["float32", "bfloat16", "float16"],
                         help="the tables' exchanges in 16 bits (their estimate's bytes)")
     args = parser.parse_args(argv)   # a Namespace: untyped attributes
+    if bool(args.explore_all) != bool(args.dataset):
+        parser.error("--explore-all and --dataset go together: --explore-all --dataset "
+                     "space.csv")
+    if args.measure and args.nodes > 1:
+        parser.error(f"--measure {args.measure} runs candidates on this node; it cannot with "
+                     f"--nodes {args.nodes}")
     hosts = None
     if args.hosts:
         from ..cluster import hosts as H
@@ -285,11 +398,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tables = None
     if args.embedding_sharding:
         tables, plans = _tables(args, model, graph, network, ranks, limit, plans)
+    best = next((p for p in plans if p["fits"]), plans[0])
+    explored: List[Plan] = []
+    if args.search == "layers":
+        best = _per_layer(args, graph, rows, opt_per_byte, network, ranks, limit, compute,
+                          extra, best, explored)
+    if args.dataset:
+        _dataset(args, graph, plans + explored, ranks)
     if args.output:
-        best = next((p for p in plans if p["fits"]), plans[0])
-        P.write(args.output, graph, as_layout(best),
+        layout = as_layout(best)
+        P.write(args.output, graph, layout,
                 predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")},
-                tables=tables)
+                splits=split_kinds(graph, layout), tables=tables)
         print(f"wrote {args.output}")
     return 0
 

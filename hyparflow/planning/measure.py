@@ -231,3 +231,9 @@ def stage_for(graph, model, key, shards=None):
     if last:
         stage.output_ids = list(plan.outputs)
     return stage
+
+
+def strategy_steps(ranks, source, function, path, batch, steps=5):
+    """Seconds of one training step of the model under the strategy file `path`, run
+    for real by `hf.fit` on `ranks` ranks under mpiexec (`probes.strategy_steps`)."""
+    return run_probe(ranks, "strategy_steps", source, function, path, batch, steps)[-1]["seconds"]

@@ -91,17 +91,17 @@ def _elements(graph, t):
     return numel(graph.tensors[t].shape)
 
 
-def tensor_costs(graph, num_tensor, m, network, across=False):
+def tensor_costs(graph, num_tensor, m, network, across=False, layers=None):
     """{node: (compute divisor, forward exchange s, backward exchange s)} of the calls
-    `num_tensor` ranks would split (the default choice: by size); `across`: the tensor
-    ranks of a stage span hosts."""
+    `num_tensor` ranks would split (`layers`: those named, else the default choice:
+    by size); `across`: the tensor ranks of a stage span hosts."""
     from ..kinds import tensor as T
 
     if num_tensor == 1:
         return {}
     out = {}
     network = Across(network) if across else network
-    for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor).items():
+    for i, split in T.choose(graph, range(len(graph.nodes)), num_tensor, layers).items():
         node = graph.nodes[i]
         out_bytes, in_bytes = (4 * m * _elements(graph, t) for t in (node.outputs[0], node.inputs[0]))
         out[i] = (num_tensor, *T.exchange(split, out_bytes, in_bytes, num_tensor, network,
@@ -151,8 +151,10 @@ def mesh_costs(graph, q, m, network, across=False):
 
 def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, schedule,
             ranks_per_node=None, cores=None, num_tensor=1, compute=None, stage_costs=None,
-            stage_timer=None, chunks=1, tensor_mesh=None):
+            stage_timer=None, chunks=1, tensor_mesh=None, tensor_layers=None):
     """Predicted step time and its parts, and peak memory per stage, for one plan.
+    `tensor_layers`: the layers split over `num_tensor` ranks (None: the default
+    choice, by size; `search.layers` names them per layer).
 
     `chunks` (interleaved schedules): `counts` cut S x chunks virtual stages, virtual
     stage j on rank j % S; the play runs each rank's chunks one action at a time,
@@ -188,7 +190,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     if tensor_mesh:
         split, weight_div, kept_div = mesh_costs(graph, tensor_mesh[0], m, network, spans)
     else:
-        split = tensor_costs(graph, num_tensor, m, network, across=spans)
+        split = tensor_costs(graph, num_tensor, m, network, across=spans, layers=tensor_layers)
         weight_div, kept_div = {i: d for i, (d, _, _) in split.items()}, {}
     if slowdown is not None:
         # The exchanges were timed with every rank of the node running (`measure.rings`),

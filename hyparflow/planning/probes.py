@@ -5,7 +5,7 @@ line, {"probe": name, ...fields}, which `measure` reads back."""
 import json
 import time
 
-__all__ = ["report", "ping_pong", "rings", "compute", "tensor_stages"]
+__all__ = ["report", "ping_pong", "rings", "compute", "tensor_stages", "strategy_steps"]
 
 
 def report(probe, **fields):
@@ -301,3 +301,44 @@ def ping_pong():
         alpha = points[0][1]
         beta = (points[-1][1] - points[1][1]) / (points[-1][0] - points[1][0])
         report("ping_pong", alpha=alpha, beta=max(beta, 1e-12))
+
+
+def strategy_steps(source, function, path, batch, steps):
+    """`hf.fit` of the model with the strategy file `path` for `steps` + 1 steps of
+    random data (inputs normal; targets of the output's shape, class indices when the
+    loss is a sparse one): rank 0 reports the median step, the first (tracing) left
+    out, timed from one step's end to the next's."""
+    from .. import _env
+
+    _env.start_tensorflow()
+    import numpy as np
+    from mpi4py import MPI
+
+    from .. import graph as G
+    from ..loop.api import fit
+    from . import profile
+
+    model = profile.load_model(source, function)
+    graph = G.from_model(model)
+    rng = np.random.default_rng(0)
+    n = batch * (steps + 1)
+
+    def shaped(t):
+        return (n,) + tuple(d or 8 for d in graph.tensors[t].shape[1:])
+
+    xs = [rng.normal(size=shaped(t)).astype("float32") for t in graph.inputs]
+    out = shaped(graph.outputs[0])
+    loss = str(getattr(model, "loss", "")).lower()
+    y = (rng.integers(0, out[-1], out[:-1]) if "sparse" in loss
+         else rng.normal(size=out).astype("float32"))
+    ends = []
+
+    class Timer(__import__("keras").callbacks.Callback):
+        def on_train_batch_end(self, batch_index, logs=None):
+            ends.append(time.perf_counter())
+
+    fit(model, xs[0] if len(xs) == 1 else xs, y, batch_size=batch, epochs=1, shuffle=False,
+           verbose=0, plan=path, callbacks=[Timer()])
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        gaps = sorted(b - a for a, b in zip(ends[:-1], ends[1:]))
+        report("strategy", seconds=gaps[len(gaps) // 2], steps=len(gaps))
