@@ -202,7 +202,9 @@ def to_plan(doc: Mapping[str, Any]) -> Dict[str, Any]:
         plan["num_tensor"] = tensor
         if any(s != "auto" for s in splits.values()):
             plan["tensor_layers"] = [n for n, s in splits.items() if s != "whole"]
-        plan["splits"] = {n: s for n, s in splits.items() if s not in ("whole", "split", "auto")}
+        # "mesh" is whichever mesh kind claims the layer, as "split" is for 1D.
+        plan["splits"] = {n: s for n, s in splits.items()
+                          if s not in ("whole", "split", "auto", "mesh")}
     for key in ("tensor_mesh", "tensor_shares", "predicted", "tables"):
         if doc.get(key) is not None:
             plan[key] = doc[key]

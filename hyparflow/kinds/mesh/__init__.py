@@ -12,9 +12,12 @@ and a whole value entering it is cut (`to_block`). The same interface as the 1D 
 nodes, and whether each gathers its output), `shard` (a rank's part), `describe`.
 """
 
+from typing import Dict
+
 from ..tensor import registry as _tensor
 from ..tensor.split import MIN_PARAMS, Split
 from .attention import MeshHeads
+from .base import MeshKind
 from .dense import MeshDense, MeshEinsum
 from .embedding import MeshEmbedding
 from .elementwise import MeshMap
@@ -30,7 +33,7 @@ __all__ = ["KINDS", "BY_NAME", "Mesh", "MeshPart", "choose", "shard", "describe"
 # only where the region feeds them).
 KINDS = (MeshDense(), MeshEinsum(), MeshHeads(), MeshEmbedding())
 CARRY = (MeshMap(), MeshNorm())
-BY_NAME = {MeshLogits.name: MeshLogits()}
+BY_NAME: Dict[str, MeshKind] = {MeshLogits.name: MeshLogits()}
 BY_NAME.update({kind.name: kind for kind in KINDS + CARRY})
 
 

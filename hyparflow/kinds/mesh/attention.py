@@ -50,7 +50,7 @@ class MeshHeads(MeshKind):
     name = "mesh-heads"
     what = "MultiHeadAttention"
 
-    def products(self, in_bytes, weight_bytes):
+    def products(self, in_bytes: float, weight_bytes: float) -> List[Tuple[float, float]]:
         # The query, key, value and output projections, a quarter of the weights each
         # (the output projection's input, heads x size, taken as wide as the query's).
         return [(in_bytes, weight_bytes / 4)] * 4
@@ -63,9 +63,9 @@ class MeshHeads(MeshKind):
 
     def why_not(self, op: Any, q: int) -> Optional[str]:
         parts = _parts(op)
-        dense = [parts.get(name) for name in _PROJECTIONS]
-        if any(d is None for d in dense):
+        if any(parts.get(name) is None for name in _PROJECTIONS):
             return "it is not built (call the model once first)"
+        dense = [parts[name] for name in _PROJECTIONS]
         cls, base = type(op), keras.layers.MultiHeadAttention
         if qualified(cls.call) != _CALL or any(getattr(cls, m, None) is not getattr(base, m)
                                               for m in _METHODS):

@@ -26,7 +26,7 @@ _X, _W, _BW, _BDX, _BX, _BDW, _BIAS = range(8, 15)
 
 class MeshDense(MeshKind):
     name = "mesh-dense"
-    what = "Dense"
+    what: "str | None" = "Dense"
 
     def products(self, in_bytes, weight_bytes):
         return [(in_bytes, weight_bytes)]

@@ -23,7 +23,7 @@ class MeshNorm(MeshKind):
     what = None  # chosen only inside a mesh region (`choose`)
     share = 1  # its scale and offset: cut over the columns, alike down a column
 
-    def sums(self, rows, out_bytes, q):
+    def sums(self, rows: float, out_bytes: float, q: int) -> Tuple[List[float], List[float]]:
         # The mean's and the variance's row sums, a value per token of the rank's rows,
         # and their gradients back.
         return [4 * rows / q] * 2, [4 * rows / q] * 2

@@ -11,6 +11,8 @@ batch, so the weights are `model.fit`'s (docs/recommenders.md).
 runtime and the executor ask: its parts (as the stage's `shards`), the positions
 whose pairs stay on their rank, the communicator to connect, the plan to print."""
 
+from typing import Any, Dict, List, Optional
+
 import keras
 import numpy as np
 
@@ -73,7 +75,9 @@ def _check_layout(layout, sync, graph, model):
             "step with the whole batch's gradient.")
 
 
-def placements_for(model, graph, sharding, ranks, memory_limit=None, training=True):
+def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
+                   memory_limit: Optional[float] = None,
+                   training: bool = True) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
     `embedding_sharding=sharding` over `ranks` ranks, storage counted with the model's
     optimizer's slots (when `training`); what cannot be sharded, with why."""
@@ -93,9 +97,9 @@ def placements_for(model, graph, sharding, ranks, memory_limit=None, training=Tr
     return _plan.place(tables, sharding, ranks, memory_limit, refused)
 
 
-def lookups_per_sample(graph):
+def lookups_per_sample(graph: Any) -> Dict[str, int]:
     """{Embedding layer name: ids it looks up per sample} (its input's size)."""
-    out = {}
+    out: Dict[str, int] = {}
     for i, op in _embeddings(graph):
         shape = graph.tensors[graph.nodes[i].inputs[0]].shape
         out[op.name] = int(np.prod([d or 1 for d in shape[1:]]))
