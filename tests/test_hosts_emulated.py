@@ -117,6 +117,9 @@ def test_table_row_tables_within_hosts(tmp_path):
     assert [r["rows"]["item"] for r in reports] == [150, 150, 0, 0]
     assert [r["rows"]["user"] for r in reports] == [0, 0, 32, 32]
     assert [r["rows"]["cat"] for r in reports] == [3, 3, 3, 3]
+    print(f"\ntable-row across hosts: max weight difference "
+          f"{max(r['diff'] for r in reports):.3g}, largest message "
+          f"{max(r['largest'] for r in reports):,} bytes")
     for r in reports:
         assert r["diff"] <= 2e-6, r
         assert r["largest"] > 64 * 1024, r
