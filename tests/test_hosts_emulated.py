@@ -60,8 +60,8 @@ def hyparflow_run(hosts, *options, args=(), timeout=240, **popen):
     return subprocess.Popen(argv, env=ENV, cwd=ROOT, text=True, start_new_session=True, **popen)
 
 
-def _contract(tmp_path, hosts, *options):
-    proc = hyparflow_run(hosts, *options, args=["contract", str(tmp_path)],
+def _contract(tmp_path, hosts, *options, mode="contract"):
+    proc = hyparflow_run(hosts, *options, args=[mode, str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=240)
@@ -69,7 +69,8 @@ def _contract(tmp_path, hosts, *options):
         _end(proc)
     assert proc.returncode == 0, out[-5000:]
     reports = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
-    return reports, json.load(open(tmp_path / "run.json"))
+    trace = tmp_path / "run.json"
+    return reports, json.load(open(trace)) if trace.exists() else None
 
 
 @pytest.mark.timeout(300)
@@ -102,6 +103,26 @@ def test_replicas_across_hosts_overlap_and_threads(tmp_path):
         # One bucket per layer here: all but the last start inside the backward (the last
         # starts at its end anyway); with overlap off none would.
         assert args["buckets"] >= 2 and args["inside"] >= args["buckets"] - 1, args
+
+
+@pytest.mark.timeout(300)
+def test_table_row_tables_within_hosts(tmp_path):
+    """"table-row" over 2 hosts x 2 ranks: each such table's rows are cut over the two
+    ranks of one host (the two tables on different hosts), a "row" table over all four;
+    messages past 64 KB cross TCP; the weights are model.fit's (SGD)."""
+    h1, h2 = HOSTS[:2]
+    reports, _ = _contract(tmp_path, f"{h1}:2,{h2}:2", mode="tables")
+    assert [r["host"] for r in reports] == [h1, h1, h2, h2]
+    # The bigger table ("item", 300 rows) on the first host, "user" (64) on the other.
+    assert [r["rows"]["item"] for r in reports] == [150, 150, 0, 0]
+    assert [r["rows"]["user"] for r in reports] == [0, 0, 32, 32]
+    assert [r["rows"]["cat"] for r in reports] == [3, 3, 3, 3]
+    print(f"\ntable-row across hosts: max weight difference "
+          f"{max(r['diff'] for r in reports):.3g}, largest message "
+          f"{max(r['largest'] for r in reports):,} bytes")
+    for r in reports:
+        assert r["diff"] <= 2e-6, r
+        assert r["largest"] > 64 * 1024, r
 
 
 # ------------------------------------------------------------------ losing a host

@@ -45,8 +45,8 @@ def tables_data(n=32, bag=3, seed=0, rows=ROWS):
     return x, rng.normal(size=(n, 1)).astype("float32")
 
 
-def _fit_ranks(build, x, y, start, ranks, **kwargs):
-    """hf.fit on `ranks` thread-ranks; per rank: (weights, {table: rows it held}, its
+def _fit_ranks(build, x, y, start, ranks, hosts=None, **kwargs):
+    """hf.fit on `ranks` thread-ranks (reporting `hosts`, if given); per rank: (weights, {table: rows it held}, its
     part's bytes, its optimizer slots' shapes for each table)."""
 
     def body(comm):
@@ -64,7 +64,7 @@ def _fit_ranks(build, x, y, start, ranks, **kwargs):
                num_replicas=ranks, callbacks=[Look()], **kwargs)
         return model.get_weights(), held
 
-    return run_ranks(ranks, body, timeout=300)
+    return run_ranks(ranks, body, timeout=300, hosts=hosts)
 
 
 CASES = [  # (ranks, sharding, optimizer, microbatches)
@@ -114,6 +114,61 @@ def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
             assert max(rows) <= -(-ROWS[name] // ranks)
         else:
             assert sorted(rows)[-2] == 0  # whole on one rank, none elsewhere
+
+
+@pytest.mark.parametrize("sharding,optimizer,micro", [
+    ({"user": "table-row", "item": "table-row", "cat": "row"}, "adam", 2),
+    ({"user": "table-row", "item": "column", "cat": "table-row"}, "sgd", 1)])
+def test_table_row_trains_as_model_fit(sharding, optimizer, micro):
+    """"table-row" over 4 thread-ranks reporting 2 hosts x 2: each table's rows cut
+    over the ranks of one host (the tables spread over the hosts by bytes), mixed
+    with the other kinds, ends with model.fit's weights."""
+    hosts = ["node-a", "node-a", "node-b", "node-b"]
+    build = lambda: tables_model(optimizer)  # noqa: E731
+    x, y = tables_data()
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = reference.get_weights()
+    out = _fit_ranks(build, x, y, start, 4, hosts=hosts, embedding_sharding=sharding,
+                     num_microbatches=micro)
+    for weights, _ in out:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= (1e-6 if optimizer == "sgd" else 2e-6), (sharding, diff)
+    owners = {}
+    for name, kind in sharding.items():
+        if kind != "table-row":
+            continue
+        rows = [held[name][0] for _, held in out]
+        owners[name] = [r for r in range(4) if rows[r]]
+        # The ranks of one host, the rows cut evenly between them, none elsewhere.
+        assert owners[name] in ([0, 1], [2, 3]), (name, rows)
+        assert sum(rows) == ROWS[name] and max(rows) - min(rows[r] for r in owners[name]) <= 1
+    # Two table-row tables: one on each host (the second goes to the lighter host).
+    assert sorted(map(tuple, owners.values())) == [(0, 1), (2, 3)]
+
+
+def test_table_row_placement():
+    """Table-row tables spread over hosts by bytes (biggest first, each on the host
+    whose ranks hold the fewest), a host's ranks need not be consecutive; on one host
+    it is "row"; too few rows for a host's ranks is an error naming the fix."""
+    tables = [tplan.Table("big", 1000, 8), tplan.Table("a", 600, 8), tplan.Table("b", 300, 8),
+              tplan.Table("c", 100, 8)]
+    kinds = {n: "table-row" for n in ("big", "a", "b", "c")}
+    hosts = ["x", "y", "x", "y"]
+    plan = {p.table.name: p for p in tplan.place(tables, kinds, 4, hosts=hosts)}
+    assert plan["big"].sizes == (500, 0, 500, 0)
+    assert plan["a"].sizes == (0, 300, 0, 300)
+    assert plan["b"].ranks == [1, 3] and plan["c"].ranks == [1, 3]
+    assert all(p.kind == "table-row" for p in plan.values())
+    one = tplan.place(tables, kinds, 4)
+    assert [p.sizes for p in one] == [p.sizes for p in tplan.place(
+        tables, {n: "row" for n in kinds}, 4)]
+    text = tplan.describe(list(plan.values()), 4)
+    assert "table-row" in text and " 0,2 " in text
+    with pytest.raises(ValueError, match=r"'table-row' needs at least as many rows.*2 < 3"):
+        tplan.place([tplan.Table("tiny", 2, 8)], {"tiny": "table-row"}, 6,
+                    hosts=["x"] * 3 + ["y"] * 3)
 
 
 def test_planner_places_by_bytes():

@@ -119,6 +119,13 @@ class Communicator:
     size: int
     spin: float | None = None  # seconds a wait may spin; None: the default for MPI processes
 
+    def host(self) -> str:
+        """The name of this rank's host (where "table-row" tables and pipelines are
+        placed); the in-process communicator can be given others (`run_ranks(hosts=)`)."""
+        import socket
+
+        return socket.gethostname()
+
     def isend(self, buf: Buffer, dest: int, tag: int) -> Request: raise NotImplementedError
     def irecv(self, buf: Buffer, source: int, tag: int) -> Request: raise NotImplementedError
     def allreduce(self, buf: Buffer, timeout: Optional[float] = None) -> Buffer:

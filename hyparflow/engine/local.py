@@ -30,8 +30,13 @@ class _Group:
 
 
 class LocalWorld:
-    def __init__(self, size):
+    def __init__(self, size, hosts=None):
         self.size = size
+        # Host names the ranks report (tests of host-aware placement); None: this one's.
+        self.hosts = None if hosts is None else list(hosts)
+        if self.hosts is not None and len(self.hosts) != size:
+            raise ValueError(f"run_ranks: hosts={hosts!r} must name one host per rank "
+                             f"({size} ranks).")
         self.lock = threading.Condition()
         self.mail = collections.defaultdict(collections.deque)
         self.groups = {}
@@ -64,6 +69,11 @@ class LocalCommunicator(Communicator):
         self.world, self.group, self.rank = world, group, rank
         self.size = len(group.members)
         self._seq = 0
+
+    def host(self):
+        if self.world.hosts is None:
+            return super().host()
+        return self.world.hosts[self.group.members[self.rank]]
 
     # point to point --------------------------------------------------------
     def isend(self, buf, dest, tag):
@@ -192,9 +202,11 @@ class LocalCommunicator(Communicator):
             self.world.lock.notify_all()
 
 
-def run_ranks(size, fn, timeout=None):
-    """Run `fn(comm)` on `size` threads; return results by rank or raise the first error."""
-    world = LocalWorld(size)
+def run_ranks(size, fn, timeout=None, hosts=None):
+    """Run `fn(comm)` on `size` threads; return results by rank or raise the first error.
+    `hosts`: the host name each rank reports (`comm.host()`), as if they ran on several
+    machines (default: this machine's for all)."""
+    world = LocalWorld(size, hosts)
     results, errors = [None] * size, [None] * size
 
     def body(r):

@@ -3,7 +3,6 @@ tensor parts (`Runtime`). What comes before it (arguments checked, errors agreed
 the model read as a layer graph, the model and optimizer checked, the compiled loss
 built) is `prepare`'s."""
 
-import socket
 
 from .. import _compat
 from . import customised as _customised
@@ -72,14 +71,15 @@ class Runtime:
     def __init__(self, model, comm, layout, *, graph, sample, cut=None, run_eagerly=None,
                  recompute=False, trace=None, training=True, facts=None, batch_rows=None,
                  replica_sync=None, embedding_sharding=None, memory_limit=None,
-                 communication_dtype=None):
+                 communication_dtype=None, hosts=None):
         """`layout`: the run's, resolved for this world (hyparflow.layout); `cut`: how
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
         `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
         method, under which each replica steps on its own (`hyparflow.replicas`);
         `embedding_sharding`: the Embedding tables sharded over the replicas
         (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
-        gradients exchanged in `communication_dtype` (None: float32)."""
+        gradients exchanged in `communication_dtype` (None: float32); `hosts[r]`: rank
+        r's host, where "table-row" tables go (gathered collectively by the caller)."""
         _prepare.check_model(model, sample)
         if layout.ranks != comm.size:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
@@ -100,7 +100,8 @@ class Runtime:
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
                                           topo.replica(comm.rank), memory_limit=memory_limit,
                                           sync=self.sync, training=training,
-                                          communication_dtype=communication_dtype)
+                                          communication_dtype=communication_dtype,
+                                          hosts=hosts)
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
@@ -251,7 +252,7 @@ class Runtime:
         replica from rank 0's weights. Disagreement raises the same error everywhere."""
         _prepare.check_agreement(self.comm, self.facts)
         topo, rank = self.topo, self.comm.rank
-        hosts = self.comm.allgather_obj(socket.gethostname())
+        hosts = self.comm.allgather_obj(self.comm.host())
         self.hosts = hosts
         self.layout = self.layout.with_hosts(hosts)
         # From here to close(), a peer that falls silent ends this rank (docs/slurm.md).

@@ -188,9 +188,10 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             (num_stages=1, num_replicas >= 2) while the other layers stay
             data-parallel: "auto" (a greedy plan by bytes, printed on rank 0;
             row-wise for a table over one rank's share or `memory_limit`) or
-            {layer name: "table" | "row" | "column" | "data"} (whole on one rank,
-            rows cut over every rank, columns cut over every rank, replicated;
-            unnamed tables stay "data"). Ids go to the rows' owners and rows come
+            {layer name: "table" | "row" | "column" | "data" | "table-row"} (whole
+            on one rank, rows cut over every rank, columns cut over every rank,
+            replicated, rows cut over the ranks of one host; unnamed tables stay
+            "data"). Ids go to the rows' owners and rows come
             back; the owners step their rows, so the weights are still model.fit's
             (docs/recommenders.md).
         communication_dtype: "bfloat16" or "float16": the sharded tables' rows and

@@ -123,6 +123,9 @@ def train(model, x, y, *, comm, layout, options):
         if layout.tensor_shares == "measure" and layout.num_tensor > 1:
             layout = dataclasses.replace(
                 layout, tensor_shares=tuple(_costs.measured_shares(comm, layout)))
+        # Where each rank runs: "table-row" tables go to a host's ranks.
+        hosts = (comm.allgather_obj(comm.host())
+                 if options.embedding_sharding is not None else None)
         runtime = Runtime(model, comm, layout, graph=graph, sample=sample, cut=cut,
                           run_eagerly=options.run_eagerly, recompute=options.recompute,
                           trace=options.trace,
@@ -131,7 +134,7 @@ def train(model, x, y, *, comm, layout, options):
                           batch_rows=min(effective, len(sample)), replica_sync=replica_sync,
                           embedding_sharding=options.embedding_sharding,
                           memory_limit=options.memory_limit,
-                          communication_dtype=options.communication_dtype)
+                          communication_dtype=options.communication_dtype, hosts=hosts)
         if runtime.tables is not None and state["verbose"] and comm.rank == 0:
             print(runtime.tables.describe(), flush=True)
     except (ValueError, TypeError, NotImplementedError) as exc:

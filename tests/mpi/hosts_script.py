@@ -5,6 +5,7 @@
     python hosts_script.py busy MARKER       # as long, but tracing holds the GIL for 8 s
     python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
     python hosts_script.py resumable OUTDIR  # fit with checkpoints and resume=True (restarts)
+    python hosts_script.py tables OUTDIR     # "table-row" tables against model.fit
 
 `contract`: every rank writes OUTDIR/rank-K.json with its host, its threads, the largest
 weight difference from plain `model.fit` (Adam) and, per step, how many gradient buckets
@@ -28,7 +29,7 @@ from hyparflow.engine import overlap  # noqa: E402
 import models  # noqa: E402
 
 MODE, TARGET = sys.argv[1], sys.argv[2]
-if MODE == "contract":
+if MODE in ("contract", "tables"):
     os.makedirs(TARGET, exist_ok=True)
 
 
@@ -181,5 +182,39 @@ def resumable():
     print(f"result: {result}", flush=True)
 
 
-{"contract": contract, "long": long, "busy": lambda: long(busy=True), "pause": pause,
+def tables():
+    """"table-row" tables (rows of 256 values, bags of 8 ids: messages past 64 KB) and a
+    row-wise one, SGD, against model.fit; every rank writes OUTDIR/rank-K.json with its
+    host, the weight difference, the rows it held of each table and its largest message."""
+    from test_tables import tables_data, tables_model
+
+    rows = {"user": 64, "item": 300, "cat": 12}
+    build = lambda: tables_model("sgd", dim=256, bag=8, rows=rows)  # noqa: E731
+    x, y = tables_data(n=256, bag=8, rows=rows)
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    model.set_weights(start)
+    held = {}
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            for name in rows:
+                part = model.get_layer(name).__dict__["_hyparflow_table_part"]
+                held[name] = int(part.variable.shape[0])
+            held["largest"] = part.router.largest
+
+    hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
+           embedding_sharding={"user": "table-row", "item": "table-row", "cat": "row"},
+           callbacks=[Look()])
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(),
+                                                          reference.get_weights()))
+    report = {"rank": hf.rank(), "host": socket.gethostname(), "diff": diff,
+              "rows": {n: held[n] for n in rows}, "largest": held["largest"]}
+    with open(os.path.join(TARGET, f"rank-{hf.rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
+{"contract": contract, "tables": tables, "long": long, "busy": lambda: long(busy=True), "pause": pause,
  "resumable": resumable}[MODE]()

@@ -1,7 +1,7 @@
 """Embedding tables sharded over the ranks of a data-parallel run (`fit(...,
 embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
-every rank ("row"), its columns cut over every rank ("column"), or replicated as
-before ("data"), while the dense layers stay
+every rank ("row") or over the ranks of one host ("table-row"), its columns cut over
+every rank ("column"), or replicated as before ("data"), while the dense layers stay
 data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
 and rows back; `part` is a rank's rows, trained in the table's place. The owner's
 optimizer steps its rows on their (row, value) pairs, in the order of the global
@@ -76,11 +76,12 @@ def _check_layout(layout, sync, graph, model):
 
 
 def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
-                   memory_limit: Optional[float] = None,
-                   training: bool = True) -> List[_plan.Placement]:
+                   memory_limit: Optional[float] = None, training: bool = True,
+                   hosts: Optional[List[str]] = None) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
-    `embedding_sharding=sharding` over `ranks` ranks, storage counted with the model's
-    optimizer's slots (when `training`); what cannot be sharded, with why."""
+    `embedding_sharding=sharding` over `ranks` ranks (`hosts[r]`: rank r's host, for
+    "table-row"), storage counted with the model's optimizer's slots (when
+    `training`); what cannot be sharded, with why."""
     found = _embeddings(graph)
     if not found:
         raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
@@ -94,7 +95,7 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
         reason = _why_not(graph, op)
         if reason is not None:
             refused[op.name] = reason
-    return _plan.place(tables, sharding, ranks, memory_limit, refused)
+    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
 
 
 def lookups_per_sample(graph: Any) -> Dict[str, int]:
@@ -116,10 +117,11 @@ class Tables:
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True, communication_dtype=None):
+             training=True, communication_dtype=None, hosts=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
         returns None). `rank`: this rank's replica index; `communication_dtype`: the
-        dtype rows and gradients travel in (None: float32)."""
+        dtype rows and gradients travel in (None: float32); `hosts[r]`: replica r's
+        host (None: one host), where "table-row" tables go."""
         wire = wire_dtype(communication_dtype)
         if sharding is None:
             if wire is not None:
@@ -135,7 +137,7 @@ class Tables:
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
         placements = placements_for(model, graph, sharding, layout.num_replicas,
-                                    memory_limit, training)
+                                    memory_limit, training, hosts)
         router = Router(wire)
         parts = {}
         for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):

@@ -8,7 +8,7 @@ One step, a table looked up `n` times over the global batch (n / R per replica,
 each replica's ids drawn alike), R ranks, width d, `w` bytes per value on the wire,
 8 bytes per id; `hits[r]`, the share of the ids whose rows rank r owns:
 
-- "table" / "row": rank r sends the ids it does not own (n/R (1 - hits[r]) x 8), the
+- "table" / "row" / "table-row": rank r sends the ids it does not own (n/R (1 - hits[r]) x 8), the
   rows the others asked it for (n hits[r] (R-1)/R x d w) and the gradients of the
   rows it asked for (n/R (1 - hits[r]) x d w); it looks up n hits[r] rows.
 - "column": every id to every rank (n/R (R-1) x 8), its columns of every other
@@ -108,17 +108,18 @@ def describe(rows: Sequence[Cost], ranks: int) -> str:
     busiest rank."""
     lines = [f"embedding tables over {ranks} ranks (per step; stored: weights + optimizer "
              "slots, the most on one rank)",
-             f"  {'table':<20} {'kind':<6} {'ranks':<10} {'stored bytes':>14} "
+             f"  {'table':<20} {'kind':<9} {'ranks':<10} {'stored bytes':>14} "
              f"{'sent bytes':>12} {'load':>5} {'est. ms':>8}"]
     for c in rows:
         p = c.placement
         where = ("all (copy)" if p.sizes is None else
-                 str(p.ranks[0]) if p.kind == "table" else f"0-{ranks - 1}")
+                 str(p.ranks[0]) if p.kind == "table" else
+                 ",".join(map(str, p.ranks)) if p.kind == "table-row" else f"0-{ranks - 1}")
         load = max(c.looked_up) / max(1, sum(c.looked_up))
-        lines.append(f"  {p.table.name:<20} {p.kind:<6} {where:<10} {c.stored:>14,} "
+        lines.append(f"  {p.table.name:<20} {p.kind:<9} {where:<10} {c.stored:>14,} "
                      f"{max(c.sent):>12,} {load:>5.0%} {c.seconds * 1e3:>8.3f}")
     total = sum(c.seconds for c in rows)
-    lines.append(f"  {'total':<20} {'':<6} {'':<10} "
+    lines.append(f"  {'total':<20} {'':<9} {'':<10} "
                  f"{max(sum(c.placement.bytes_on(r) for c in rows) for r in range(ranks)):>14,} "
                  f"{max(sum(c.sent[r] for c in rows) for r in range(ranks)):>12,} {'':>5} "
                  f"{total * 1e3:>8.3f}")

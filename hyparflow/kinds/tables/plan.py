@@ -8,16 +8,24 @@ the replicas). `place` turns the
 user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
 table: the rows each rank owns. "auto" is the greedy rule TorchRec's planner starts
 from: biggest table first, row-wise when it is larger than one rank's share of all
-the tables (or than `memory_limit`), otherwise whole on the least-loaded rank."""
+the tables (or than `memory_limit`), otherwise whole on the least-loaded rank.
+
+"table-row" (TorchRec's TABLE_ROW_WISE) is a "row" table whose owners are the ranks of
+one host instead of every rank: its rows cut evenly over that host's ranks (that
+host's lookups of it never leave the host; the other hosts' ids go there and rows come
+back from it), the table-row tables spread over the hosts biggest first, each on the
+host whose ranks hold the fewest bytes. Its `Placement` is a "row" one with zero rows
+on the other hosts' ranks, so the lookups and parts are the row-wise ones. On one host
+it is "row"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["Table", "Placement", "KINDS", "place", "describe", "storage_factor"]
+__all__ = ["Table", "Placement", "KINDS", "place", "host_groups", "describe", "storage_factor"]
 
-KINDS = ("table", "row", "column", "data")
+KINDS = ("table", "row", "column", "data", "table-row")
 
 
 @dataclass(frozen=True)
@@ -94,11 +102,27 @@ def _even(rows: int, n: int) -> Tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(n))
 
 
+def host_groups(hosts: Optional[Sequence[str]], ranks: int) -> List[List[int]]:
+    """The ranks of each host, hosts in the order of their first rank (`hosts[r]`: rank
+    r's host; None: one host)."""
+    if hosts is None:
+        return [list(range(ranks))]
+    if len(hosts) != ranks:
+        raise ValueError(f"hosts names {len(hosts)} ranks' hosts, but there are {ranks} "
+                         f"ranks. Received: hosts={list(hosts)!r}")
+    groups: Dict[str, List[int]] = {}
+    for r, h in enumerate(hosts):
+        groups.setdefault(h, []).append(r)
+    return list(groups.values())
+
+
 def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
-          memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None
-          ) -> List[Placement]:
+          memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
+          hosts: Optional[Sequence[str]] = None) -> List[Placement]:
     """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
-    cannot be sharded}: "auto" keeps those as "data"; naming one is an error."""
+    cannot be sharded}: "auto" keeps those as "data"; naming one is an error.
+    `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host)."""
+    groups = host_groups(hosts, ranks)
     refused = refused or {}
     names = [t.name for t in tables]
     if sharding == "auto":
@@ -123,7 +147,7 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
     else:
         raise ValueError(
             f"embedding_sharding must be 'auto' or a dict {{layer name: 'table' | 'row' | "
-            f"'column' | 'data'}}. Received: embedding_sharding={sharding!r}")
+            f"'column' | 'data' | 'table-row'}}. Received: embedding_sharding={sharding!r}")
     load = [0] * ranks
     chosen: Dict[str, Placement] = {}
     shardable = [t for t in tables if t.name not in refused]
@@ -161,6 +185,22 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
             chosen[t.name] = Placement(t, "data")
             for r in range(ranks):
                 load[r] += t.bytes
+    # Table-row tables next, biggest first, each on the host whose ranks hold the
+    # fewest bytes on average (the fixed kinds above already counted).
+    for t in order:
+        if wanted.get(t.name) != "table-row" or t.name in chosen:
+            continue
+        few = min(len(g) for g in groups)
+        if t.rows < few:
+            raise ValueError(
+                f"embedding_sharding[{t.name!r}] = 'table-row' needs at least as many rows "
+                f"as a host has ranks ({t.rows} < {few}). Use 'table' for it.")
+        fits = [g for g in groups if len(g) <= t.rows]
+        group = min(fits, key=lambda g: (sum(load[q] for q in g) / len(g), g[0]))
+        cut = dict(zip(group, _even(t.rows, len(group))))
+        chosen[t.name] = Placement(t, "table-row", tuple(cut.get(q, 0) for q in range(ranks)))
+        for q in group:
+            load[q] += chosen[t.name].bytes_on(q)
     for t in order:
         if t.name in chosen:
             continue
@@ -180,7 +220,7 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
 def describe(placements: Sequence[Placement], ranks: int) -> str:
     """The plan as a table of lines: table, kind, ranks, bytes per rank."""
     lines = [f"embedding sharding over {ranks} ranks (bytes: weights + optimizer slots)",
-             f"  {'table':<24} {'kind':<6} {'rows':>10} {'ranks':<12} bytes per rank"]
+             f"  {'table':<24} {'kind':<9} {'rows':>10} {'ranks':<12} bytes per rank"]
     for p in placements:
         if p.sizes is None:
             where = "all (copy)"
@@ -188,12 +228,14 @@ def describe(placements: Sequence[Placement], ranks: int) -> str:
             where = str(p.ranks[0])
         elif p.kind == "column":
             where = f"0-{ranks - 1} (cols)"
+        elif p.kind == "table-row":
+            where = ",".join(map(str, p.ranks))  # one host's ranks
         else:
             where = f"0-{ranks - 1}"
         per = [p.bytes_on(r) for r in range(ranks)]
-        lines.append(f"  {p.table.name:<24} {p.kind:<6} {p.table.rows:>10,} {where:<12} "
+        lines.append(f"  {p.table.name:<24} {p.kind:<9} {p.table.rows:>10,} {where:<12} "
                      + " ".join(f"{b:,}" for b in per)
                      + (f"  ({p.why})" if p.why else ""))
     totals = [sum(p.bytes_on(r) for p in placements) for r in range(ranks)]
-    lines.append(f"  {'total':<24} {'':<6} {'':>10} {'':<12} " + " ".join(f"{b:,}" for b in totals))
+    lines.append(f"  {'total':<24} {'':<9} {'':>10} {'':<12} " + " ".join(f"{b:,}" for b in totals))
     return "\n".join(lines)
