@@ -1,9 +1,11 @@
 """The best global tuple against the best per-layer strategy, predicted and measured.
 
-    python benchmarks/strategy_search.py --ranks 2 [--quick] [--rounds 3]
+    python benchmarks/strategy_search.py --ranks 2 [--model wide|gpt|resnet] [--quick]
 
-Plans the wide-layer MLP (three Dense 256 -> 256 and one Dense 256 -> 16384, Adam,
-batch 64) with `hyparflow plan --search layers`, writes both strategies, and runs each
+Plans a model with `hyparflow plan --search layers`: `wide` (default), the wide-layer
+MLP (three Dense 256 -> 256 and one Dense 256 -> 16384, Adam, batch 64); `gpt`,
+`examples/gpt_text.py`'s GPT (2 blocks, width 64, context 64, tied embeddings); `resnet`,
+`examples/digits_resnet.py`'s ResNet (8x8 digits). It writes both strategies, runs each
 for real under mpiexec (`hf.fit`, random data, `measure.strategy_steps`) in
 alternating rounds, keeping each one's median. Prints the predictions (both priced by
 the layer profiles, as the command compares them), the measurements and the
@@ -33,19 +35,50 @@ def build_model():
     return model
 '''
 
+EXAMPLE = '''import sys
+
+sys.path.insert(0, {examples!r})
+import keras
+import {module}
+
+
+def compiled(model):  # as examples/digits_resnet.py compiles it
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    return {call}
+'''
+CALLS = {"gpt": ("gpt_text", "gpt_text.compile_model(gpt_text.build_model())"),
+         "resnet": ("digits_resnet", "compiled(digits_resnet.build_model())")}
+
+
+def source_of(name):
+    """The model file `hyparflow plan` reads, for `--model`."""
+    if name == "wide":
+        return MODEL
+    module, call = CALLS[name]
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "examples")
+    return EXAMPLE.format(examples=examples, module=module, call=call)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--model", choices=["wide", "gpt", "resnet"], default="wide")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
-    source = os.path.join(tmp, "wide.py")
+    source = os.path.join(tmp, f"{args.model}.py")
     with open(source, "w") as f:
-        f.write(MODEL)
+        f.write(source_of(args.model))
     plans = os.path.join(tmp, "plans.json")
     cmd = [sys.executable, "-m", "hyparflow_command", "plan", source, "--batch-size",
            str(args.batch_size), "--ranks", str(args.ranks), "--microbatches", "1", "2", "4",

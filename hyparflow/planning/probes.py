@@ -305,12 +305,14 @@ def ping_pong():
 
 def strategy_steps(source, function, path, batch, steps):
     """`hf.fit` of the model with the strategy file `path` for `steps` + 1 steps of
-    random data (inputs normal; targets of the output's shape, class indices when the
-    loss is a sparse one): rank 0 reports the median step, the first (tracing) left
+    random data (inputs normal, or ids within the model's Embedding vocabularies for
+    integer inputs; targets of the output's shape, class indices when the loss is a
+    sparse one): rank 0 reports the median step, the first (tracing) left
     out, timed from one step's end to the next's."""
     from .. import _env
 
     _env.start_tensorflow()
+    import keras
     import numpy as np
     from mpi4py import MPI
 
@@ -326,7 +328,17 @@ def strategy_steps(source, function, path, batch, steps):
     def shaped(t):
         return (n,) + tuple(d or 8 for d in graph.tensors[t].shape[1:])
 
-    xs = [rng.normal(size=shaped(t)).astype("float32") for t in graph.inputs]
+    # Ids for integer inputs, within every Embedding's vocabulary (a token model's
+    # inputs); values for the others.
+    vocab = min((int(n.op.input_dim) for n in graph.nodes
+                 if isinstance(n.op, keras.layers.Embedding)), default=8)
+
+    def made(t):
+        if graph.tensors[t].dtype.startswith(("int", "uint")):
+            return rng.integers(0, vocab, shaped(t)).astype(graph.tensors[t].dtype)
+        return rng.normal(size=shaped(t)).astype("float32")
+
+    xs = [made(t) for t in graph.inputs]
     out = shaped(graph.outputs[0])
     loss = str(getattr(model, "loss", "")).lower()
     y = (rng.integers(0, out[-1], out[:-1]) if "sparse" in loss
