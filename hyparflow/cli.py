@@ -289,33 +289,28 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plan(sub: Subparsers) -> None:
-    # Listed here for `hyparflow --help`; main() hands everything after `plan` to the
-    # planner's own parser (argparse would take `--help` for an option of this one).
-    p = sub.add_parser("plan", help="profile a model and rank (stages, replicas, microbatches) plans",
-                       add_help=False, description="See `hyparflow plan --help`.")
+# Commands with parsers of their own: listed here for `hyparflow --help`, while main()
+# hands everything after the command's name to its parser (argparse would take `--help`
+# for an option of this one).
+FORWARDED = {
+    "plan": ("profile a model and rank (stages, replicas, microbatches) plans", "command"),
+    "strategy": ("validate, show, export or import a strategy file", "strategy_command"),
+}
+
+
+def _forwarded(name: str, argv: Sequence[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(f".planning.{FORWARDED[name][1]}", __package__)
+    code: int = module.main(argv)
+    return code
+
+
+def _add_forwarded(sub: Subparsers, name: str) -> None:
+    p = sub.add_parser(name, help=FORWARDED[name][0], add_help=False,
+                       description=f"See `hyparflow {name} --help`.")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: _plan(args.rest))
-
-
-def _plan(argv: Sequence[str]) -> int:
-    from .planning import command
-
-    return command.main(argv)
-
-
-def _add_strategy(sub: Subparsers) -> None:
-    # As `plan`: main() hands the rest to the strategy command's own parser.
-    p = sub.add_parser("strategy", help="validate, show, export or import a strategy file",
-                       add_help=False, description="See `hyparflow strategy --help`.")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: _strategy(args.rest))
-
-
-def _strategy(argv: Sequence[str]) -> int:
-    from .planning import strategy_command
-
-    return strategy_command.main(argv)
+    p.set_defaults(func=lambda args: _forwarded(name, args.rest))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,17 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm(sub)
     _add_export(sub)
     _add_trace(sub)
-    _add_plan(sub)
-    _add_strategy(sub)
+    for name in FORWARDED:
+        _add_forwarded(sub, name)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:
-        return _plan(argv[1:])
-    if argv[:1] == ["strategy"]:
-        return _strategy(argv[1:])
+    if argv[:1] and argv[0] in FORWARDED:
+        return _forwarded(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
