@@ -24,6 +24,22 @@ __all__ = ["MeshDense", "MeshEinsum", "dense_equation", "summa"]
 _X, _W, _BW, _BDX, _BX, _BDW, _BIAS = range(8, 15)
 
 
+def _why_not_blocks(op, ins, outs, q):
+    """Why a projection of `ins` to `outs` features cannot run on the q x q mesh's
+    blocks (None: it can): what every kind refuses, too few features for the mesh's
+    columns, or an activation that reads a whole row."""
+    reason = common_why_not(op, [op])
+    if reason is not None:
+        return reason
+    if min(ins, outs) < q:
+        return (f"it has fewer input ({ins}) or output ({outs}) features than the mesh's "
+                f"{q} columns")
+    if not elementwise(op.activation):
+        return (f"its activation {getattr(op.activation, '__name__', op.activation)!r} "
+                "reads a whole row of features, which a block does not hold")
+    return None
+
+
 class MeshDense(MeshKind):
     name = "mesh-dense"
     what: "str | None" = "Dense"
@@ -35,16 +51,7 @@ class MeshDense(MeshKind):
         return isinstance(op, keras.layers.Dense)
 
     def why_not(self, op, q):
-        reason = common_why_not(op, [op])
-        if reason is not None:
-            return reason
-        if op.units < q or int(op.kernel.shape[0]) < q:
-            return (f"it has fewer input features ({int(op.kernel.shape[0])}) or units "
-                    f"({op.units}) than the mesh's {q} columns")
-        if not elementwise(op.activation):
-            return (f"its activation {getattr(op.activation, '__name__', op.activation)!r} "
-                    "reads a whole row of features, which a block does not hold")
-        return None
+        return _why_not_blocks(op, int(op.kernel.shape[0]), op.units, q)
 
     def cuts(self, op):
         return [(op.kernel, BLOCK)] + ([(op.bias, COLUMN)] if op.use_bias else [])
@@ -100,17 +107,8 @@ class MeshEinsum(MeshDense):
                     "(\"...c,cd->...d\"), which is what SUMMA multiplies")
         if op.bias is not None and tuple(op.bias.shape) != (int(op.kernel.shape[-1]),):
             return f"its bias (bias_axes={op.bias_axes!r}) is not on the output axis alone"
-        reason = common_why_not(op, [op])
-        if reason is not None:
-            return reason
         ins, outs = (int(n) for n in op.kernel.shape)
-        if min(ins, outs) < q:
-            return (f"it has fewer input ({ins}) or output ({outs}) features than the mesh's "
-                    f"{q} columns")
-        if not elementwise(op.activation):
-            return (f"its activation {getattr(op.activation, '__name__', op.activation)!r} "
-                    "reads a whole row of features, which a block does not hold")
-        return None
+        return _why_not_blocks(op, ins, outs, q)
 
     def cuts(self, op):
         return [(op.kernel, BLOCK)] + ([(op.bias, COLUMN)] if op.bias is not None else [])
