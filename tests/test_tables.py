@@ -7,6 +7,8 @@ import keras
 import numpy as np
 import pytest
 
+from conftest import reference
+
 import hyparflow as hf
 from hyparflow.engine.local import run_ranks
 from hyparflow.kinds.tables import plan as tplan
@@ -83,10 +85,7 @@ CASES = [  # (ranks, sharding, optimizer, microbatches)
 def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
     build = lambda: tables_model(optimizer)  # noqa: E731
     x, y = tables_data()
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    want = reference.get_weights()
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
     out = _fit_ranks(build, x, y, start, ranks, embedding_sharding=sharding,
                      num_microbatches=micro)
     tol = 1e-6 if optimizer == "sgd" else 2e-6
@@ -126,10 +125,7 @@ def test_table_row_trains_as_model_fit(sharding, optimizer, micro):
     hosts = ["node-a", "node-a", "node-b", "node-b"]
     build = lambda: tables_model(optimizer)  # noqa: E731
     x, y = tables_data()
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    want = reference.get_weights()
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
     out = _fit_ranks(build, x, y, start, 4, hosts=hosts, embedding_sharding=sharding,
                      num_microbatches=micro)
     for weights, _ in out:
