@@ -312,19 +312,51 @@ def test_checkpoint_resumes_with_another_sharding(tmp_path, first, then):
         assert diff <= 2e-6, (first, then, diff)
 
 
-def test_short_last_batch_is_refused():
-    """A last batch with fewer than R x M samples: refused up front (arrays), or when
-    the dataset yields it (every rank iterates alike, so every rank raises)."""
+@pytest.mark.parametrize("ranks,optimizer,n,sharding", [
+    # R=4, M=2: a last batch of 3 (replica 3 has no sample); validation's last
+    # batch of 3 too; every kind.
+    (4, "adam", 35, {"user": "row", "item": "column", "cat": "table"}),
+    # R=2, M=2: a last batch of 1 (replica 1 has none, replica 0 one microbatch).
+    (2, "sgd", 33, "auto")])
+def test_short_last_batch_trains_as_model_fit(ranks, optimizer, n, sharding):
+    """A last batch with fewer than R x M samples is cut as for plain replicas
+    (uneven microbatches, some replica with none): a replica that lacks a microbatch
+    still serves the others' lookups of it and takes the gradients of its rows, so
+    the weights (and the validation loss) are model.fit's."""
+    from conftest import train_ranks
+
+    build = lambda: tables_model(optimizer)  # noqa: E731
+    x, y = tables_data(n=n)
+    start, want, history = reference(build, x, y, epochs=2, batch_size=16,
+                                     validation_data=([a[:19] for a in x], y[:19]))
+    out = train_ranks(build, x, y, num_stages=1, num_replicas=ranks, num_microbatches=2,
+                      weights=start, batch_size=16, epochs=2, shuffle=False,
+                      validation_data=([a[:19] for a in x], y[:19]),
+                      embedding_sharding=sharding)
+    for weights, hist in out:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= (1e-6 if optimizer == "sgd" else 2e-6), (ranks, sharding, diff)
+        np.testing.assert_allclose(hist["val_loss"], history["val_loss"], rtol=1e-5)
+
+
+def test_short_last_batch_of_a_dataset():
+    """A tf.data dataset batched without drop_remainder: its short last batch (3
+    samples over 2 replicas x 2 microbatches) trains as in model.fit (Adam)."""
     import tensorflow as tf
 
-    x, y = tables_data(n=33)  # a last batch of 1 sample: replica 1 would have none
+    from conftest import train_ranks
+
+    x, y = tables_data(n=35)
     dataset = lambda: tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(16)  # noqa: E731
-    errors = _errors(2, {"short": (tables_model, x, y, {"embedding_sharding": "auto"}),
-                         "dataset": (tables_model, dataset(), None,
-                                     {"embedding_sharding": "auto"})})
-    assert "last batch has 1 samples" in errors["short"]
-    assert "the dataset's last batch has 1 samples" in errors["dataset"]
-    assert "drop_remainder=True" in errors["dataset"]
+    model = tables_model("adam")
+    start = model.get_weights()
+    model.fit(dataset(), epochs=2, verbose=0)
+    want = model.get_weights()
+    out = train_ranks(lambda: tables_model("adam"), dataset(), None, num_stages=1,
+                      num_replicas=2, num_microbatches=2, weights=start, epochs=2,
+                      embedding_sharding={"user": "row", "item": "table", "cat": "column"})
+    for weights, _ in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
 
 
 def test_validation_looks_up_sharded_tables():

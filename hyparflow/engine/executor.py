@@ -80,6 +80,9 @@ class Executor:
         # Losses divided by a count over the whole batch (`hyparflow.normaliser`):
         # set by the runtime on every rank, since they change every stage's order.
         self.normaliser = None
+        # Sharded tables (`kinds.tables.idle.Idle`): serves the others' lookups of the
+        # microbatches this replica lacks in a short batch, in their place.
+        self.idle = None
 
     def set_groups(self, groups, early=False, zero=None):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
@@ -150,6 +153,8 @@ class Executor:
         if copies:
             self._record("W^T copies", "transpose", start, layers=copies)
         self.buckets.arm()
+        if self.idle is not None:
+            micro_indices = self.idle.pad(micro_indices, batch_size)
         if micro_indices:
             first = (step_id * self.topo.num_replicas + self.r) * self.num_microbatches
             contribution = self._pipeline(micro_indices, batch_size, data, first, seed)
@@ -215,6 +220,8 @@ class Executor:
         """Forward-only pass ("evaluate" or "predict") over this rank's microbatches.
         Returns the summed loss contribution and, on the last stage for "predict",
         the predictions of each microbatch (lists of arrays, one per model output)."""
+        if self.idle is not None:
+            micro_indices = self.idle.pad(micro_indices, batch_size)
         if not micro_indices:
             if kind != "predict":
                 self._normalise_empty()
@@ -279,6 +286,14 @@ class Executor:
                     self._wait(reqs, timeout)
                     reqs = box.activation_requests(i, a.peer)
                 self._record(str(a), "wait", start, microbatch=i, peer=a.peer)
+            elif a.kind in (sched.F, sched.FB) and self.idle is not None \
+                    and not len(micro_indices[i]):
+                # A microbatch this replica lacks: only the tables' lookups, for the others.
+                self.idle.forward(i, keep=training)
+                if a.kind == sched.FB:
+                    self.idle.backward(i)
+                outs[key], grads_in[key] = {}, {}
+                self._record(str(a), "lookups", start, microbatch=i)
             elif a.kind in (sched.F, sched.FB):
                 idx = micro_indices[i]
                 inputs = [data.x[g.tensors[t].input_position][idx] for t in cut.data_inputs]
@@ -324,6 +339,12 @@ class Executor:
             elif a.kind == sched.B:
                 if norm is not None and stage.is_last and not norm.agreed:
                     self._normalise(stage)
+                if self.idle is not None and self.idle.serving(i):
+                    self.idle.backward(i)
+                    outs.pop(key, None)
+                    grads_in[key] = {}
+                    self._record(str(a), "lookups", start, microbatch=i)
+                    continue
                 out_grads = box.gradients(i)
                 outs.pop(key, None)
                 grads = stage.backward(i, out_grads)

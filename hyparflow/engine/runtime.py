@@ -16,6 +16,7 @@ from . import partition as _partition
 from . import prepare as _prepare
 from ..kinds import mesh as _mesh
 from ..kinds import tables as _tables
+from ..kinds.tables.idle import Idle
 from ..kinds import tensor as _tensor
 from . import weights
 from ..kinds import zero as _zero
@@ -163,6 +164,9 @@ class Runtime:
                                  num_microbatches=layout.num_microbatches,
                                  timeline=self.timeline, chunks=chunks)
         self.executor.normaliser = normaliser
+        if self.tables is not None:
+            self.executor.idle = Idle(self.tables, stage, layout.num_replicas,
+                                      layout.num_microbatches)
         self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
         self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]

@@ -199,7 +199,6 @@ class DatasetSource:
 
     def __init__(self, dataset, graph, steps_per_epoch=None, class_weight=None, need_y=True):
         self.dataset, self.graph, self.class_weight, self.need_y = dataset, graph, class_weight, need_y
-        self.check = None  # a check of each batch's size (sharded tables: kinds/tables)
         cardinality = int(dataset.cardinality())
         known = cardinality if cardinality >= 0 else None
         self.steps = steps_per_epoch or known
@@ -219,8 +218,6 @@ class DatasetSource:
         dataset = self.dataset.take(self.steps) if self.steps else self.dataset
         for element in dataset:
             data = self._prepare(element)
-            if self.check is not None:
-                self.check(len(data))  # every rank iterates alike: every rank raises
             yield data, np.arange(len(data))
 
 

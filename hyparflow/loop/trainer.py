@@ -11,7 +11,6 @@ from . import costs as _costs
 from . import data as _data
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
-from ..kinds import tables as _tables
 from ..kinds.tables import cost as _tables_cost
 from .inference import run_evaluation
 from .logs import GlobalLogs
@@ -95,22 +94,13 @@ def train(model, x, y, *, comm, layout, options):
                 f"{replicas} x {microbatches} = {replicas * microbatches}: some "
                 "microbatch would be empty. Raise batch_size or lower num_microbatches."
             )
-        if options.embedding_sharding is not None and isinstance(source, _data.ArraySource):
-            _tables.check_batches(len(sample), options.batch_size, replicas, microbatches)
-        elif options.embedding_sharding is not None:
-            source.check = lambda n: _tables.check_batches(n, n + 1, replicas, microbatches,
-                                                           "the dataset")
         if validation_data is not None:
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)
             vbatch = options.validation_batch_size or options.batch_size
-            state["validation"], vsample = _data.source(
+            state["validation"], _ = _data.source(
                 graph, vx, vy, batch_size=vbatch,
                 sample_weight=vsw, steps_per_epoch=options.validation_steps)
-            if options.embedding_sharding is not None and isinstance(
-                    state["validation"], _data.ArraySource):
-                _tables.check_batches(len(vsample), vbatch, replicas, microbatches,
-                                      "validation_data")
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc

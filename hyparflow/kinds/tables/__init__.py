@@ -22,7 +22,7 @@ from . import plan as _plan
 from .lookup import Router, wire_dtype
 from .part import TablePart
 
-__all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
+__all__ = ["Tables", "placements_for", "lookups_per_sample"]
 
 
 def _embeddings(graph):
@@ -163,19 +163,3 @@ class Tables:
         """The bytes of the table rows this rank trains (weights only)."""
         return sum(part.nbytes for part in self.parts.values())
 
-
-def check_batches(samples, batch_size, replicas, microbatches, what="the data"):
-    """Every replica must look up as many microbatches as the others each step (their
-    lookups pair up, and each owner serves every replica's): a short last batch with
-    fewer than R x M samples is refused. A dataset's batches are checked one by one
-    (`batch_size` = samples + 1: the batch is its own "last")."""
-    last = samples % batch_size
-    if 0 < last < replicas * microbatches:
-        sizes = ("" if batch_size == samples + 1 else
-                 f" ({samples} samples, batch_size={batch_size})")
-        raise ValueError(
-            f"With embedding_sharding every replica looks its microbatches up together, but "
-            f"{what}'s last batch has {last} samples{sizes}, fewer than num_replicas x "
-            f"num_microbatches = {replicas * microbatches}. Drop those last {last} samples "
-            "(a dataset: .batch(..., drop_remainder=True)), or pick a batch_size whose last "
-            "batch has at least that many.")
