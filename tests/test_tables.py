@@ -59,11 +59,16 @@ def _fit_ranks(build, x, y, start, ranks, hosts=None, **kwargs):
         class Look(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 for name in ROWS:
-                    part = model.get_layer(name).__dict__.get("_hyparflow_table_part")
+                    layer = model.get_layer(name)
+                    part = layer.__dict__.get("_hyparflow_table_part")
                     held[name] = None if part is None else tuple(part.variable.shape)
+                    # A sharded table's whole copy is dropped while fit trains.
+                    rows = layer.embeddings.numpy().shape[0]
+                    assert rows == (ROWS[name] if part is None else 0), (name, rows)
 
         hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
                num_replicas=ranks, callbacks=[Look()], **kwargs)
+        assert held, "the callback did not run"
         return model.get_weights(), held
 
     return run_ranks(ranks, body, timeout=300, hosts=hosts)
@@ -230,6 +235,8 @@ def test_bad_input_is_named():
                                        "communication_dtype": "bf16"}),
         "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
         "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
+        "saves mid-fit": (tables_model, x, y, {"embedding_sharding": "auto", "callbacks": [
+            keras.callbacks.EarlyStopping(restore_best_weights=True)]}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
@@ -243,6 +250,8 @@ def test_bad_input_is_named():
     assert "embedding_sharding is not set" in errors["no tables"]
     assert "Adafactor updates a weight matrix as a whole" in errors["adafactor"]
     assert "owners of a sharded table" in errors["adafactor"]
+    assert "EarlyStopping(restore_best_weights=True)" in errors["saves mid-fit"]
+    assert "checkpoint_dir" in errors["saves mid-fit"]
 
 
 @pytest.mark.parametrize("dtype,optimizer,bound", [

@@ -317,7 +317,8 @@ class Checkpointer:
         names = variable_names(model)
         for v, n in zip(model.weights, names):
             if runtime.owner_stage(v) == s:
-                arrays[f"model/{n}"] = np.asarray(v.numpy())
+                # A sharded table dropped while fit trains: gathered (`full_slots`).
+                arrays[f"model/{n}"] = whole[id(v)] if id(v) in whole else np.asarray(v.numpy())
         opt = model.optimizer
         owned = {n for v, n in zip(model.weights, names) if runtime.owner_stage(v) == s}
         for var, n in zip(opt.variables, slot_names(opt, model)):

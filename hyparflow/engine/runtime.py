@@ -396,9 +396,14 @@ class Runtime:
 
     def full_slots(self):
         """{id(optimizer variable): its whole value} for the optimizer state of this
-        rank's parts of split layers (collective over the tensor ranks)."""
-        return {id(slot): shard.gathered(slot.numpy(), axis)
-                for shard, slot, axis in self._part_slots()}
+        rank's parts of split layers (collective over the tensor ranks), and {id(model
+        variable): its whole value} for the sharded tables whose whole copy is dropped
+        while fit trains (collective over the replicas)."""
+        out = {id(slot): shard.gathered(slot.numpy(), axis)
+               for shard, slot, axis in self._part_slots()}
+        if self.tables is not None:
+            out.update(self.tables.whole_weights())
+        return out
 
     def slot_slicer(self):
         """For restoring: optimizer variable -> function giving its part of a whole value."""
@@ -431,4 +436,7 @@ class Runtime:
         owns it (replica 0, tensor rank 0)."""
         self.gather_shards()
         self.average_state()
-        weights.gather(self.comm, self.model.weights, self.owners)
+        # Sharded tables whose whole copy is dropped while fit trains stay so.
+        dropped = self.tables.emptied() if self.tables is not None else set()
+        kept = [(v, o) for v, o in zip(self.model.weights, self.owners) if id(v) not in dropped]
+        weights.gather(self.comm, [v for v, _ in kept], [o for _, o in kept])

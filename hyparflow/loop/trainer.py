@@ -12,6 +12,7 @@ from . import data as _data
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
 from ..kinds.tables import cost as _tables_cost
+from ..kinds.tables import whole as _tables_whole
 from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
@@ -72,6 +73,8 @@ def train(model, x, y, *, comm, layout, options):
         refuse_steps(model, ("train_step", "test_step") if (
             validation_data is not None or options.validation_split) else ("train_step",))
         state["batch_size"] = options.batch_size
+        if options.embedding_sharding is not None:
+            _tables_whole.check_callbacks(options.callbacks)
         if options.validation_split and validation_data is None:
             if _data.is_dataset(x):
                 raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
@@ -147,6 +150,8 @@ def train(model, x, y, *, comm, layout, options):
     stop_flag = _ckpt.StopFlag() if options.checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:
+        if runtime.tables is not None:
+            runtime.tables.empty()  # each rank trains its rows: the whole copies go
         history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
         # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
@@ -155,6 +160,8 @@ def train(model, x, y, *, comm, layout, options):
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history
     except (_ckpt.Preempted, _ckpt.CheckpointError):
+        if runtime.tables is not None:
+            runtime.tables.fill()  # every rank is here: the tables can be gathered
         raise  # every rank raises these together: nothing to abort
     except BaseException as exc:
         fail(comm, runtime, exc)
@@ -294,6 +301,8 @@ def _loop(model, runtime, source, state, epochs, callbacks):
         model.stop_training = comm.bcast_obj(bool(model.stop_training), 0)
         if model.stop_training:
             break
+    if runtime.tables is not None:
+        runtime.tables.fill()  # whole again, from their owners, for the model fit returns
     cbs.on_train_end(epoch_logs)
     if runtime.timeline is not None:
         topo = runtime.topo

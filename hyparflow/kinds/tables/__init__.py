@@ -19,6 +19,7 @@ import numpy as np
 from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
 from . import plan as _plan
+from . import whole as _whole
 from .lookup import Router, wire_dtype
 from .part import TablePart
 
@@ -162,4 +163,26 @@ class Tables:
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""
         return sum(part.nbytes for part in self.parts.values())
+
+    # -- the whole tables' storage while fit trains (`whole`) -------------------
+    def empty(self):
+        """Drop every sharded table's whole copy on this rank (its part trains)."""
+        for part in self.parts.values():
+            _whole.empty(part)
+
+    def fill(self):
+        """Every sharded table whole again in its Keras variable (collective)."""
+        for part in self.parts.values():
+            if part.emptied:
+                _whole.fill(part)
+
+    def emptied(self):
+        """{id(Keras variable)} of the tables whose whole copy is dropped."""
+        return {id(part.op.embeddings) for part in self.parts.values() if part.emptied}
+
+    def whole_weights(self):
+        """{id(Keras variable): whole table} of the dropped tables, gathered from
+        their owners (collective), for a checkpoint."""
+        return {id(part.op.embeddings): part.gathered(part.variable.numpy(), 0)
+                for part in self.parts.values() if part.emptied}
 

@@ -31,6 +31,8 @@ class TablePart:
         self.cuts = [(table, self.variable, 0)]
         self.what = f"layer {op.name!r}"
         self.lookup = (ColumnLookup if self.column else Lookup)(self, router, site)
+        # While fit trains, the whole table's storage is dropped (`whole.empty`).
+        self.emptied = False
         # The layer knows its part while it trains (what a rank holds can be asked).
         op.__dict__["_hyparflow_table_part"] = self
 
@@ -71,7 +73,10 @@ class TablePart:
         return np.ascontiguousarray(whole.T) if self.column else whole
 
     def gather(self):
-        """Put the table back together on every rank (collective over the ranks)."""
+        """Put the table back together on every rank (collective over the ranks); not
+        while fit trains with the whole table dropped (`whole.fill` then, at its end)."""
+        if self.emptied:
+            return
         table = self.op.embeddings
         table.assign(self.gathered(self.variable.numpy(), 0))
 
