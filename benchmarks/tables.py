@@ -1,18 +1,26 @@
-"""Step time and bytes per step of examples/dlrm.py's model on the ranks of one
-mpiexec run: each sharding kind for every table ("table", "row", "column"), the
-planner's "auto", "auto" with bfloat16 exchanges, today's replicated tables (their
-gradient pairs gathered over the replicas), then plain Keras `model.fit` on rank 0
-alone with all the cores (the other ranks wait without spinning).
+"""Step time, bytes per step and peak memory per rank of examples/dlrm.py's model on
+the ranks of one mpiexec run: each sharding kind for every table ("table", "row",
+"column"), the planner's "auto", "auto" with the whole tables kept in Keras during
+fit (as before they were dropped: `kinds/tables/whole.py`), "auto" and "column" with
+bfloat16 exchanges, today's replicated tables (their gradient pairs gathered over
+the replicas), then plain Keras `model.fit` on rank 0 alone with all the cores (the
+other ranks wait without spinning).
 
-    mpiexec -n 2 python benchmarks/tables.py
+    mpiexec -n 2 python benchmarks/tables.py --largest 2000000
 
 Bytes per step: what rank 0 sent for the tables' lookups (ids, rows, gradients:
 `Router.bytes`; rows and gradients alone: `Router.payload`), or the sparse pairs it
-received (replicated), from the run's trace."""
+received (replicated), from the run's trace. Memory, the most of any rank: the
+resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs at the
+first step, read at the last: the steps' peak, not the model's building, when Keras
+makes every table whole on every rank), and the table bytes the rank holds during
+fit (weights and the optimizer's slots: the whole tables' Keras storage, the parts
+it trains)."""
 
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -23,18 +31,62 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hyparflow as hf  # noqa: E402
-from dlrm import click_data, dlrm, sizes  # noqa: E402
+from dlrm import DIM, click_data, dlrm, sizes  # noqa: E402
+from hyparflow.kinds.tables import whole  # noqa: E402
+
+
+def _hwm():
+    """This process's resident set high-water mark, in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def _reset_hwm():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+
+
+def _table_bytes(model):
+    """The bytes of table weights and their optimizer slots this rank holds now."""
+    held = 0
+    slots = {id(v): v for v in model.optimizer.variables}
+    for layer in model.layers:
+        if not isinstance(layer, keras.layers.Embedding):
+            continue
+        held += layer.embeddings.numpy().nbytes  # the Keras storage (no rows when dropped)
+        part = layer.__dict__.get("_hyparflow_table_part")
+        trained = part.variable if part is not None else layer.embeddings
+        if part is not None:
+            held += part.nbytes
+        prefix = trained.path.replace("/", "_") + "_"
+        held += sum(v.numpy().nbytes for v in slots.values() if v.name.startswith(prefix))
+    return held
 
 
 class Clock(keras.callbacks.Callback):
+    """Step times; the steps' peak resident set and the table bytes held."""
+
     def __init__(self):
         self.times = []
+        self.peak = self.held = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not self.times:
+            _reset_hwm()
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self.start)
+        self.peak = _hwm()
+        if len(self.times) == 1:
+            self.held = _table_bytes(self.model)
+
+
+def _most(value):
+    """The largest of `value` over the ranks of the run."""
+    from mpi4py import MPI
+
+    return max(MPI.COMM_WORLD.allgather(value))
 
 
 def _pairs(trace):
@@ -68,19 +120,34 @@ def main():
     p.add_argument("--largest", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--only", type=str, default=None,
+                   help="comma-separated run numbers (0-8; 8: model.fit) to run, without the "
+                        "header: each in a process of its own, for its own peak memory")
     args = p.parse_args()
+    only = None if args.only is None else {int(k) for k in args.only.split(",")}
     rows = sizes(args.features, args.largest)
     x, y = click_data(args.batch * args.steps, rows)
     names = [f"table{k}" for k in range(len(rows))]
     runs = [(f'"{kind}" (every table)', {n: kind for n in names}, None)
             for kind in ("table", "row", "column")]
-    runs += [('"auto"', "auto", None), ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
+    runs += [('"auto"', "auto", None), ('"auto", whole tables kept in Keras', "auto", "keep"),
+             ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
              ('"column", bfloat16 exchanges', {n: "column" for n in names}, "bfloat16"),
              ("replicated tables (no sharding)", None, None)]
-    if hf.is_main():
+    if hf.is_main() and (only is None or 0 in only):
+        print(f"{len(rows)} tables of {min(rows):,} to {max(rows):,} rows, "
+              f"{sum(rows) * DIM * 4 / 2**20:,.0f} MiB of weights; Adagrad, batch {args.batch}")
         print(f"| {hf.size()} ranks | ms / step | table bytes / step (rank 0) | of them rows "
-              "and gradients | dense allreduce bytes / step |\n|---|---:|---:|---:|---:|")
-    for name, sharding, dtype in runs:
+              "and gradients | dense allreduce bytes / step | peak RSS / rank (MiB) | "
+              "table MiB held / rank |\n|---|---:|---:|---:|---:|---:|---:|")
+    empty = whole.empty
+    for k, (name, sharding, dtype) in enumerate(runs):
+        if only is not None and k not in only:
+            continue
+        # "keep": the whole tables stay in the Keras variables, as before they were
+        # dropped during fit (for the comparison only).
+        whole.empty = (lambda part: None) if dtype == "keep" else empty
+        dtype = None if dtype == "keep" else dtype
         model, clock = dlrm(rows), Clock()
         trace = os.path.join(tempfile.gettempdir(), f"tables_bench_{hf.rank()}.json")
         if os.path.exists(trace):
@@ -93,20 +160,24 @@ def main():
         sent = sum(r.bytes for r in routers.values())
         payload = sum(r.payload for r in routers.values())
         pairs, dense = _pairs(trace)
+        peak, held = _most(clock.peak), _most(clock.held)
         if hf.is_main():
             print(f"| {name} | {np.median(clock.times[2:]) * 1e3:.1f} | "
                   f"{(sent + pairs) / args.steps:,.0f} | "
-                  f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} |",
-                  flush=True)
+                  f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} | "
+                  f"{peak / 2**20:,.0f} | {held / 2**20:,.1f} |", flush=True)
+    whole.empty = empty
 
     def keras_fit():
         model, clock = dlrm(rows), Clock()
         model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[clock])
         print(f"| `model.fit`, 1 process, all cores | {np.median(clock.times[2:]) * 1e3:.1f} "
-              "| - | - | - |", flush=True)
+              f"| - | - | - | {clock.peak / 2**20:,.0f} | {clock.held / 2**20:,.1f} |",
+              flush=True)
 
-    _keras_alone(keras_fit)
+    if only is None or len(runs) in only:
+        _keras_alone(keras_fit)
 
 
 if __name__ == "__main__":
