@@ -169,6 +169,7 @@ class Tables:
         """Drop every sharded table's whole copy on this rank (its part trains)."""
         for part in self.parts.values():
             _whole.empty(part)
+        _whole.trim()
 
     def fill(self):
         """Every sharded table whole again in its Keras variable (collective)."""

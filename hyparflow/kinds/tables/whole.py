@@ -14,13 +14,15 @@ Keras's callbacks that read or restore the whole model mid-fit (`ModelCheckpoint
 are refused up front, naming `checkpoint_dir` (whose checkpoints hold the whole
 tables, gathered from the owners) instead of writing tables with no rows."""
 
+import ctypes
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from ... import _compat
 
-__all__ = ["store", "empty", "fill", "check_callbacks"]
+__all__ = ["store", "empty", "fill", "trim", "check_callbacks"]
 
 
 def store(variable, value):
@@ -44,6 +46,16 @@ def fill(part):
     """The whole table back into its variable, from every rank's rows (collective)."""
     store(part.op.embeddings, part.gathered(part.variable.numpy(), 0))
     part.emptied = False
+
+
+def trim():
+    """Give freed memory back to the system now: glibc keeps freed blocks below its
+    mmap threshold (which grows up to 32 MB) in the heap, so a dropped table of a
+    few MB would stay resident. Nothing where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 _REFUSED = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
