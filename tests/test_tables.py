@@ -348,6 +348,35 @@ def test_short_last_batch_trains_as_model_fit(ranks, optimizer, n, sharding):
         np.testing.assert_allclose(hist["val_loss"], history["val_loss"], rtol=1e-5)
 
 
+def test_short_last_batch_with_a_masked_loss():
+    """A per-token loss under the Embedding's mask (its normaliser a count over the
+    whole batch, agreed before the first backward: an idle replica joins it), sample
+    weights, and recompute (the others' backward runs their lookups again): a last
+    batch of 3 over R=4 x M=2 still trains as model.fit (Adam)."""
+    from conftest import train_ranks
+
+    def build():
+        keras.utils.set_random_seed(3)
+        ids = keras.Input((5,), dtype="int32")
+        out = keras.layers.Dense(1)(keras.layers.Embedding(40, 4, mask_zero=True,
+                                                           name="tok")(ids))
+        model = keras.Model(ids, out)
+        model.compile(keras.optimizers.Adam(0.05), "mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 40, (35, 5)).astype("int32")
+    x[:, 3:] = 0  # padding: masked out of the loss
+    y = rng.normal(size=(35, 5, 1)).astype("float32")
+    sw = rng.uniform(0.5, 2.0, (35, 5)).astype("float32")  # per token
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16, sample_weight=sw)
+    out = train_ranks(build, x, y, num_stages=1, num_replicas=4, num_microbatches=2,
+                      weights=start, batch_size=16, epochs=2, shuffle=False, sample_weight=sw,
+                      recompute=True, embedding_sharding={"tok": "row"})
+    for weights, _ in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
+
+
 def test_short_last_batch_of_a_dataset():
     """A tf.data dataset batched without drop_remainder: its short last batch (3
     samples over 2 replicas x 2 microbatches) trains as in model.fit (Adam)."""
