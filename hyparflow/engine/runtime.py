@@ -76,8 +76,8 @@ class Runtime:
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
         `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
         method, under which each replica steps on its own (`hyparflow.replicas`);
-        `embedding_sharding`: the Embedding tables sharded over the replicas
-        (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
+        `embedding_sharding`: the Embedding tables sharded over the replicas of their
+        stage (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
         gradients exchanged in `communication_dtype` (None: float32); `hosts[r]`: rank
         r's host, where "table-row" tables go (gathered collectively by the caller)."""
         _prepare.check_model(model, sample)
@@ -98,10 +98,13 @@ class Runtime:
         self.splits, split_names = self._choose_splits()
         self.training = training
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
-                                          topo.replica(comm.rank), memory_limit=memory_limit,
+                                          comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=communication_dtype,
-                                          hosts=hosts)
+                                          hosts=hosts, stage_of={
+                                              i: j % topo.num_stages
+                                              for j, p in enumerate(part.stages)
+                                              for i in p.nodes})
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
@@ -263,9 +266,9 @@ class Runtime:
             self.collectives.comm = self.comm.split(
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.tables is not None:
-            # The ranks that share the tables (S = T = 1: every rank), on a
-            # communicator of their own, so their lookups never pair with other messages.
-            self.tables.connect(self.comm.split(0, rank))
+            # The ranks that share a stage's tables (its replicas), on a communicator
+            # of their own, so their lookups never pair with other messages.
+            self.tables.connect(self.comm.split(self.tables.color(), rank))
         if self.training:
             optimizer = self.model.optimizer
             local = self.sync is not None
