@@ -95,7 +95,6 @@ class Runtime:
         self.part = part = _partition.partition(
             graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
         self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
-        self.splits, split_names = self._choose_splits()
         self.training = training
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
                                           comm.rank, memory_limit=memory_limit,
@@ -105,6 +104,7 @@ class Runtime:
                                               i: j % topo.num_stages
                                               for j, p in enumerate(part.stages)
                                               for i in p.nodes})
+        self.splits, split_names = self._choose_splits()
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
@@ -219,8 +219,18 @@ class Runtime:
                 raise ValueError(f"tensor_layers names layers the model does not have: "
                                  f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
         kinds = self._kinds
+        # A sharded table's Embedding is looked up from its owners, not split.
+        tables = self.tables.nodes if self.tables is not None else set()
+        named = sorted(graph.nodes[i].op.name for i in tables
+                       if graph.nodes[i].op.name in (tensor_layers or ()))
+        if named:
+            raise ValueError(
+                f"tensor_layers names {named}, whose tables embedding_sharding shards over "
+                "the ranks of their stage. Leave them out of tensor_layers, or make them "
+                "'data' in embedding_sharding.")
         every = {i: sp for p in part.stages
-                 for i, sp in kinds.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+                 for i, sp in kinds.choose(graph, p.nodes, num_tensor, tensor_layers).items()
+                 if i not in tables}
         if not every:
             raise ValueError(
                 f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none of "

@@ -64,20 +64,22 @@ def _check_layout(layout, sync, graph, model):
     if graph.functional is None:
         raise ValueError(f"{what} needs a Functional or Sequential model, whose Embedding "
                          f"layers hyparflow can replace; {model.name!r} is subclassed.")
-    if layout.num_tensor != 1 or layout.num_chunks != 1:
-        # Model chunks (interleaved) are Stages built without parts; tensor ranks of
-        # a replica would each look the same ids up (not supported yet).
+    if layout.num_chunks != 1 or layout.tensor_mesh:
+        # Model chunks (interleaved) are Stages built without parts; a tensor mesh's
+        # ranks are not known to compute the same lookups (a 1D split's are).
         raise NotImplementedError(
-            f"{what} shards tables over the replicas of each pipeline stage; this run has "
-            f"{layout.describe()}. Use num_tensor=1 and num_chunks=1 with it (tensor splits "
-            "and interleaved schedules together with sharded tables are not supported yet).")
-    if layout.num_replicas < 2:
+            f"{what} shards tables over the ranks of each pipeline stage; this run has "
+            f"{layout.describe()}. Use num_chunks=1 and no tensor_mesh with it "
+            "(interleaved schedules and tensor meshes together with sharded tables are not "
+            "supported yet).")
+    if layout.num_replicas * layout.num_tensor < 2:
         stages = (" (in a pipeline, each stage's tables are sharded over the ranks that "
-                  "run that stage: its replicas)" if layout.num_stages > 1 else "")
+                  "run that stage: its replicas and tensor ranks)"
+                  if layout.num_stages > 1 else "")
         raise ValueError(
-            f"{what} needs at least 2 replicas to shard the tables over; this run has "
-            f"num_replicas={layout.num_replicas}{stages}. Launch more ranks, or leave "
-            f"{what} out.")
+            f"{what} needs at least 2 ranks per stage to shard the tables over; this run "
+            f"has num_replicas={layout.num_replicas} and num_tensor={layout.num_tensor}"
+            f"{stages}. Launch more ranks, or leave {what} out.")
     if sync is not None:
         raise NotImplementedError(
             f"{what} needs replica_sync='allreduce': the owners step the tables every "
@@ -148,6 +150,7 @@ class Tables:
         self.stages = list(stages) if stages is not None else [0] * len(placements)
         self.stage = stage
         self.pipelined = False  # whether `describe` names the stages
+        self.nodes = set()
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
@@ -188,6 +191,8 @@ class Tables:
         s = topo.stage(rank)
         share = _stage_ranks(topo, s).index(rank)  # this rank's part of its stage's tables
         router = Router(wire)
+        group = _stage_ranks(topo, s)
+        router.silent = frozenset(k for k, q in enumerate(group) if topo.tensor(q) != 0)
         parts = {}
         for site, ((i, op), p, q) in enumerate(zip(found, placements, where)):
             if p.kind != "data" and q == s:
@@ -195,6 +200,8 @@ class Tables:
         self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s)
         self.pipelined = layout.num_stages > 1
         self.router = router
+        # The Embedding calls sharded in any stage: no tensor split takes them.
+        self.nodes = {i for (i, _), p in zip(found, placements) if p.kind != "data"}
         return self
 
     def color(self):
