@@ -111,6 +111,21 @@ def test_tables_with_tensor_ranks_train_as_model_fit(stages, replicas, cut, opti
     assert [h[0] for h in user] == [13, 13, 12, 12]
 
 
+def test_checkpoint_of_a_pipeline_resumes_on_replicas(tmp_path):
+    """A checkpoint written by S=2 x R=2 with sharded tables (each stage's replica 0
+    writes its stage's whole tables and slots, gathered from the stage's owners)
+    resumes on S=1 x R=4 with another sharding, ending at model.fit's weights (Adam)."""
+    from conftest import check_resumes
+
+    x, y = tables_data()
+    first = dict(num_stages=2, num_replicas=2, num_microbatches=2, balance=SPLIT,
+                 embedding_sharding=KINDS)
+    then = dict(num_replicas=4, embedding_sharding={"user": "column", "item": "row"},
+                resume=True)
+    check_resumes(lambda: tables_model("adam"), x, y, tmp_path, [(1, first), (2, then)],
+                  batch_size=16, ranks=4, tol=2e-6)
+
+
 def test_placement_per_stage():
     """Every rank places every stage's tables (the plan it prints), each over the ranks
     of its own stage, `memory_limit` per stage; a rank builds parts of its stage's only."""
