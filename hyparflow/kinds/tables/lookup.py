@@ -24,6 +24,10 @@ A "column" table (`ColumnLookup`) sends every id to every rank instead, and the
 slices of columns come back side by side. Rows and gradients may travel in 16 bits
 (`Router.wire`, `communication_dtype`): cast back to float32 on arrival.
 
+With tensor ranks (`Router.silent`), every tensor rank of a replica looks its ids up
+(it needs the rows) but only tensor rank 0 sends gradients: the owners take the
+others' as zeros, which leave each row's sum as it was.
+
 An id outside the table fails on every rank at step 1 (the flag rides with the
 counts), with Keras's words, so no rank waits for a message that never comes."""
 
