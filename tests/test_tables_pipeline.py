@@ -154,6 +154,13 @@ def test_placement_per_stage():
     with pytest.raises(ValueError, match="memory_limit=1,300"):
         Tables.make(model, graph, layout, "auto", 0, stage_of={i: 0 for i in stage_of},
                     memory_limit=1300)
+    # "table-row": the hosts of the stage's ranks. S=2 x R=4, replicas 0-1 on host a,
+    # 2-3 on b: stage 0 runs on ranks 0, 2, 4, 6 (hosts a, a, b, b).
+    hosts = ["a"] * 4 + ["b"] * 4
+    rows = Tables.make(model, graph, Layout(num_stages=2, num_replicas=4),
+                       {"user": "table-row", "item": "table-row"}, 0, hosts=hosts,
+                       stage_of={i: 0 for i in stage_of})
+    assert [p.sizes for p in rows.placements[:2]] == [(25, 25, 0, 0), (0, 0, 15, 15)]
     with pytest.raises(ValueError, match=r"\['users'\]"):
         Tables.make(model, graph, layout, {"users": "row"}, 0, stage_of=stage_of)
 
