@@ -4,7 +4,6 @@ tensor ranks), against plain `model.fit` on one process; the placement per stage
 what stays refused."""
 
 import keras
-import numpy as np
 import pytest
 
 from conftest import max_diff, reference

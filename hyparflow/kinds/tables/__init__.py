@@ -3,13 +3,15 @@ embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut 
 every rank ("row") or over the ranks of one host ("table-row"), its columns cut over
 every rank ("column"), or replicated as before ("data"), while the dense layers stay
 data-parallel. In a pipeline, "every rank" is every rank of the table's stage (its
-R replicas): each stage's tables are placed over its own ranks, which look up
-together on a communicator of their own (`Tables.color`). Every replica of a stage
-runs the same schedule program (`schedules.program`, one per stage), so their
-lookups pair up microbatch by microbatch, in the same order. `plan` (pure) places the tables; `lookup` sends ids to their owners
-and rows back; `part` is a rank's rows, trained in the table's place. The owner's
-optimizer steps its rows on their (row, value) pairs, in the order of the global
-batch, so the weights are `model.fit`'s (docs/recommenders.md).
+R replicas, times its T tensor ranks): each stage's tables are placed over its own
+ranks, which look up together on a communicator of their own (`Tables.color`). Every
+replica of a stage runs the same schedule program (`schedules.program`, one per
+stage), so their lookups pair up microbatch by microbatch, in the same order.
+
+`plan` (pure) places the tables; `lookup` sends ids to their owners and rows back;
+`part` is a rank's rows, trained in the table's place. The owner's optimizer steps
+its rows on their (row, value) pairs, in the order of the global batch, so the
+weights are `model.fit`'s (docs/recommenders.md).
 
 `Tables.make` is the one entry the runtime calls; `Tables` then answers what the
 runtime and the executor ask: its parts (as the stage's `shards`), the positions
