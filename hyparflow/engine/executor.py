@@ -15,7 +15,7 @@ from . import overlap
 from .. import schedules as sched
 from ..kinds import sparse as _sparse
 from .boundary import Boundary
-from .comm import CommTimeout, timeout_seconds, wait_all
+from .comm import CommTimeout, poll, timeout_seconds, wait_all
 
 __all__ = ["Executor", "split_batch", "AUTO"]
 
@@ -373,8 +373,11 @@ class Executor:
         waiting for a message that has not come, compute the weights of the
         microbatches waiting for them (at least `FILL_AT`, for products of at least
         that many microbatches' rows). The static schedule places W by unit times;
-        this puts it where this run's stages actually wait. Which microbatches go
-        into one call then varies with timing, so sums differ by round-off only."""
+        this puts it where this run's stages actually wait, once the message has not
+        come within `FILL_GRACE` of the W's expected time. Which microbatches go
+        into one call then varies with timing, so sums differ by round-off only.
+        Any wait also takes the step's W^T copies first (`_refresh_transposed`).
+        Returns whether it computed anything."""
         if all(r is None or r.test() for r in reqs):
             return False  # it has come: no wait to fill
         filled = self._refresh_transposed()
@@ -386,11 +389,13 @@ class Executor:
         # A message about to come is waited for: a W that outlasts the wait by far
         # delays this rank's next action, and with it the peer's (measured: a 13 ms
         # W filling a wait of 0.3 ms cost the MLP's S=2 pipeline 10 % a step).
-        estimate = stage.weight_seconds(ids)
-        deadline = time.perf_counter() + FILL_GRACE * estimate
-        while time.perf_counter() < deadline:
-            if all(r is None or r.test() for r in reqs):
-                return filled
+        # (Polled as any wait is: spinning only where the rank has a core of its own.)
+        deadline = time.perf_counter() + FILL_GRACE * stage.weight_seconds(ids)
+        come = lambda: all(r is None or r.test() for r in reqs)  # noqa: E731
+        poll(lambda: time.perf_counter() >= deadline or come(), None, "a message",
+             self.comm.spin)
+        if come():
+            return filled
         start = time.perf_counter()
         stage.weight_grads(ids)
         self._record(f"W{ids[0]}-{ids[-1]}", "weight", start, microbatch=ids[0], count=len(ids),
