@@ -32,7 +32,10 @@ class Idle:
     `tables` (a `Tables`) trained by `stage`, in a run of `replicas` x
     `microbatches`."""
 
-    def __init__(self, tables, stage, replicas, microbatches):
+    def __init__(self, tables, stage, replicas, microbatches, served=True):
+        # `served`: with one stage and one tensor rank (tested so); in a pipeline or
+        # with tensor ranks a short batch that leaves a replica short is refused.
+        self.served = served
         self.parts = [tables.parts[i] for i in sorted(tables.parts)]  # graph order
         self.stage, self.replicas, self.microbatches = stage, replicas, microbatches
         where = {id(v): k for k, v in enumerate(stage.trainable)}
@@ -43,6 +46,15 @@ class Idle:
         """This replica's microbatches (index arrays), with empty ones up to replica
         0's count (`split_batch`: its slice has ceil(n / R) samples, cut in up to M)."""
         most = min(self.microbatches, -(-batch_size // self.replicas))
+        least = min(self.microbatches, batch_size // self.replicas)
+        if least < most and not self.served:
+            # Every rank sees the same batch size: every rank raises.
+            raise NotImplementedError(
+                f"A batch of {batch_size} samples leaves some replica fewer than "
+                f"{most} microbatches; with embedding_sharding in a pipeline or with tensor "
+                "ranks such a short batch is not supported yet (one stage and one tensor "
+                "rank train it). Drop the last samples (a dataset: drop_remainder=True), or "
+                "pick a batch_size whose batches give every replica as many microbatches.")
         return list(micro) + [np.zeros(0, np.int64)] * (most - len(micro))
 
     def serving(self, i):
