@@ -150,8 +150,12 @@ def train(model, x, y, *, comm, layout, options):
     stop_flag = _ckpt.StopFlag() if options.checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:
-        if runtime.tables is not None:
-            runtime.tables.empty()  # each rank trains its rows: the whole copies go
+        if runtime.tables is not None and runtime.layout.num_stages == 1 \
+                and runtime.layout.num_tensor == 1:
+            # Each rank trains its rows: the whole copies go (every rank alike: every
+            # rank holds a part of each sharded table; not yet in pipelines or with
+            # tensor ranks, whose other stages take the tables from the owners).
+            runtime.tables.empty()
         history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
         # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
