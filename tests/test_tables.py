@@ -228,7 +228,7 @@ def test_bad_input_is_named():
                                           "num_replicas": 1}),
         "dtype": (tables_model, x, y, {"embedding_sharding": "auto",
                                        "communication_dtype": "bf16"}),
-        "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
+        "no tables": (tables_model, x, y, {"communication_dtype": {"tables": "bfloat16"}}),
         "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),

@@ -90,7 +90,8 @@ class Boundary:
         if wire == value.dtype:
             self.sent += value.nbytes if t.floating else 0
             return [self.comm.isend(value, dst, tag)], False
-        cast = (value * np.float32(scale) if scale != 1.0 else value).astype(wire)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is sent again
+            cast = (value * np.float32(scale) if scale != 1.0 else value).astype(wire)
         reqs = [self.comm.isend(cast, dst, tag)]
         self.sent += cast.nbytes
         if _wire.scaled(wire) and not np.isfinite(cast).all():

@@ -381,7 +381,8 @@ class Runtime:
         out = {"tables": {"dtype": self.wires["tables"],
                           "bytes": self.tables.router.payload if self.tables else 0}}
         buckets = self.executor.buckets
-        scales = buckets.scales or []
+        scales = [s for s, (comm, _) in zip(buckets.scales or [], buckets.groups)
+                  if comm is not None and comm.size > 1]
         out["replicas"] = {"dtype": self.wires["replicas"], "bytes": buckets.sent,
                            "scales": [s.value for s in scales],
                            "redone": sum(s.overflows for s in scales)}
@@ -389,7 +390,9 @@ class Runtime:
         edges = [s for box in boxes for s in box.scales.values()]
         out["stages"] = {"dtype": self.wires["stages"], "bytes": sum(b.sent for b in boxes),
                          "scales": [s.value for s in edges],
-                         "redone": sum(s.overflows for s in edges)}
+                         # with the last step's, which the next step's start counts
+                         "redone": sum(s.overflows for s in edges)
+                         + sum(len(box.overflowed) for box in boxes)}
         return out
 
     @property

@@ -143,12 +143,13 @@ class Sum:
         self.done = False
         n, me = comm.size, comm.rank
         out = np.empty(flat.size, self.wire)
-        if self.scale != 1.0:
-            np.multiply(flat[:values], np.float32(self.scale), out=out[:values],
-                        casting="unsafe")
-            out[values:] = flat[values:]
-        else:
-            out[...] = flat
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone
+            if self.scale != 1.0:
+                np.multiply(flat[:values], np.float32(self.scale), out=out[:values],
+                            casting="unsafe")
+                out[values:] = flat[values:]
+            else:
+                out[...] = flat
         self.mine = out
         bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
         self.bounds = bounds
@@ -176,8 +177,9 @@ class Sum:
     def _added(self) -> np.ndarray:
         """The received buffers added in float32, in rank order."""
         total = self.got[0].astype(np.float32)
-        for part in self.got[1:]:
-            total += part.astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone
+            for part in self.got[1:]:
+                total += part.astype(np.float32)
         return total
 
     def test(self) -> bool:
