@@ -11,6 +11,7 @@ import pytest
 import hyparflow as hf
 from conftest import max_diff, reference
 from hyparflow.engine import wire
+from hyparflow.engine.comm import wait_all
 from hyparflow.engine.local import run_ranks
 
 L = keras.layers
@@ -167,3 +168,40 @@ def test_bad_names_and_paths_name_the_choices():
         wire.resolve({"pipeline": "bfloat16"})
     with pytest.raises(ValueError, match=r"\{'replicas': \.\.\.\}: 'half'"):
         wire.resolve({"replicas": "half"})
+
+
+@pytest.mark.parametrize("mode", ["gather", "scatter"])
+def test_sum_both_ways(mode):
+    """`engine.wire.Sum` on 3 ranks: every rank gets the same bits, within 16-bit
+    rounding of the float32 sum; the trailing flags exact; a float16 overflow is
+    summed again in float32 (exactly the float32 sum in rank order)."""
+
+    class Counter:
+        sent = 0
+
+    def body(comm):
+        rng = np.random.default_rng(comm.rank)
+        flags = np.array([1.0, 0.0], np.float32)
+        grads = np.concatenate([rng.normal(size=1000).astype(np.float32), flags])
+        everyone = [np.concatenate([np.random.default_rng(r).normal(size=1000)
+                                    .astype(np.float32), flags]) for r in range(3)]
+        exact = everyone[0] + everyone[1] + everyone[2]
+        out = {}
+        for name, scale in (("bfloat16", 1.0), ("float16", 1024.0), ("float16", 1e30)):
+            buf, counter = grads.copy(), Counter()
+            s = wire.Sum(comm, buf, 1000, wire.numpy_dtype(name), scale, wire.SUM_TAG,
+                         counter, mode)
+            wait_all([s], 60.0, "the sum")
+            out[(name, scale)] = (buf, s.overflowed, counter.sent)
+        return exact, out
+
+    results = run_ranks(3, body, timeout=60)
+    for exact, out in results:
+        for (name, scale), (buf, overflowed, sent) in out.items():
+            assert overflowed == (scale == 1e30)
+            assert np.array_equal(buf, results[0][1][(name, scale)][0])  # same bits
+            assert np.array_equal(buf[1000:], [3.0, 0.0])
+            tol = 0 if overflowed else (3e-2 if name == "bfloat16" else 4e-3)
+            np.testing.assert_allclose(buf, exact, atol=tol, rtol=0 if overflowed else tol)
+        sent = out[("bfloat16", 1.0)][2]
+        assert sent == (2 * 1002 * 2 if mode == "gather" else 2 * 2 * 2 * 334)

@@ -13,9 +13,9 @@ it to every other rank (point-to-point, non-blocking, advanced by `test()` like 
 ring allreduce); each rank adds the R buffers in float32, in rank order, so every rank
 gets the same bits. This is "gather": (R-1) x the buffer per rank. "scatter" (a
 reduce-scatter of 16-bit chunks to their owners, summed in float32, and an allgather
-of the 16-bit sums) sends 2 (R-1)/R x the buffer but rounds the sum once more; at
-R = 2 both send the same bytes (docs/recommenders.md has the measurement that chose
-between them).
+of the 16-bit sums) sends 2 (R-1)/R x the buffer but rounds the sum once more (every
+rank keeps the owner's 16-bit sum, so all agree); at R = 2 both send the same bytes.
+`mode_for` chooses, as measured (docs/recommenders.md).
 
 float16 keeps 11 bits of mantissa but only 5 of exponent: gradients under 6e-8 become
 zero, and values over 65504 infinite. Gradients that travel in float16 are multiplied
@@ -38,7 +38,7 @@ import numpy as np
 from .. import settings
 
 __all__ = ["PATHS", "NAMES", "resolve", "numpy_dtype", "LossScale", "Sum", "start_sum",
-           "SUM_TAG"]
+           "SUM_TAG", "mode_for"]
 
 PATHS = ("tables", "replicas", "stages")
 NAMES = ("float32", "bfloat16", "float16")
@@ -222,9 +222,16 @@ class Sum:
 def start_sum(comm: Any, flat: np.ndarray, values: int, wire: np.dtype, scale: float,
               index: int, counter: Any) -> Sum:
     """Bucket `index`'s sum (its tags: `SUM_TAG + 2 index`, + 1 for the redo)."""
-    return Sum(comm, flat, values, wire, scale, SUM_TAG + 2 * index, counter, MODE)
+    return Sum(comm, flat, values, wire, scale, SUM_TAG + 2 * index, counter,
+               mode_for(comm.size, flat.nbytes))
 
 
-# Which exchange the replicas' sums take (the module's docstring; measured in
-# docs/recommenders.md).
-MODE = "gather"
+GATHER_BYTES = 2 << 20
+
+
+def mode_for(size: int, nbytes: int) -> str:
+    """Which exchange a sum of `nbytes` (float32) over `size` ranks takes. Measured with
+    benchmarks/wire_sum.py on one node (docs/recommenders.md): at R = 2 both send the
+    same bytes and "gather" saves a round; at R = 4 "gather" was faster up to 1 MB,
+    "scatter" from 4 MB (1.5-2x faster at 4-16 MB: half the bytes)."""
+    return "gather" if size <= 2 or nbytes < GATHER_BYTES else "scatter"
