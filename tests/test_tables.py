@@ -269,7 +269,7 @@ def test_reduced_precision_exchanges(dtype, optimizer, bound):
             model.set_weights(start)
             loss = hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                           comm=comm, embedding_sharding=sharding,
-                          communication_dtype=wire).history["loss"]
+                          communication_dtype={"tables": wire}).history["loss"]
             router = model.get_layer("user").__dict__["_hyparflow_table_part"].router
             diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), want))
             out[wire] = (router.payload, router.bytes, diff, loss)
