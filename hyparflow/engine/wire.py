@@ -91,7 +91,8 @@ def numpy_dtype(name: Optional[str]) -> Optional[np.dtype]:
     if name == "bfloat16":
         import ml_dtypes  # comes with TensorFlow
 
-        return np.dtype(ml_dtypes.bfloat16)
+        bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
     return np.dtype(np.float16)
 
 
