@@ -113,7 +113,8 @@ def main():
                 f" {k.replace('HYPARFLOW_', '').lower()}={v}" for k, v in extra.items()) + (
                 f" {dtype}" if dtype != "float32" else "")
             trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}"
-                                 + "".join(f"_{v}" for v in extra.values()) + f"_{dtype}.json")
+                                 + "".join(f"_{v}".replace(os.sep, "-") for v in extra.values())
+                                 + f"_{dtype}.json")
             res = run([MPIEXEC, "-n", str(s * r * t), *worker_cmd(
                 "hf", workload, batch, args.steps, s, r, m, schedule, trace, t, dtype)],
                 dict(env, **extra))
