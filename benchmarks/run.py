@@ -8,7 +8,9 @@ Each configuration runs under `mpiexec -n S*T*R` with one intra-op thread per ra
 one thread and with every core (what a user would run instead), measured in the same
 run; each row's speed is given relative to both ("x 1 thread", "x all cores"). Step time is the median of the traced steps after the first (which includes
 tracing); the bubble and the gradient bytes each rank exchanges per step (dense
-buckets plus sparse pairs received) come from the same trace.
+buckets plus sparse pairs received) come from the same trace; "sent MB/step": the bytes of
+gradient sums and pipeline messages all ranks sent per step (`History.exchanges`).
+`--communication-dtype float32,bfloat16` runs each configuration once per dtype.
 """
 
 import argparse
@@ -79,7 +81,11 @@ def main():
                         help="instead of each workload's own list: S,R,M,SCHEDULE[,T[,VAR=VALUE...]]"
                              " (e.g. 2,1,8,zb-h1 or 2,1,4,1f1b,1,HYPARFLOW_TRANSPOSED=0;"
                              " SCHEDULE interleaved:V for V model chunks per rank)")
+    parser.add_argument("--communication-dtype", default=None,
+                        help="hf.fit's communication_dtype for every run (e.g. bfloat16); "
+                             "several, comma-separated, run each configuration once per dtype")
     args = parser.parse_args()
+    dtypes = (args.communication_dtype or "float32").split(",")
     env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     rows, results = [], {}
     trace_dir = args.trace_dir or tempfile.mkdtemp()
@@ -94,27 +100,30 @@ def main():
                     dict(env, HYPARFLOW_THREADS=str(cores)))
         results[workload] = {"baseline": base, "all_cores": every, "runs": []}
         rows.append((workload, "Keras 1 proc x 1 thread", base["step_s"], base["samples_s"], 1.0,
-                     base["samples_s"] / every["samples_s"], "", "", "", f"{base['peak_mb']:.0f}",
+                     base["samples_s"] / every["samples_s"], "", "", "", "",
+                     f"{base['peak_mb']:.0f}",
                      f"{base['state_mb']:.1f}"))
         rows.append((workload, f"Keras 1 proc x {cores} threads", every["step_s"],
-                     every["samples_s"], every["samples_s"] / base["samples_s"], 1.0, "", "", "",
+                     every["samples_s"], every["samples_s"] / base["samples_s"], 1.0, "", "", "", "",
                      f"{every['peak_mb']:.0f}", f"{every['state_mb']:.1f}"))
-        for s, r, m, schedule, *more in configs:
+        for (s, r, m, schedule, *more), dtype in [(c, d) for c in configs for d in dtypes]:
             t = more[0] if more else 1
             extra = more[1] if len(more) > 1 else {}
             name = f"S={s} R={r} M={m} {schedule}" + (f" T={t}" if t > 1 else "") + "".join(
-                f" {k.replace('HYPARFLOW_', '').lower()}={v}" for k, v in extra.items())
+                f" {k.replace('HYPARFLOW_', '').lower()}={v}" for k, v in extra.items()) + (
+                f" {dtype}" if dtype != "float32" else "")
             trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}"
                                  + "".join(f"_{v}".replace(os.sep, "-") for v in extra.values())
-                                 + ".json")
+                                 + f"_{dtype}.json")
             res = run([MPIEXEC, "-n", str(s * r * t), *worker_cmd(
-                "hf", workload, batch, args.steps, s, r, m, schedule, trace, t)],
+                "hf", workload, batch, args.steps, s, r, m, schedule, trace, t, dtype)],
                 dict(env, **extra))
             results[workload]["runs"].append(res)
             rows.append((workload, name, res["step_s"], res["samples_s"],
                          res["samples_s"] / base["samples_s"],
                          res["samples_s"] / every["samples_s"], f"{res['bubble']:.3f}",
                          f"{res['theory_bubble']:.3f}", f"{res['grad_mb']:.1f}",
+                         f"{res['sent_mb']:.2f}",
                          "/".join(f"{v:.0f}" for v in res["peak_mb"]),
                          "/".join(f"{v:.1f}" for v in res["state_mb"])))
     if "transfer" in args.only:
@@ -122,7 +131,7 @@ def main():
         results["transfer"] = res
     header = ("workload", "configuration", "s/step", "samples/s", "x 1 thread", "x all cores",
               "bubble",
-              "theory", "grad MB/step", "peak MB/rank", "params+opt MB/rank")
+              "theory", "grad MB/step", "sent MB/step", "peak MB/rank", "params+opt MB/rank")
     widths = [max(len(str(c)) for c in col) for col in zip(header, *[
         tuple(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) for row in rows])]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -46,15 +46,16 @@ def baseline(workload, batch, steps):
     return {"step_s": step, "samples_s": batch / step, "peak_mb": peak_mb(), "state_mb": state}
 
 
-def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
+def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1, dtype=None):
     from hyparflow.engine import timeline
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
     # "interleaved:2": the schedule and its model chunks per rank.
     name, _, chunks = schedule.partition(":")
-    hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
-           num_microbatches=m, schedule=name, verbose=0, shuffle=False, trace=trace,
-           num_tensor=t, num_chunks=int(chunks) if chunks else None)
+    history = hf.fit(model, x, y, batch_size=batch, epochs=1, num_stages=s, num_replicas=r,
+                     num_microbatches=m, schedule=name, verbose=0, shuffle=False, trace=trace,
+                     num_tensor=t, num_chunks=int(chunks) if chunks else None,
+                     communication_dtype=dtype)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -62,6 +63,10 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
     # stage's, and only its parts of split layers) and the slots built for them.
     mine = state_mb(model.optimizer.variables) + state_mb(_stage_vars(model))
     peaks = comm.gather(peak_mb(), 0)
+    # Bytes of floating values every rank sent per step: the replicas' gradient sums
+    # (float32: a ring's share) and the pipeline boundaries (History.exchanges).
+    ex = history.exchanges
+    sent = comm.allreduce(ex["replicas"]["bytes"] + ex["stages"]["bytes"]) / (steps + 1)
     states = comm.gather(mine, 0)
     if comm.rank == 0:
         data = timeline.load(trace)
@@ -88,7 +93,8 @@ def hybrid(workload, batch, steps, s, r, m, schedule, trace, t=1):
             "theory_bubble": timeline.theoretical_bubble(
                 s, m, int(schedule.partition(":")[2] or 1)), "peak_mb": peaks,
             "grad_mb": statistics.median(sums[1:] or sums or [0]) / 2**20,
-            "state_mb": states, "untraced_s": untraced, "between_s": between}), flush=True)
+            "state_mb": states, "untraced_s": untraced, "between_s": between,
+            "dtype": dtype or "float32", "sent_mb": sent / 2**20}), flush=True)
 
 
 def _untraced(data, after=0):
@@ -169,6 +175,7 @@ if __name__ == "__main__":
     elif kind == "hf":
         w, b, n, s, r, m, sched, trace = sys.argv[2:10]
         hybrid(w, int(b), int(n), int(s), int(r), int(m), sched, trace,
-               int(sys.argv[10]) if len(sys.argv) > 10 else 1)
+               int(sys.argv[10]) if len(sys.argv) > 10 else 1,
+               sys.argv[11] if len(sys.argv) > 11 else None)
     elif kind == "transfer":
         transfer()

@@ -15,7 +15,7 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
-           "sweep_configs", "tensor_mesh", "parse_mesh"]
+           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale"]
 
 
 class Variable(NamedTuple):
@@ -80,6 +80,10 @@ VARIABLES = (
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
+    Variable("HYPARFLOW_LOSS_SCALE", "32768,2000",
+             "`INITIAL[,GROWTH_STEPS]`: the dynamic loss scale of gradients exchanged in "
+             "float16 (`communication_dtype`): its first value, and the steps without an "
+             "overflow after which it doubles"),
     Variable("HYPARFLOW_SLOWDOWN", "1",
              "this rank acts this many times slower (a stand-in for slower hardware, "
              "for testing balancing)"),
@@ -245,3 +249,21 @@ def slurm_templates() -> Optional[str]:
 def sweep_configs(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """HYPARFLOW_SWEEP_CONFIGS: the path of a sweep's configs file, if set."""
     return _raw("HYPARFLOW_SWEEP_CONFIGS", environ)
+
+
+def loss_scale() -> tuple[float, int]:
+    """HYPARFLOW_LOSS_SCALE "INITIAL[,GROWTH_STEPS]": (initial scale, growth steps)."""
+    text = _raw("HYPARFLOW_LOSS_SCALE")
+    if text is None:
+        return 32768.0, 2000
+    parts = text.split(",")
+    try:
+        initial = float(parts[0])
+        growth = int(parts[1]) if len(parts) > 1 else 2000
+        if len(parts) > 2 or not initial >= 1 or growth < 1:
+            raise ValueError
+    except ValueError:
+        raise SettingError("HYPARFLOW_LOSS_SCALE must be INITIAL[,GROWTH_STEPS]: a number "
+                           ">= 1 and an integer >= 1 (e.g. 32768,2000). Received: "
+                           f"HYPARFLOW_LOSS_SCALE={text!r}") from None
+    return initial, growth

@@ -233,7 +233,7 @@ def test_bad_input_is_named():
                                           "num_replicas": 1}),
         "dtype": (tables_model, x, y, {"embedding_sharding": "auto",
                                        "communication_dtype": "bf16"}),
-        "no tables": (tables_model, x, y, {"communication_dtype": "bfloat16"}),
+        "no tables": (tables_model, x, y, {"communication_dtype": {"tables": "bfloat16"}}),
         "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
         "saves mid-fit": (tables_model, x, y, {"embedding_sharding": "auto", "callbacks": [
             keras.callbacks.EarlyStopping(restore_best_weights=True)]}),
@@ -278,7 +278,7 @@ def test_reduced_precision_exchanges(dtype, optimizer, bound):
             model.set_weights(start)
             loss = hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                           comm=comm, embedding_sharding=sharding,
-                          communication_dtype=wire).history["loss"]
+                          communication_dtype={"tables": wire}).history["loss"]
             router = model.get_layer("user").__dict__["_hyparflow_table_part"].router
             diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), want))
             out[wire] = (router.payload, router.bytes, diff, loss)

@@ -17,13 +17,24 @@ forward only: the receiving stage attaches them again before its layers run.
 Whether a value carries its mask is known only when the sending stage runs
 (Keras attaches some masks at run time only, and MultiHeadAttention removes its
 query's), so a tensor that may carry one always has a header, which says.
+
+With a 16-bit `wire` (`communication_dtype`'s "stages" path, `engine.wire`), floating
+float32 values and their gradients travel in it and are cast back on arrival; masks,
+headers and integer tensors never change. Gradients in float16 carry the edge's loss
+scale (`LossScale`, multiplied before the cast, divided after). A float16 message that
+would hold an inf or nan is sent again in float32 on a tag of its own: the sender sees
+it as it casts, the receiver as it takes the value, and both note it (the edge's scale
+halves at the next step's `start`): no round trip, and the result is what float32 gives.
 """
 
 import numpy as np
 
+from ..engine.comm import poll, timeout_seconds
+from . import wire as _wire
+
 __all__ = ["Boundary"]
 
-_ACT, _GRAD, _MASK, _HEAD = range(4)
+_ACT, _GRAD, _MASK, _HEAD, _ACT32, _GRAD32 = range(6)
 _UNSET = -2   # a header's values before it arrives: a short message leaves some
 
 
@@ -43,9 +54,71 @@ class Boundary:
     def __init__(self, comm, graph, cut, rank_of, num_edges):
         self.comm, self.graph, self.cut, self.rank_of = comm, graph, cut, rank_of
         self.num_edges = max(1, num_edges)
+        self.set_wire(None)
+
+    def set_wire(self, wire):
+        """The dtype floating values travel in (None: as they are), and the bytes of
+        floating values this rank sent (`sent`, for the benchmark and tests)."""
+        self.wire = wire
+        self.kinds = 4 if wire is None else 6  # the float32 redo tags only with a wire
+        self.scales = {}  # edge index -> LossScale of its gradients (float16)
+        self.overflowed = set()  # edges whose gradients overflowed this step
+        self.sent = 0
 
     def _tag(self, micro, edge, kind):
-        return (micro * self.num_edges + edge.index) * 4 + kind
+        return (micro * self.num_edges + edge.index) * self.kinds + kind
+
+    def _wire_of(self, t):
+        """The dtype tensor `t` travels in: the wire for wider floats, else its own."""
+        if self.wire is None or not t.floating or np.dtype(_np_dtype(t.dtype)).itemsize <= 2:
+            return _np_dtype(t.dtype)
+        return self.wire
+
+    def _scale(self, e):
+        if not _wire.scaled(self.wire):
+            return 1.0
+        if e.index not in self.scales:
+            self.scales[e.index] = _wire.LossScale()
+        return self.scales[e.index].value
+
+    def _send(self, value, t, dst, tag, redo_tag, scale=1.0):
+        """Send a floating value in its wire dtype (times `scale`), and in float32 on
+        `redo_tag` too when the float16 cast holds an inf or nan; returns (the
+        requests, whether it was sent again)."""
+        value = np.asarray(value)
+        wire = self._wire_of(t)
+        if wire == value.dtype:
+            self.sent += value.nbytes if t.floating else 0
+            return [self.comm.isend(value, dst, tag)], False
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is sent again
+            cast = (value * np.float32(scale) if scale != 1.0 else value).astype(wire)
+        reqs = [self.comm.isend(cast, dst, tag)]
+        self.sent += cast.nbytes
+        if _wire.scaled(wire) and not np.isfinite(cast).all():
+            value = np.ascontiguousarray(value)
+            reqs.append(self.comm.isend(value, dst, redo_tag))
+            self.sent += value.nbytes
+            return reqs, True
+        return reqs, False
+
+    def _arrived(self, buf, t, src, redo_tag, scale=1.0):
+        """A received value in its own dtype (`buf` in the wire's): cast back and
+        divided by `scale`, or, if it holds an inf or nan in float16, the float32
+        value sent again (waited for: the sender posted it with the first). Returns
+        (the value, whether it was sent again)."""
+        dtype = np.dtype(_np_dtype(t.dtype))
+        if buf.dtype == dtype:
+            return buf, False
+        if _wire.scaled(buf.dtype) and not np.isfinite(buf).all():
+            value = np.empty(buf.shape, dtype)
+            req = self.comm.irecv(value, src, redo_tag)
+            poll(req.test, timeout_seconds(), f"the float32 resend of a boundary tensor "
+                 f"from rank {src}", getattr(self.comm, "spin", None))
+            return value, True
+        value = buf.astype(dtype)
+        if scale != 1.0:
+            value *= dtype.type(1.0 / scale)
+        return value, False
 
     def _tensor(self, e):
         return self.graph.tensors[e.tensor]
@@ -56,14 +129,19 @@ class Boundary:
     def _head_size(self, t):
         return len(t.shape) + (len(t.mask) if t.mask is not None else 0)
 
-    def _irecv(self, shape, dtype, src, tag):
-        buf = np.empty(shape, _np_dtype(dtype))
+    def _irecv(self, shape, t, src, tag):
+        buf = np.empty(shape, self._wire_of(t))
         return buf, self.comm.irecv(buf, src, tag)
 
     # -- a step ---------------------------------------------------------------
     def start(self, micro_sizes, training=True):
         """Post every receive whose size is known now: activations (or their headers)
         and the gradients of tensors with a static shape."""
+        # The last training step's gradient overflows, which both ends of each edge saw.
+        if training:
+            for index, scale in self.scales.items():
+                scale.update(index in self.overflowed)
+            self.overflowed = set()
         self.act, self.grad = {}, {}
         for i, n in enumerate(micro_sizes):
             for e in self.cut.recv:
@@ -80,14 +158,16 @@ class Boundary:
                 t = self._tensor(e)
                 if training and t.floating and not t.dynamic:
                     self.grad[(i, e.index)] = self._irecv(
-                        (n,) + tuple(t.shape[1:]), t.dtype, self.rank_of(e.dst),
+                        (n,) + tuple(t.shape[1:]), t, self.rank_of(e.dst),
                         self._tag(i, e, _GRAD))
 
     def _arrays(self, i, e, src, shape, mask_shape):
         t = self._tensor(e)
-        value = self._irecv(shape, t.dtype, src, self._tag(i, e, _ACT))
-        mask = (self._irecv(mask_shape, np.bool_, src, self._tag(i, e, _MASK))
-                if mask_shape is not None else None)
+        value = self._irecv(shape, t, src, self._tag(i, e, _ACT))
+        mask = None
+        if mask_shape is not None:
+            buf = np.empty(mask_shape, np.bool_)
+            mask = buf, self.comm.irecv(buf, src, self._tag(i, e, _MASK))
         return value, mask
 
     def activation_requests(self, i, peer):
@@ -127,7 +207,9 @@ class Boundary:
         values, masks = [], []
         for e in self.cut.recv:
             _, (value, mask) = self.act.pop((i, e.index))
-            values.append(value[0])
+            arrived, _ = self._arrived(value[0], self._tensor(e), self.rank_of(e.src),
+                                       self._tag(i, e, _ACT32))
+            values.append(arrived)
             if self._tensor(e).mask is not None:  # None: sent without its mask
                 masks.append(mask[0] if mask is not None else None)
         return values, masks
@@ -152,9 +234,14 @@ class Boundary:
                 head = np.array(value.shape + tuple(mask_part), np.int64)
                 sends.append(self.comm.isend(head, dst, self._tag(i, e, _HEAD)))
                 if training and t.floating and t.dynamic:
-                    self.grad[(i, e.index)] = self._irecv(value.shape, t.dtype, dst,
+                    self.grad[(i, e.index)] = self._irecv(value.shape, t, dst,
                                                           self._tag(i, e, _GRAD))
-            sends.append(self.comm.isend(value, dst, self._tag(i, e, _ACT)))
+            if self.wire is None:
+                sends.append(self.comm.isend(value, dst, self._tag(i, e, _ACT)))
+                self.sent += np.asarray(value).nbytes if t.floating else 0
+            else:
+                sends += self._send(value, t, dst, self._tag(i, e, _ACT),
+                                    self._tag(i, e, _ACT32))[0]
             if mask is not None:
                 sends.append(self.comm.isend(np.ascontiguousarray(mask), dst,
                                              self._tag(i, e, _MASK)))
@@ -171,9 +258,27 @@ class Boundary:
         for e in self.cut.send:
             if (i, e.index) in self.grad:
                 buf = self.grad.pop((i, e.index))[0]
+                if self.wire is not None:
+                    buf, again = self._arrived(buf, self._tensor(e), self.rank_of(e.dst),
+                                               self._tag(i, e, _GRAD32), self._scale(e))
+                    if again:
+                        self.overflowed.add(e.index)
                 out[e.tensor] = buf if e.tensor not in out else out[e.tensor] + buf
         return out
 
     def send_gradients(self, i, peer, grads):
-        return [self.comm.isend(grads[e.tensor], self.rank_of(e.src), self._tag(i, e, _GRAD))
-                for e in self.cut.recv if e.src == peer and e.tensor in grads]
+        if self.wire is None:
+            out = [e for e in self.cut.recv if e.src == peer and e.tensor in grads]
+            self.sent += sum(np.asarray(grads[e.tensor]).nbytes for e in out)
+            return [self.comm.isend(grads[e.tensor], self.rank_of(e.src),
+                                    self._tag(i, e, _GRAD)) for e in out]
+        sends = []
+        for e in self.cut.recv:
+            if e.src == peer and e.tensor in grads:
+                reqs, again = self._send(grads[e.tensor], self._tensor(e), self.rank_of(e.src),
+                                         self._tag(i, e, _GRAD), self._tag(i, e, _GRAD32),
+                                         self._scale(e))
+                sends += reqs
+                if again:
+                    self.overflowed.add(e.index)
+        return sends

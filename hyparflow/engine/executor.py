@@ -87,11 +87,12 @@ class Executor:
         # microbatches this replica lacks in a short batch, in their place.
         self.idle = None
 
-    def set_groups(self, groups, early=False, zero=None):
+    def set_groups(self, groups, early=False, zero=None, wire=None):
         """[(communicator, [variable positions in stage.trainable])]: who sums what.
         `early`: buckets start their allreduces from inside the step's last backward.
-        `zero`: a `hyparflow.zero.Zero` when the optimizer step is sharded."""
-        self.buckets = overlap.Buckets(self.stage, groups)
+        `zero`: a `hyparflow.zero.Zero` when the optimizer step is sharded. `wire`: the
+        dtype the sums travel in (None: float32; `engine.wire`)."""
+        self.buckets = overlap.Buckets(self.stage, groups, wire)
         self.zero = zero if zero else None
         if self.zero is not None:
             self.buckets.reduce = self.zero.start_reduce
@@ -492,6 +493,7 @@ class Executor:
         pending = self.buckets.finish()
         self.stage.grads.reset()
         self._wait(pending + exchanges, timeout_seconds())
+        self.buckets.settle()
         self._record("allreduce", "allreduce", start, buckets=len(self.buckets.buckets),
                      inside=self.buckets.inside, early=self.buckets.early,
                      dense_bytes=self.buckets.nbytes, sparse_bytes=sum(x.bytes for x in exchanges))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Pr
 import numpy as np
 
 from .. import settings
+from . import wire as _wire
 from .comm import Buffer, Communicator, Request
 
 
@@ -87,8 +88,14 @@ class Buckets:
     """The allreduce buckets of one rank's stage: [(communicator, [positions in
     stage.trainable])] for each group of `groups`, started as they complete."""
 
-    def __init__(self, stage: _Stage, groups: Iterable[Group]) -> None:
+    def __init__(self, stage: _Stage, groups: Iterable[Group], wire: Any = None) -> None:
+        """`wire`: the numpy dtype the sums travel in (None: float32, MPI's allreduce;
+        16 bits: `engine.wire.Sum`, with a loss scale per group for float16)."""
         self.stage, self.groups = stage, list(groups)
+        self.wire = wire
+        self.scales = ([_wire.LossScale() for _ in self.groups]
+                       if _wire.scaled(wire) else None)
+        self.sent = 0  # bytes this rank sent in its sums (float32: as a ring would)
         self._lock = threading.Lock()
         self.sparse: Set[int] = set()  # positions whose pairs are gathered instead (`hyparflow.sparse`)
         self._lay([positions for _, positions in self.groups])
@@ -103,10 +110,14 @@ class Buckets:
         self.buckets = [(comm, bucket) for (comm, _), order in zip(self.groups, orders)
                         for bucket in cut(order, self.stage.trainable) if bucket]
         self._bucket_of = {k: j for j, (_, bucket) in enumerate(self.buckets) for k in bucket}
+        # Each bucket's group (its loss scale, with a float16 wire).
+        self._group_of = [g for g, ((_, _), order) in enumerate(zip(self.groups, orders))
+                          for bucket in cut(order, self.stage.trainable) if bucket]
         self._orders = orders
         # Bytes of the dense buckets summed with other ranks each step (for the trace):
         # fixed by the layout, so counted here rather than at every step.
-        self.nbytes = sum(4 * int(np.prod(self.stage.trainable[k].shape))
+        width = 4 if self.wire is None else self.wire.itemsize
+        self.nbytes = sum(width * int(np.prod(self.stage.trainable[k].shape))
                           for comm, bucket in self.buckets if _shares(comm) for k in bucket)
         self.stage.grads.set_buckets([bucket for _, bucket in self.buckets], self.sparse)
 
@@ -150,8 +161,15 @@ class Buckets:
             self._requests[j] = None
         elif self.reduce is not None:
             self._requests[j] = self.reduce(comm, bucket, flat)
+        elif self.wire is not None:
+            # One flag per variable ends the buffer (`Gradients.flat_grads`).
+            scale = self.scales[self._group_of[j]].value if self.scales else 1.0
+            self._requests[j] = _wire.start_sum(comm, flat, flat.size - len(bucket),
+                                                self.wire, scale, j, self)
         else:
             self._requests[j] = comm.iallreduce(flat)
+            # What a ring allreduce sends from each rank: 2 (n-1)/n of the buffer.
+            self.sent += int(flat.nbytes * 2 * (comm.size - 1) / comm.size)
         self._next = j + 1
         self._early += self._left > 0
 
@@ -169,6 +187,20 @@ class Buckets:
             while self._next < len(self.buckets):
                 self._start(self._next)
             return [r for r in self._requests if r is not None]
+
+    def settle(self) -> None:
+        """After the step's sums are done: each group's loss scale (float16) halves if
+        one of its buckets overflowed (and was summed again in float32), else counts a
+        good step. Every rank of a group sees the same sums, so they agree."""
+        if not self.scales:
+            return
+        overflowed = [False] * len(self.groups)
+        for j, request in enumerate(self._requests):
+            if getattr(request, "overflowed", False):
+                overflowed[self._group_of[j]] = True
+        for g, scale in enumerate(self.scales):
+            if _shares(self.groups[g][0]):
+                scale.update(overflowed[g])
 
     def learn(self) -> None:
         """After the first step: lay the buckets out in the order gradients arrived

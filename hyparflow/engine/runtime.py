@@ -19,6 +19,7 @@ from ..kinds import tables as _tables
 from ..kinds.tables.idle import Idle
 from ..kinds import tensor as _tensor
 from . import weights
+from . import wire as _wire
 from ..kinds import zero as _zero
 from .executor import Executor, split_batch
 from ..kinds.replicas import Replicas
@@ -97,10 +98,16 @@ class Runtime:
             graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
         self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
         self.training = training
+        # The dtype of each exchange path (engine.wire): one name applies to the paths
+        # the run has; a dict naming "tables" needs sharded tables.
+        self.wires = _wire.resolve(communication_dtype)
+        named = isinstance(communication_dtype, dict) and "tables" in communication_dtype
+        tables_dtype = self.wires["tables"] if embedding_sharding is not None or named \
+            else None
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
                                           comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
-                                          communication_dtype=communication_dtype,
+                                          communication_dtype=tables_dtype,
                                           hosts=hosts, stage_of={
                                               i: j % topo.num_stages
                                               for j, p in enumerate(part.stages)
@@ -171,6 +178,8 @@ class Runtime:
             self.executor.idle = Idle(self.tables, stage, layout.num_replicas,
                                       layout.num_microbatches,
                                       served=layout.num_stages == 1 and layout.num_tensor == 1)
+        for box in self.executor.boxes:
+            box.set_wire(_wire.numpy_dtype(self.wires["stages"]))
         self.executor.lowered(layout.num_microbatches, training)  # validate the schedule up front
         self.stage_comm = None
         self.owners = [topo.rank(self.owner_stage(v), 0, 0) for v in model.weights]
@@ -298,9 +307,12 @@ class Runtime:
             # Not sharded with model chunks (a first version: ZeRO's shards and the
             # chunks' accumulator are not combined yet; docs/performance.md), nor when
             # each replica steps on its own (nothing is summed over replicas).
+            # Nor with a 16-bit wire for the replicas' sums (ZeRO sums each row range
+            # on its owner in float32; engine.wire sums whole buckets).
+            wire = _wire.numpy_dtype(self.wires["replicas"])
             self.zero = (self._plan_zero(optimizer, shared)
                          if self.layout.num_chunks == 1 and not local and self.tables is None
-                         else None)
+                         and wire is None else None)
             if not optimizer.built:
                 # Only this stage's variables (or, sharded, this rank's parts of them):
                 # optimizer state is split like the weights.
@@ -312,7 +324,7 @@ class Runtime:
             # before any sum, and only tied copies within a replica are summed.
             early = (overlap.enabled(default=len(set(hosts)) > 1)
                      and self.layout.num_chunks == 1 and not local)
-            self.executor.set_groups(shared, early=early, zero=self.zero)
+            self.executor.set_groups(shared, early=early, zero=self.zero, wire=wire)
             if self.tables is not None:
                 self.executor.keep_local(self.tables.positions)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
@@ -379,6 +391,27 @@ class Runtime:
             self.collectives.comm = None
         if self.tables is not None:
             self.tables.connect(None)
+
+    def exchanges(self):
+        """What this rank's reduced-precision paths did (`History.exchanges`): per path,
+        its dtype, the bytes of floating values this rank sent, and for float16 the
+        loss scales now and the steps summed again in float32."""
+        out = {"tables": {"dtype": self.wires["tables"],
+                          "bytes": self.tables.router.payload if self.tables else 0}}
+        buckets = self.executor.buckets
+        scales = [s for s, (comm, _) in zip(buckets.scales or [], buckets.groups)
+                  if comm is not None and comm.size > 1]
+        out["replicas"] = {"dtype": self.wires["replicas"], "bytes": buckets.sent,
+                           "scales": [s.value for s in scales],
+                           "redone": sum(s.overflows for s in scales)}
+        boxes = self.executor.boxes
+        edges = [s for box in boxes for s in box.scales.values()]
+        out["stages"] = {"dtype": self.wires["stages"], "bytes": sum(b.sent for b in boxes),
+                         "scales": [s.value for s in edges],
+                         # with the last step's, which the next step's start counts
+                         "redone": sum(s.overflows for s in edges)
+                         + sum(len(box.overflowed) for box in boxes)}
+        return out
 
     @property
     def counted(self):

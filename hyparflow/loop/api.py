@@ -83,7 +83,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
         num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
         tensor_mesh: Any = None, embedding_sharding: Any = None,
-        communication_dtype: Optional[str] = None) -> Any:
+        communication_dtype: Any = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -194,10 +194,13 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             "data"). Ids go to the rows' owners and rows come
             back; the owners step their rows, so the weights are still model.fit's
             (docs/recommenders.md).
-        communication_dtype: "bfloat16" or "float16": the sharded tables' rows and
-            gradients travel in it (half the bytes; sums stay float32). It leaves
-            the exact contract: the weights drift from model.fit's by the rounding
-            (docs/recommenders.md). None or "float32": as they are.
+        communication_dtype: "bfloat16" or "float16": the floating values of every
+            exchange travel in it (the sharded tables' rows and gradients, the
+            replicas' gradient sums, the pipeline boundaries; half the bytes; sums
+            stay float32; float16 with a dynamic loss scale and a float32 redo on
+            overflow), or per path: {"tables": ..., "replicas": ..., "stages": ...}.
+            It leaves the exact contract: the weights drift from model.fit's by the
+            rounding (docs/recommenders.md). None or "float32": as they are.
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then

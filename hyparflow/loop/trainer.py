@@ -160,6 +160,7 @@ def train(model, x, y, *, comm, layout, options):
         # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
         history.memory = memory_of(runtime, model.optimizer)
+        history.exchanges = runtime.exchanges()
         if runtime.replicas is not None:
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history

@@ -167,10 +167,9 @@ class Tables:
         if sharding is None:
             if wire is not None:
                 raise ValueError(
-                    f"communication_dtype={communication_dtype!r} applies to the exchanges "
-                    "of sharded embedding tables (the replicas' gradient sums stay float32 "
-                    "for now), but embedding_sharding is not set. Set embedding_sharding, "
-                    "or leave communication_dtype out.")
+                    f"communication_dtype={{'tables': {communication_dtype!r}}} applies to "
+                    "the exchanges of sharded embedding tables, but embedding_sharding is "
+                    "not set. Set embedding_sharding, or leave 'tables' out.")
             return None
         _check_layout(layout, sync, graph, model)
         if training:
