@@ -101,7 +101,8 @@ class Runtime:
                                           topo.replica(comm.rank), memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=communication_dtype,
-                                          hosts=hosts)
+                                          hosts=hosts, sample=sample,
+                                          batch_size=(facts or {}).get("batch_size"))
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,

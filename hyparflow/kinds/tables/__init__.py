@@ -22,7 +22,7 @@ from . import plan as _plan
 from .lookup import Router, wire_dtype
 from .part import TablePart
 
-__all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
+__all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample", "first_ids"]
 
 
 def _embeddings(graph):
@@ -54,6 +54,11 @@ def _factor(optimizer):
                                 centered=bool(getattr(optimizer, "centered", False)))
 
 
+def _dense(optimizer):
+    return _plan.dense_update(type(optimizer).__name__,
+                              momentum=getattr(optimizer, "momentum", 0.0) or 0.0)
+
+
 def _check_layout(layout, sync, graph, model):
     what = "embedding_sharding"
     if graph.functional is None:
@@ -77,25 +82,53 @@ def _check_layout(layout, sync, graph, model):
 
 def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
                    memory_limit: Optional[float] = None, training: bool = True,
-                   hosts: Optional[List[str]] = None) -> List[_plan.Placement]:
+                   hosts: Optional[List[str]] = None, *, batch_size: Optional[int] = None,
+                   ids: Optional[Dict[str, np.ndarray]] = None, wire_bytes: int = 4,
+                   link: Any = None) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
     `embedding_sharding=sharding` over `ranks` ranks (`hosts[r]`: rank r's host, for
     "table-row"), storage counted with the model's optimizer's slots (when
-    `training`); what cannot be sharded, with why."""
+    `training`); what cannot be sharded, with why. "auto" chooses by cost: the ids
+    looked up per step (`batch_size` samples), their distribution (`ids`: {layer:
+    the first batches' ids}, uniform where missing), `wire_bytes` per value sent,
+    `link` (`cost.Link`, its defaults when None)."""
     found = _embeddings(graph)
     if not found:
         raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
                          "Embedding layer. Leave embedding_sharding out.")
     factor = _factor(model.optimizer) if training else 1
+    dense = _dense(model.optimizer) if training else False
     tables, refused = [], {}
     for _, op in found:
         table = op.embeddings
         tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
-                                  np.dtype(table.dtype).itemsize, factor))
+                                  np.dtype(table.dtype).itemsize, factor, dense))
         reason = _why_not(graph, op)
         if reason is not None:
             refused[op.name] = reason
-    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
+    costed = {}
+    if sharding == "auto":
+        costed = dict(ids=ids, wire_bytes=wire_bytes, link=link, lookups=None if not batch_size
+                      else {k: v * batch_size for k, v in lookups_per_sample(graph).items()})
+    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
+
+
+FIRST_BATCHES = 8  # the batches whose ids "auto" reads for the owners' load
+
+
+def first_ids(graph: Any, sample: Any, batch_size: Optional[int]) -> Dict[str, np.ndarray]:
+    """{Embedding layer: the ids of the data's first `FIRST_BATCHES` batches}, for
+    the Embedding layers whose ids are a model input (others: uniform). `sample` is
+    what `fit` already holds (`loop.data.source`): the arrays (all of them), or a
+    dataset's first batch (nothing more is read from it)."""
+    out: Dict[str, np.ndarray] = {}
+    xs = getattr(sample, "x", None) or []
+    most = FIRST_BATCHES * (batch_size or 0) or None
+    for i, op in _embeddings(graph):
+        where = graph.tensors[graph.nodes[i].inputs[0]].input_position
+        if where is not None and where < len(xs):
+            out[op.name] = np.asarray(xs[where][:most])
+    return out
 
 
 def lookups_per_sample(graph: Any) -> Dict[str, int]:
@@ -117,11 +150,14 @@ class Tables:
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True, communication_dtype=None, hosts=None):
+             training=True, communication_dtype=None, hosts=None, sample=None,
+             batch_size=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
         returns None). `rank`: this rank's replica index; `communication_dtype`: the
         dtype rows and gradients travel in (None: float32); `hosts[r]`: replica r's
-        host (None: one host), where "table-row" tables go."""
+        host (None: one host), where "table-row" tables go; `sample`, `batch_size`:
+        the data fit holds and its global batch, whose first batches' ids "auto"
+        costs the owners' load from (every rank holds the same: the same plan)."""
         wire = wire_dtype(communication_dtype)
         if sharding is None:
             if wire is not None:
@@ -136,8 +172,10 @@ class Tables:
             # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
-        placements = placements_for(model, graph, sharding, layout.num_replicas,
-                                    memory_limit, training, hosts)
+        placements = placements_for(
+            model, graph, sharding, layout.num_replicas, memory_limit, training, hosts,
+            batch_size=batch_size, wire_bytes=2 if wire is not None else 4,
+            ids=first_ids(graph, sample, batch_size) if sharding == "auto" else None)
         router = Router(wire)
         parts = {}
         for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["Table", "Placement", "KINDS", "place", "host_groups", "describe", "storage_factor"]
+__all__ = ["Table", "Placement", "KINDS", "place", "by_bytes", "host_groups", "describe",
+           "storage_factor", "dense_update"]
 
 KINDS = ("table", "row", "column", "data", "table-row")
 
@@ -38,6 +39,7 @@ class Table:
     dim: int
     itemsize: int = 4
     factor: int = 1
+    dense: bool = False  # the optimizer steps every stored row each step (Adam's moments)
 
     @property
     def bytes(self) -> int:
@@ -97,6 +99,13 @@ def storage_factor(optimizer_name: str, *, momentum: float = 0.0, amsgrad: bool 
     return 1 + slots + (1 if amsgrad else 0)
 
 
+def dense_update(optimizer_name: str, *, momentum: float = 0.0) -> bool:
+    """Whether the optimizer's step touches every row of a table, looked up or not
+    (Adam's moments decay everywhere), so its time grows with the rows a rank
+    stores; SGD without momentum and Adagrad scatter the looked-up rows only."""
+    return not (optimizer_name == "Adagrad" or (optimizer_name == "SGD" and not momentum))
+
+
 def _even(rows: int, n: int) -> Tuple[int, ...]:
     base, extra = divmod(rows, n)
     return tuple(base + (1 if r < extra else 0) for r in range(n))
@@ -116,18 +125,35 @@ def host_groups(hosts: Optional[Sequence[str]], ranks: int) -> List[List[int]]:
     return list(groups.values())
 
 
+def by_bytes(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] = None,
+             refused: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The kinds of the first planner, by bytes alone (the benchmark's baseline):
+    "row" for a table larger than one rank's share of all the tables (or than
+    `memory_limit`), else "table"; `place` then puts the whole tables on the
+    least-loaded rank, biggest first."""
+    refused = refused or {}
+    total = sum(t.bytes for t in tables if t.name not in refused)
+    cap = total / ranks if memory_limit is None else min(total / ranks, float(memory_limit))
+    return {t.name: "data" if t.name in refused else
+            "row" if t.bytes > cap and t.rows >= ranks else "table" for t in tables}
+
+
 def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
           memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
-          hosts: Optional[Sequence[str]] = None) -> List[Placement]:
+          hosts: Optional[Sequence[str]] = None, **costed) -> List[Placement]:
     """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
     cannot be sharded}: "auto" keeps those as "data"; naming one is an error.
-    `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host)."""
+    `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host).
+    "auto" is the cost-based planner (`auto.choose`; `costed`: its `lookups`, `ids`,
+    `link`, `wire_bytes`)."""
     groups = host_groups(hosts, ranks)
     refused = refused or {}
     names = [t.name for t in tables]
     if sharding == "auto":
-        wanted = {}
-    elif isinstance(sharding, dict):
+        from .auto import choose  # it costs placements (numpy): plan stays pure
+
+        return choose(tables, ranks, memory_limit, refused, hosts, **costed)
+    if isinstance(sharding, dict):
         unknown = sorted(set(sharding) - set(names))
         if unknown:
             raise ValueError(
@@ -150,18 +176,10 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
             f"'column' | 'data' | 'table-row'}}. Received: embedding_sharding={sharding!r}")
     load = [0] * ranks
     chosen: Dict[str, Placement] = {}
-    shardable = [t for t in tables if t.name not in refused]
-    total = sum(t.bytes for t in shardable)
-    share = total / ranks if ranks else total
-    cap = share if memory_limit is None else min(share, float(memory_limit))
     # Biggest first, row-wise ones before the whole tables are placed on the loads.
     order = sorted(tables, key=lambda t: -t.bytes)
     for t in order:
-        if t.name in refused and sharding == "auto":
-            chosen[t.name] = Placement(t, "data", why=refused[t.name])
-            continue
-        kind = wanted.get(t.name, "data") if isinstance(sharding, dict) else (
-            "row" if t.bytes > cap and t.rows >= ranks else "table")
+        kind = wanted.get(t.name, "data")
         if kind == "row":
             if t.rows < ranks:
                 raise ValueError(
