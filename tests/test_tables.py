@@ -519,3 +519,20 @@ def test_plan_command_places_the_tables(tmp_path, capsys):
     with pytest.raises(ValueError, match="one stage and one tensor rank"):
         command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2, None,
                         plans[:1])
+    # Over hosts (`--hosts`, or --nodes x --ranks-per-node): each "table-row" table on
+    # one host's ranks (the second on the other host), the bytes to other hosts
+    # costed at the link between them.
+    four = [dict(stages=1, tensor=1, replicas=4, microbatches=1, schedule="1f1b", step_s=0.2)]
+    for hosts, nodes, names in (("a:2,b:2", 2, "a (ranks 0,1), b (ranks 2,3)"),
+                                (None, 2, "node0 (ranks 0,1), node1 (ranks 2,3)")):
+        args = argparse.Namespace(
+            embedding_sharding='{"user": "table-row", "item": "table-row"}', ids=None,
+            communication_dtype=None, batch_size=16, model=str(source), hosts=hosts,
+            nodes=nodes, ranks_per_node=2)
+        command._tables(args, model, from_model(model), Network(50e-6, 1e-9, 200e-6, 1e-8),
+                        4, None, four)
+        text = capsys.readouterr().out
+        assert f"the tables' hosts: {names}" in text and "cross-host" in text
+        rows = {line.split()[0]: line.split()[2] for line in text.splitlines()
+                if line.strip().startswith(("user", "item"))}
+        assert rows == {"user": "0,1", "item": "2,3"}, text
