@@ -1,6 +1,7 @@
 """Step time and bytes per step of examples/dlrm.py's model on the ranks of one
 mpiexec run: each sharding kind for every table ("table", "row", "column"), the
-planner's "auto", "auto" with bfloat16 exchanges, today's replicated tables (their
+planner's "auto" (by cost) and the first planner's plan (by bytes), "auto" with
+bfloat16 exchanges, today's replicated tables (their
 gradient pairs gathered over the replicas), then plain Keras `model.fit` on rank 0
 alone with all the cores (the other ranks wait without spinning).
 
@@ -8,7 +9,8 @@ alone with all the cores (the other ranks wait without spinning).
 
 Bytes per step: what rank 0 sent for the tables' lookups (ids, rows, gradients:
 `Router.bytes`; rows and gradients alone: `Router.payload`), or the sparse pairs it
-received (replicated), from the run's trace."""
+received (replicated), from the run's trace. The last column: the planner's estimate
+of the tables' milliseconds per step for the run's placement (`kinds/tables/cost.py`)."""
 
 import argparse
 import json
@@ -62,6 +64,40 @@ def _keras_alone(run):
         time.sleep(0.05)
 
 
+def _tables(model):
+    from hyparflow.kinds.tables import plan
+
+    return [plan.Table(layer.name, layer.input_dim, layer.output_dim, 4,
+                       plan.storage_factor(type(model.optimizer).__name__))
+            for layer in model.layers if isinstance(layer, keras.layers.Embedding)]
+
+
+def _by_bytes(model):
+    """The first planner's kinds (by bytes alone), as a dict `fit` places alike."""
+    from hyparflow.kinds.tables import plan
+
+    return plan.by_bytes(_tables(model), hf.size())
+
+
+def _estimate(model, sharding, dtype, x, batch):
+    """The planner's estimate of the tables' seconds per step (`cost.step_seconds`),
+    the owners' load from the first 8 batches' ids, as `fit` costs "auto"."""
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import tables as T
+    from hyparflow.kinds.tables import cost as C
+
+    graph = from_model(model)
+    names = [t.name for t in _tables(model)]
+    ids = {n: a[:8 * batch] for n, a in zip(names, x[1:])}
+    wire = 2 if dtype else 4
+    placed = T.placements_for(model, graph, sharding or {}, hf.size(), batch_size=batch,
+                              ids=ids, wire_bytes=wire)
+    per_sample = T.lookups_per_sample(graph)
+    rows = C.costs(placed, hf.size(), {k: v * batch for k, v in per_sample.items()}, ids,
+                   wire_bytes=wire)
+    return C.step_seconds(rows, hf.size())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--features", type=int, default=8)
@@ -74,12 +110,16 @@ def main():
     names = [f"table{k}" for k in range(len(rows))]
     runs = [(f'"{kind}" (every table)', {n: kind for n in names}, None)
             for kind in ("table", "row", "column")]
-    runs += [('"auto"', "auto", None), ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
+    runs += [('"auto"', "auto", None),
+             ('"auto" by bytes (the first planner)', _by_bytes(dlrm(rows)), None),
+             ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
              ('"column", bfloat16 exchanges', {n: "column" for n in names}, "bfloat16"),
              ("replicated tables (no sharding)", None, None)]
     if hf.is_main():
         print(f"| {hf.size()} ranks | ms / step | table bytes / step (rank 0) | of them rows "
-              "and gradients | dense allreduce bytes / step |\n|---|---:|---:|---:|---:|")
+              "and gradients | dense allreduce bytes / step | tables' est. ms |"
+              "\n|---|---:|---:|---:|---:|---:|")
+    plans = {}
     for name, sharding, dtype in runs:
         model, clock = dlrm(rows), Clock()
         trace = os.path.join(tempfile.gettempdir(), f"tables_bench_{hf.rank()}.json")
@@ -93,18 +133,27 @@ def main():
         sent = sum(r.bytes for r in routers.values())
         payload = sum(r.payload for r in routers.values())
         pairs, dense = _pairs(trace)
+        kinds = {layer.name: getattr(layer.__dict__.get("_hyparflow_table_part"), "placement",
+                                     None) for layer in model.layers
+                 if isinstance(layer, keras.layers.Embedding)}
+        plans[name] = {k: "data" if p is None else f"{p.kind} {p.ranks}"
+                       for k, p in kinds.items()}
         if hf.is_main():
             print(f"| {name} | {np.median(clock.times[2:]) * 1e3:.1f} | "
                   f"{(sent + pairs) / args.steps:,.0f} | "
-                  f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} |",
-                  flush=True)
+                  f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} | "
+                  f"{_estimate(model, sharding, dtype, x, args.batch) * 1e3:.2f} |", flush=True)
+
+    if hf.is_main():
+        for name in ('"auto"', '"auto" by bytes (the first planner)'):
+            print(f"{name}: {plans[name]}", flush=True)
 
     def keras_fit():
         model, clock = dlrm(rows), Clock()
         model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[clock])
         print(f"| `model.fit`, 1 process, all cores | {np.median(clock.times[2:]) * 1e3:.1f} "
-              "| - | - | - |", flush=True)
+              "| - | - | - | - |", flush=True)
 
     _keras_alone(keras_fit)
 

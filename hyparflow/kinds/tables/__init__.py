@@ -18,6 +18,7 @@ import numpy as np
 
 from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
+from . import cost as _cost
 from . import plan as _plan
 from .lookup import Router, wire_dtype
 from .part import TablePart
@@ -147,6 +148,7 @@ class Tables:
         self.placements, self.parts, self.ranks = placements, parts, ranks
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
         self.router = next(iter(parts.values())).router if parts else Router()
+        self.costs = None  # the placements' `cost.Cost`s, when the batch is known
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
@@ -172,10 +174,11 @@ class Tables:
             # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
+        ids = first_ids(graph, sample, batch_size)
+        wire_bytes = 2 if wire is not None else 4
         placements = placements_for(
             model, graph, sharding, layout.num_replicas, memory_limit, training, hosts,
-            batch_size=batch_size, wire_bytes=2 if wire is not None else 4,
-            ids=first_ids(graph, sample, batch_size) if sharding == "auto" else None)
+            batch_size=batch_size, wire_bytes=wire_bytes, ids=ids)
         router = Router(wire)
         parts = {}
         for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
@@ -183,6 +186,10 @@ class Tables:
                 parts[i] = TablePart(op, p, rank, router, site)
         self = cls(placements, parts, [], layout.num_replicas)
         self.router = router
+        if batch_size:  # the plan's estimate per step, printed with it
+            lookups = {k: v * batch_size for k, v in lookups_per_sample(graph).items()}
+            self.costs = _cost.costs(placements, layout.num_replicas, lookups, ids,
+                                     wire_bytes=wire_bytes, hosts=hosts)
         return self
 
     def bind(self, stage):
@@ -195,7 +202,11 @@ class Tables:
         self.router.comm = comm
 
     def describe(self):
-        return _plan.describe(self.placements, self.ranks)
+        """The plan (bytes per rank), and its estimate per step when fit gave the batch."""
+        text = _plan.describe(self.placements, self.ranks)
+        if not self.costs:
+            return text
+        return text + "\n" + _cost.describe(self.costs, self.ranks)
 
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""

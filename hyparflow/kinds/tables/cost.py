@@ -16,9 +16,15 @@ each replica's ids drawn alike), R ranks, width d, `w` bytes per value on the wi
   gradients (n/R (d - d_r) w); it looks up n rows of d_r columns.
 - "data" (replicated): its n/R (id, row) gradient pairs to every other rank.
 
-The estimate of a step: the busiest rank's bytes over the link (`beta` seconds per
-byte), four exchanges with each other rank (`alpha` each), and its looked-up bytes
-(`gamma` seconds per byte)."""
+A rank's estimate of a step (`Link`): its bytes to each other rank at that link's
+`beta` (within its host or across hosts), four exchanges with every other rank at
+that link's `alpha` (every lookup exchange reaches every rank, empty messages too;
+none for "data", whose pairs ride in the replicas' gather) and its Python calls
+(`call`), its looked-up bytes at `gamma`, the ids it routes and looks up at
+`per_id`, and, for an optimizer whose step touches every row (`Table.dense`: Adam),
+its stored bytes at `update`. A table's estimate is its busiest rank's; a plan's is
+the busiest rank's sum over the tables (`step_seconds`). `auto.choose` places the
+tables "auto" by these."""
 
 from __future__ import annotations
 
@@ -43,9 +49,12 @@ class Link:
     (None: as within), `gamma` seconds per byte a rank gathers or scatters (its
     lookups and their gradients), `per_id` seconds per id a rank routes or looks up
     (the bucketing, argsort and index work in numpy), `update` seconds per stored byte
-    an optimizer whose step touches every row (Adam, RMSprop: `Table.dense`) steps.
-    The defaults: a Python-level exchange (50 us), 1 GB/s, what a 2-core machine
-    measured for the rest (benchmarks/tables.py, docs/recommenders.md)."""
+    an optimizer whose step touches every row (Adam, RMSprop: `Table.dense`) steps,
+    `call` seconds per sharded table on every rank (its lookup's three Python calls
+    from the compiled step into the exchanges). The defaults: a Python-level exchange
+    (50 us), 1 GB/s, and what a 2-core machine measured for the rest
+    (benchmarks/tables.py, docs/recommenders.md). `hyparflow plan` replaces the link's
+    terms with the measured (or told) ones."""
 
     alpha: float = 50e-6
     beta: float = 1e-9
@@ -54,6 +63,7 @@ class Link:
     gamma: float = 1e-9
     per_id: float = 20e-9
     update: float = 0.2e-9
+    call: float = 150e-6
 
     def terms(self, across: bool):
         if across:
@@ -125,14 +135,16 @@ def cost_of(p: Placement, ranks: int, n: float, share: np.ndarray, wire: int = 4
         host[group] = k
     across = host[:, None] != host[None, :]
     (a_in, b_in), (a_x, b_x) = link.terms(False), link.terms(True)
-    messages = 2 if p.kind == "data" else EXCHANGES  # the pairs' sizes, then the pairs
+    # A "data" table's pairs ride in the replicas' one gather of every sparse gradient:
+    # no exchange of its own. A sharded one has its four, with every rank, and its calls.
+    messages, call = (0, 0.0) if p.kind == "data" else (EXCHANGES, link.call)
     peers_x = across.sum(axis=1)
     stored = [p.bytes_on(r) for r in range(R)]
     times = []
     for r in range(R):
         t = (out[r][~across[r]].sum() * b_in + out[r][across[r]].sum() * b_x
              + messages * ((R - 1 - peers_x[r]) * a_in + peers_x[r] * a_x)
-             + looked[r] * 4 * link.gamma + ids[r] * link.per_id)
+             + looked[r] * 4 * link.gamma + ids[r] * link.per_id + call)
         if p.table.dense:
             t += stored[r] * link.update
         times.append(float(t))

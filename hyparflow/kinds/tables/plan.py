@@ -6,9 +6,11 @@ contiguous slices, one per rank: every rank holds every row's slice) or "data" (
 rank holds it whole: hyparflow's replicated path, its gradient pairs gathered over
 the replicas). `place` turns the
 user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
-table: the rows each rank owns. "auto" is the greedy rule TorchRec's planner starts
-from: biggest table first, row-wise when it is larger than one rank's share of all
-the tables (or than `memory_limit`), otherwise whole on the least-loaded rank.
+table: the rows each rank owns. "auto" chooses each table's kind and ranks by cost
+(`auto.choose`, as TorchRec's planner does); `by_bytes` is the first rule, by bytes
+alone (biggest table first, row-wise when it is larger than one rank's share of all
+the tables or than `memory_limit`, otherwise whole on the least-loaded rank), kept
+as the benchmark's baseline.
 
 "table-row" (TorchRec's TABLE_ROW_WISE) is a "row" table whose owners are the ranks of
 one host instead of every rank: its rows cut evenly over that host's ranks (that
