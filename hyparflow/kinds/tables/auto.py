@@ -107,7 +107,7 @@ def choose(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] = 
                 f"Embedding table {t.name!r} ({t.rows:,} x {t.dim}, {t.bytes:,} bytes with "
                 f"the optimizer's slots) fits under no placement: its smallest share is "
                 f"{fewest:,} bytes on one rank, and with the tables placed before it no rank "
-                f"has room under memory_limit={int(memory_limit):,} (bytes per rank, "
+                f"has room under memory_limit={int(memory_limit or 0):,} (bytes per rank, "
                 f"{int(mem.min()):,} already used on the emptiest). Raise memory_limit, run "
                 "on more ranks, or name the kinds (embedding_sharding={...}).")
         p, c = best

@@ -23,7 +23,7 @@ it is "row"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["Table", "Placement", "KINDS", "place", "by_bytes", "host_groups", "describe",
            "storage_factor", "dense_update"]
@@ -142,7 +142,7 @@ def by_bytes(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] 
 
 def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
           memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
-          hosts: Optional[Sequence[str]] = None, **costed) -> List[Placement]:
+          hosts: Optional[Sequence[str]] = None, **costed: Any) -> List[Placement]:
     """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
     cannot be sharded}: "auto" keeps those as "data"; naming one is an error.
     `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host).
