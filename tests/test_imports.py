@@ -76,7 +76,7 @@ LAYERS = {
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
-              "kinds.tables.part", "kinds.tables.cost"}
+              "kinds.tables.part", "kinds.tables.cost", "kinds.tables.auto"}
     # A new split kind is one file there (docs/architecture.md): all of them belong here.
     | {f"kinds.{d}.{p.stem}" for d in ("tensor", "mesh")
        for p in (PACKAGE / "kinds" / d).glob("*.py") if p.stem != "__init__"},

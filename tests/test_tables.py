@@ -11,6 +11,7 @@ from conftest import reference
 
 import hyparflow as hf
 from hyparflow.engine.local import run_ranks
+from hyparflow.kinds.tables import auto as tauto
 from hyparflow.kinds.tables import plan as tplan
 
 ROWS = {"user": 50, "item": 30, "cat": 12}
@@ -88,7 +89,7 @@ def _placed(sharding, ranks, optimizer, x, batch_size=16):
     if sharding != "auto":
         return tplan.place(tables, sharding, ranks)
     per_sample = {n: a.shape[1] * batch_size for n, a in zip(ROWS, x)}
-    return tplan.place(tables, "auto", ranks, lookups=per_sample, ids=dict(zip(ROWS, x)))
+    return tauto.place(tables, "auto", ranks, lookups=per_sample, ids=dict(zip(ROWS, x)))
 
 
 @pytest.mark.parametrize("ranks,sharding,optimizer,micro", CASES)
@@ -213,8 +214,8 @@ def test_auto_chooses_the_kinds_by_cost():
 
     hot = [tplan.Table("hot", 1000, 8, factor=3)]
     piled = {"hot": np.r_[np.zeros(900, int), np.arange(500, 600)]}  # 90% on row 0
-    assert tplan.place(hot, "auto", 2, lookups={"hot": 1000})[0].kind == "row"
-    chosen = tplan.place(hot, "auto", 2, lookups={"hot": 1000}, ids=piled)[0]
+    assert tauto.place(hot, "auto", 2, lookups={"hot": 1000})[0].kind == "row"
+    chosen = tauto.place(hot, "auto", 2, lookups={"hot": 1000}, ids=piled)[0]
     assert chosen.kind == "column"
     # The cheapest of the candidates by the busiest rank's estimate.
     priced = {p.kind + str(p.ranks): C.cost_of(p, 2, 1000, C.hits(p, piled["hot"], 2)).seconds
@@ -225,22 +226,22 @@ def test_auto_chooses_the_kinds_by_cost():
     two = [tplan.Table("a", 1000, 1, factor=3), tplan.Table("b", 1000, 1, factor=3)]
     low = {"a": np.arange(400), "b": np.arange(400)}  # rank 0's rows under "row"
     look = {"a": 1000, "b": 1000}
-    spread = tplan.place(two, "auto", 2, lookups=look, ids=low)
+    spread = tauto.place(two, "auto", 2, lookups=look, ids=low)
     owners = [int(np.argmax(C.hits(p, low[p.table.name], 2))) for p in spread]
     assert sorted(owners) == [0, 1], spread
     piled_rows = tplan.place(two, {"a": "row", "b": "row"}, 2)
     assert (C.step_seconds(C.costs(spread, 2, look, low), 2)
             < C.step_seconds(C.costs(piled_rows, 2, look, low), 2))
     # 12,000 bytes each: with a's rows on both ranks, b has no room whole: "row".
-    limited = tplan.place(two, "auto", 2, memory_limit=12_000, lookups=look, ids=low)
+    limited = tauto.place(two, "auto", 2, memory_limit=12_000, lookups=look, ids=low)
     assert [p.kind for p in limited] == ["row", "row"]
     assert max(sum(p.bytes_on(r) for p in limited) for r in range(2)) <= 12_000
     # A tiny table (under 1% of a rank's share) stays replicated.
-    mixed = tplan.place([tplan.Table("big", 10_000, 8), tplan.Table("tiny", 10, 8)], "auto", 2)
+    mixed = tauto.place([tplan.Table("big", 10_000, 8), tplan.Table("tiny", 10, 8)], "auto", 2)
     assert [p.kind for p in mixed] == ["row", "data"]
     with pytest.raises(ValueError, match=r"'b' \(1,000 x 1, 12,000 bytes.*smallest share is "
                                          r"6,000 bytes.*memory_limit=9,000"):
-        tplan.place(two, "auto", 2, memory_limit=9_000, lookups=look, ids=low)
+        tauto.place(two, "auto", 2, memory_limit=9_000, lookups=look, ids=low)
 
 
 def test_auto_places_table_row_within_a_host():
@@ -255,7 +256,7 @@ def test_auto_places_table_row_within_a_host():
     link = C.Link(alpha_inter=100e-6, beta_inter=10e-9)
     few = [tplan.Table("few", 3, 2, factor=3)]
     look = {"few": 4096}
-    placed = tplan.place(few, "auto", 4, hosts=hosts, lookups=look, link=link)[0]
+    placed = tauto.place(few, "auto", 4, hosts=hosts, lookups=look, link=link)[0]
     assert placed.kind == "table-row" and placed.ranks in ([0, 1], [2, 3])
     mine = C.costs([placed], 4, look, link=link, hosts=hosts)[0]
     for r in range(4):
@@ -264,7 +265,7 @@ def test_auto_places_table_row_within_a_host():
         assert max(mine.cross[q] for q in placed.ranks) < theirs.cross[r]
         assert mine.seconds < theirs.seconds
     assert "cross-host" in C.describe([mine], 4)
-    assert tplan.place(few, "auto", 4, lookups=look, link=link)[0].kind == "table"
+    assert tauto.place(few, "auto", 4, lookups=look, link=link)[0].kind == "table"
 
 
 def _errors(ranks, calls):

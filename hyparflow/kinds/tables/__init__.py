@@ -18,6 +18,7 @@ import numpy as np
 
 from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
+from . import auto as _auto
 from . import cost as _cost
 from . import plan as _plan
 from .lookup import Router, wire_dtype
@@ -111,7 +112,7 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
     if sharding == "auto":
         costed = dict(ids=ids, wire_bytes=wire_bytes, link=link, lookups=None if not batch_size
                       else {k: v * batch_size for k, v in lookups_per_sample(graph).items()})
-    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
+    return _auto.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
 
 
 FIRST_BATCHES = 8  # the batches whose ids "auto" reads for the owners' load

@@ -19,14 +19,15 @@ a table over `memory_limit` goes "row", "column" or "table-row"; across hosts,
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import cost as C
+from . import plan as _plan
 from .plan import Placement, Table, _even, host_groups
 
-__all__ = ["choose", "candidates", "TINY", "DEFAULT_LOOKUPS"]
+__all__ = ["place", "choose", "candidates", "TINY", "DEFAULT_LOOKUPS"]
 
 TINY = 0.01  # of one rank's share of all the tables' bytes: below it, "data"
 DEFAULT_LOOKUPS = 1024  # ids per step of a table when the caller does not say
@@ -49,6 +50,15 @@ def candidates(t: Table, ranks: int, groups: List[List[int]], tiny: bool) -> Lis
                 cut = dict(zip(g, _even(t.rows, len(g))))
                 out.append(Placement(t, "table-row", tuple(cut.get(q, 0) for q in range(ranks))))
     return out
+
+
+def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
+          memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
+          hosts: Optional[Sequence[str]] = None, **costed: Any) -> List[Placement]:
+    """`plan.place`, with "auto" chosen by cost (`choose`; `costed`: its keywords)."""
+    if sharding == "auto":
+        return choose(tables, ranks, memory_limit, refused, hosts, **costed)
+    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
 
 
 def choose(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] = None,

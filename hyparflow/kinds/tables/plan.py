@@ -146,15 +146,14 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
     """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
     cannot be sharded}: "auto" keeps those as "data"; naming one is an error.
     `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host).
-    "auto" is the cost-based planner (`auto.choose`; `costed`: its `lookups`, `ids`,
-    `link`, `wire_bytes`)."""
+    "auto" is `auto.place`'s (it costs the placements: `costed` are its `lookups`,
+    `ids`, `link`, `wire_bytes`); this module, which it imports, places named kinds."""
     groups = host_groups(hosts, ranks)
     refused = refused or {}
     names = [t.name for t in tables]
-    if sharding == "auto":
-        from .auto import choose  # it costs placements (numpy): plan stays pure
-
-        return choose(tables, ranks, memory_limit, refused, hosts, **costed)
+    if sharding == "auto" or costed:
+        raise ValueError("plan.place places named kinds: place embedding_sharding='auto' "
+                         "with kinds.tables.auto.place (it costs the candidates).")
     if isinstance(sharding, dict):
         unknown = sorted(set(sharding) - set(names))
         if unknown:
