@@ -2,10 +2,16 @@
 embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
 every rank ("row") or over the ranks of one host ("table-row"), its columns cut over
 every rank ("column"), or replicated as before ("data"), while the dense layers stay
-data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
-and rows back; `part` is a rank's rows, trained in the table's place. The owner's
-optimizer steps its rows on their (row, value) pairs, in the order of the global
-batch, so the weights are `model.fit`'s (docs/recommenders.md).
+data-parallel. In a pipeline, "every rank" is every rank of the table's stage (its
+R replicas, times its T tensor ranks): each stage's tables are placed over its own
+ranks, which look up together on a communicator of their own (`Tables.color`). Every
+replica of a stage runs the same schedule program (`schedules.program`, one per
+stage), so their lookups pair up microbatch by microbatch, in the same order.
+
+`plan` (pure) places the tables; `lookup` sends ids to their owners and rows back;
+`part` is a rank's rows, trained in the table's place. The owner's optimizer steps
+its rows on their (row, value) pairs, in the order of the global batch, so the
+weights are `model.fit`'s (docs/recommenders.md).
 
 `Tables.make` is the one entry the runtime calls; `Tables` then answers what the
 runtime and the executor ask: its parts (as the stage's `shards`), the positions
@@ -17,6 +23,7 @@ import keras
 import numpy as np
 
 from ...engine.prepare import check_parted
+from ...topology import Topology
 from ..tensor.split import common_why_not
 from . import auto as _auto
 from . import cost as _cost
@@ -66,16 +73,22 @@ def _check_layout(layout, sync, graph, model):
     if graph.functional is None:
         raise ValueError(f"{what} needs a Functional or Sequential model, whose Embedding "
                          f"layers hyparflow can replace; {model.name!r} is subclassed.")
-    if layout.num_stages != 1 or layout.num_tensor != 1 or layout.num_chunks != 1:
+    if layout.num_chunks != 1 or layout.tensor_mesh:
+        # Model chunks (interleaved) are Stages built without parts; a tensor mesh's
+        # ranks are not known to compute the same lookups (a 1D split's are).
         raise NotImplementedError(
-            f"{what} shards tables over the replicas of a data-parallel run; this run has "
-            f"{layout.describe()}. Use num_stages=1 and num_tensor=1 with it (pipelines and "
-            "tensor splits together with sharded tables are not supported yet).")
-    if layout.num_replicas < 2:
+            f"{what} shards tables over the ranks of each pipeline stage; this run has "
+            f"{layout.describe()}. Use num_chunks=1 and no tensor_mesh with it "
+            "(interleaved schedules and tensor meshes together with sharded tables are not "
+            "supported yet).")
+    if layout.num_replicas * layout.num_tensor < 2:
+        stages = (" (in a pipeline, each stage's tables are sharded over the ranks that "
+                  "run that stage: its replicas and tensor ranks)"
+                  if layout.num_stages > 1 else "")
         raise ValueError(
-            f"{what} needs at least 2 replicas to shard the tables over; this run has "
-            f"num_replicas={layout.num_replicas}. Launch more ranks, or leave "
-            f"{what} out.")
+            f"{what} needs at least 2 ranks per stage to shard the tables over; this run "
+            f"has num_replicas={layout.num_replicas} and num_tensor={layout.num_tensor}"
+            f"{stages}. Launch more ranks, or leave {what} out.")
     if sync is not None:
         raise NotImplementedError(
             f"{what} needs replica_sync='allreduce': the owners step the tables every "
@@ -84,16 +97,19 @@ def _check_layout(layout, sync, graph, model):
 
 def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
                    memory_limit: Optional[float] = None, training: bool = True,
-                   hosts: Optional[List[str]] = None, *, batch_size: Optional[int] = None,
+                   hosts: Optional[List[str]] = None,
+                   nodes: Optional[List[int]] = None, *, batch_size: Optional[int] = None,
                    ids: Optional[Dict[str, np.ndarray]] = None, wire_bytes: int = 4,
                    link: Any = None) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
     `embedding_sharding=sharding` over `ranks` ranks (`hosts[r]`: rank r's host, for
     "table-row"), storage counted with the model's optimizer's slots (when
-    `training`); what cannot be sharded, with why. "auto" chooses by cost: the ids
-    looked up per step (`batch_size` samples), their distribution (`ids`: {layer:
-    the first batches' ids}, uniform where missing), `wire_bytes` per value sent,
-    `link` (`cost.Link`, its defaults when None)."""
+    `training`); what cannot be sharded, with why. `nodes`: place only the Embedding
+    calls at these node indices (a pipeline stage's), over `ranks` ranks of their own;
+    the names of `sharding` are checked against every Embedding layer. "auto" chooses
+    by cost: the ids looked up per step (`batch_size` samples), their distribution
+    (`ids`: {layer: the first batches' ids}, uniform where missing), `wire_bytes` per
+    value sent, `link` (`cost.Link`, its defaults when None)."""
     found = _embeddings(graph)
     if not found:
         raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
@@ -108,11 +124,21 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
         reason = _why_not(graph, op)
         if reason is not None:
             refused[op.name] = reason
-    costed = {}
+    costed: Dict[str, Any] = {}
     if sharding == "auto":
         costed = dict(ids=ids, wire_bytes=wire_bytes, link=link, lookups=None if not batch_size
                       else {k: v * batch_size for k, v in lookups_per_sample(graph).items()})
-    return _auto.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
+    if nodes is None:
+        return _auto.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
+    # The kinds and names checked over every table (the same ranks in every stage);
+    # then this stage's tables placed over its ranks, its bytes within memory_limit.
+    _auto.place(tables, sharding, ranks, None, refused, **costed)
+    keep = [k for k, (i, _) in enumerate(found) if i in set(nodes)]
+    names = {tables[k].name for k in keep}
+    if isinstance(sharding, dict):
+        sharding = {n: kind for n, kind in sharding.items() if n in names}
+    return _auto.place([tables[k] for k in keep], sharding, ranks, memory_limit,
+                       {n: why for n, why in refused.items() if n in names}, hosts, **costed)
 
 
 FIRST_BATCHES = 8  # the batches whose ids "auto" reads for the owners' load
@@ -142,25 +168,39 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
     return out
 
 
-class Tables:
-    """This rank's sharded tables: placements, parts, and the router."""
+def _stage_ranks(topo, stage):
+    """The ranks that run pipeline position `stage`, in rank order (replica-major):
+    a stage's tables are sharded over them, and a rank's index here is its share."""
+    return sorted(topo.rank(stage, r, t) for r in range(topo.num_replicas)
+                  for t in range(topo.num_tensor))
 
-    def __init__(self, placements, parts, positions, ranks):
+
+class Tables:
+    """This rank's sharded tables: placements (of every stage's tables), parts (of
+    this rank's stage's), and the router."""
+
+    def __init__(self, placements, parts, positions, ranks, stages=None, stage=0):
         self.placements, self.parts, self.ranks = placements, parts, ranks
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
         self.router = next(iter(parts.values())).router if parts else Router()
+        # The pipeline position of each placement's table, and this rank's.
+        self.stages = list(stages) if stages is not None else [0] * len(placements)
+        self.stage = stage
+        self.pipelined = False  # whether `describe` names the stages
+        self.nodes = set()
         self.costs = None  # the placements' `cost.Cost`s, when the batch is known
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True, communication_dtype=None, hosts=None, sample=None,
-             batch_size=None):
+             training=True, communication_dtype=None, hosts=None, stage_of=None,
+             sample=None, batch_size=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
-        returns None). `rank`: this rank's replica index; `communication_dtype`: the
-        dtype rows and gradients travel in (None: float32); `hosts[r]`: replica r's
-        host (None: one host), where "table-row" tables go; `sample`, `batch_size`:
-        the data fit holds and its global batch, whose first batches' ids "auto"
-        costs the owners' load from (every rank holds the same: the same plan)."""
+        returns None). `rank`: this rank in the run; `stage_of`: {node index: its
+        pipeline position} (None: one stage); `communication_dtype`: the dtype rows
+        and gradients travel in (None: float32); `hosts[q]`: rank q's host (None: one
+        host), where "table-row" tables go; `sample`, `batch_size`: the data fit holds
+        and its global batch, whose first batches' ids "auto" costs the owners' load
+        from (every rank holds the same: the same plan)."""
         wire = wire_dtype(communication_dtype)
         if sharding is None:
             if wire is not None:
@@ -177,21 +217,47 @@ class Tables:
                          "of it", "embedding_sharding=None")
         ids = first_ids(graph, sample, batch_size)
         wire_bytes = 2 if wire is not None else 4
-        placements = placements_for(
-            model, graph, sharding, layout.num_replicas, memory_limit, training, hosts,
-            batch_size=batch_size, wire_bytes=wire_bytes, ids=ids)
+        topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
+        found = _embeddings(graph)
+        stage_of = stage_of or {}
+        where = [stage_of.get(i, 0) for i, _ in found]
+        # Each stage's tables over the ranks of that stage (as many in every stage).
+        placed = {}
+        for s in sorted(set(where)):
+            group = _stage_ranks(topo, s)
+            nodes = [i for (i, _), q in zip(found, where) if q == s]
+            mine = placements_for(model, graph, sharding, len(group), memory_limit, training,
+                                  None if hosts is None else [hosts[q] for q in group],
+                                  nodes=nodes if layout.num_stages > 1 else None,
+                                  batch_size=batch_size, ids=ids, wire_bytes=wire_bytes)
+            placed.update(zip(nodes, mine))
+        placements = [placed[i] for i, _ in found]
+        s = topo.stage(rank)
+        share = _stage_ranks(topo, s).index(rank)  # this rank's part of its stage's tables
         router = Router(wire)
+        group = _stage_ranks(topo, s)
+        router.silent = frozenset(k for k, q in enumerate(group) if topo.tensor(q) != 0)
         parts = {}
-        for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
-            if p.kind != "data":
-                parts[i] = TablePart(op, p, rank, router, site)
-        self = cls(placements, parts, [], layout.num_replicas)
+        for site, ((i, op), p, q) in enumerate(zip(found, placements, where)):
+            if p.kind != "data" and q == s:
+                parts[i] = TablePart(op, p, share, router, site)
+        self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s)
+        self.pipelined = layout.num_stages > 1
         self.router = router
-        if batch_size:  # the plan's estimate per step, printed with it
+        # The Embedding calls sharded in any stage: no tensor split takes them.
+        self.nodes = {i for (i, _), p in zip(found, placements) if p.kind != "data"}
+        if batch_size and layout.num_stages == 1:  # the plan's estimate, printed with it
+            group = _stage_ranks(topo, s)
             lookups = {k: v * batch_size for k, v in lookups_per_sample(graph).items()}
-            self.costs = _cost.costs(placements, layout.num_replicas, lookups, ids,
-                                     wire_bytes=wire_bytes, hosts=hosts)
+            self.costs = _cost.costs(placements, len(group), lookups, ids,
+                                     wire_bytes=wire_bytes,
+                                     hosts=None if hosts is None else [hosts[q] for q in group])
         return self
+
+    def color(self):
+        """This rank's color in the split that makes the tables' communicator: its
+        stage (the ranks of a stage look up together)."""
+        return self.stage
 
     def bind(self, stage):
         """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
@@ -203,11 +269,17 @@ class Tables:
         self.router.comm = comm
 
     def describe(self):
-        """The plan (bytes per rank), and its estimate per step when fit gave the batch."""
-        text = _plan.describe(self.placements, self.ranks)
-        if not self.costs:
-            return text
-        return text + "\n" + _cost.describe(self.costs, self.ranks)
+        """The plan, one block per pipeline stage holding tables; with one stage,
+        its estimate per step too (when fit gave the batch)."""
+        if not self.pipelined:
+            text = _plan.describe(self.placements, self.ranks)
+            if not self.costs:
+                return text
+            return text + "\n" + _cost.describe(self.costs, self.ranks)
+        return "\n".join(
+            f"stage {s}: " + _plan.describe(
+                [p for p, q in zip(self.placements, self.stages) if q == s], self.ranks)
+            for s in sorted(set(self.stages)))
 
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""
