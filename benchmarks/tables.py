@@ -1,10 +1,10 @@
 """Step time, bytes per step and peak memory per rank of examples/dlrm.py's model on
 the ranks of one mpiexec run: each sharding kind for every table ("table", "row",
-"column"), the planner's "auto", "auto" with the whole tables kept in Keras during
-fit (as before they were dropped: `kinds/tables/whole.py`), "auto" and "column" with
-bfloat16 exchanges, today's replicated tables (their gradient pairs gathered over
-the replicas), then plain Keras `model.fit` on rank 0 alone with all the cores (the
-other ranks wait without spinning).
+"column"), the planner's "auto" (by cost) and the first planner's plan (by bytes),
+"auto" with the whole tables kept in Keras during fit (as before they were dropped:
+`kinds/tables/whole.py`), "auto" and "column" with bfloat16 exchanges, today's
+replicated tables (their gradient pairs gathered over the replicas), then plain Keras
+`model.fit` on rank 0 alone with all the cores (the other ranks wait without spinning).
 
     mpiexec -n 2 python benchmarks/tables.py --largest 2000000
 
@@ -15,7 +15,8 @@ resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs at th
 first step, read at the last: the steps' peak, not the model's building, when Keras
 makes every table whole on every rank), and the table bytes the rank holds during
 fit (weights and the optimizer's slots: the whole tables' Keras storage, the parts
-it trains)."""
+it trains). The last column: the planner's estimate of the tables' milliseconds per
+step for the run's placement (`kinds/tables/cost.py`)."""
 
 import argparse
 import json
@@ -114,6 +115,40 @@ def _keras_alone(run):
         time.sleep(0.05)
 
 
+def _tables(model):
+    from hyparflow.kinds.tables import plan
+
+    return [plan.Table(layer.name, layer.input_dim, layer.output_dim, 4,
+                       plan.storage_factor(type(model.optimizer).__name__))
+            for layer in model.layers if isinstance(layer, keras.layers.Embedding)]
+
+
+def _by_bytes(model):
+    """The first planner's kinds (by bytes alone), as a dict `fit` places alike."""
+    from hyparflow.kinds.tables import plan
+
+    return plan.by_bytes(_tables(model), hf.size())
+
+
+def _estimate(model, sharding, dtype, x, batch):
+    """The planner's estimate of the tables' seconds per step (`cost.step_seconds`),
+    the owners' load from the first 8 batches' ids, as `fit` costs "auto"."""
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import tables as T
+    from hyparflow.kinds.tables import cost as C
+
+    graph = from_model(model)
+    names = [t.name for t in _tables(model)]
+    ids = {n: a[:8 * batch] for n, a in zip(names, x[1:])}
+    wire = 2 if dtype else 4
+    placed = T.placements_for(model, graph, sharding or {}, hf.size(), batch_size=batch,
+                              ids=ids, wire_bytes=wire)
+    per_sample = T.lookups_per_sample(graph)
+    rows = C.costs(placed, hf.size(), {k: v * batch for k, v in per_sample.items()}, ids,
+                   wire_bytes=wire)
+    return C.step_seconds(rows, hf.size())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--features", type=int, default=8)
@@ -121,7 +156,7 @@ def main():
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--only", type=str, default=None,
-                   help="comma-separated run numbers (0-8; 8: model.fit) to run, without the "
+                   help="comma-separated run numbers (0-9; 9: model.fit) to run, without the "
                         "header: each in a process of its own, for its own peak memory")
     args = p.parse_args()
     only = None if args.only is None else {int(k) for k in args.only.split(",")}
@@ -130,7 +165,9 @@ def main():
     names = [f"table{k}" for k in range(len(rows))]
     runs = [(f'"{kind}" (every table)', {n: kind for n in names}, None)
             for kind in ("table", "row", "column")]
-    runs += [('"auto"', "auto", None), ('"auto", whole tables kept in Keras', "auto", "keep"),
+    runs += [('"auto"', "auto", None),
+             ('"auto" by bytes (the first planner)', _by_bytes(dlrm(rows)), None),
+             ('"auto", whole tables kept in Keras', "auto", "keep"),
              ('"auto", bfloat16 exchanges', "auto", "bfloat16"),
              ('"column", bfloat16 exchanges', {n: "column" for n in names}, "bfloat16"),
              ("replicated tables (no sharding)", None, None)]
@@ -139,8 +176,10 @@ def main():
               f"{sum(rows) * DIM * 4 / 2**20:,.0f} MiB of weights; Adagrad, batch {args.batch}")
         print(f"| {hf.size()} ranks | ms / step | table bytes / step (rank 0) | of them rows "
               "and gradients | dense allreduce bytes / step | peak RSS / rank (MiB) | "
-              "table MiB held / rank |\n|---|---:|---:|---:|---:|---:|---:|")
+              "table MiB held / rank | tables' est. ms |"
+              "\n|---|---:|---:|---:|---:|---:|---:|---:|")
     empty = whole.empty
+    plans = {}
     for k, (name, sharding, dtype) in enumerate(runs):
         if only is not None and k not in only:
             continue
@@ -161,19 +200,30 @@ def main():
         payload = sum(r.payload for r in routers.values())
         pairs, dense = _pairs(trace)
         peak, held = _most(clock.peak), _most(clock.held)
+        kinds = {layer.name: getattr(layer.__dict__.get("_hyparflow_table_part"), "placement",
+                                     None) for layer in model.layers
+                 if isinstance(layer, keras.layers.Embedding)}
+        plans[name] = {k: "data" if p is None else f"{p.kind} {p.ranks}"
+                       for k, p in kinds.items()}
         if hf.is_main():
             print(f"| {name} | {np.median(clock.times[2:]) * 1e3:.1f} | "
                   f"{(sent + pairs) / args.steps:,.0f} | "
                   f"{(payload + pairs) / args.steps:,.0f} | {dense / args.steps:,.0f} | "
-                  f"{peak / 2**20:,.0f} | {held / 2**20:,.1f} |", flush=True)
+                  f"{peak / 2**20:,.0f} | {held / 2**20:,.1f} | "
+                  f"{_estimate(model, sharding, dtype, x, args.batch) * 1e3:.2f} |", flush=True)
     whole.empty = empty
+
+    if hf.is_main():
+        for name in ('"auto"', '"auto" by bytes (the first planner)'):
+            if name in plans:
+                print(f"{name}: {plans[name]}", flush=True)
 
     def keras_fit():
         model, clock = dlrm(rows), Clock()
         model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[clock])
         print(f"| `model.fit`, 1 process, all cores | {np.median(clock.times[2:]) * 1e3:.1f} "
-              f"| - | - | - | {clock.peak / 2**20:,.0f} | {clock.held / 2**20:,.1f} |",
+              f"| - | - | - | {clock.peak / 2**20:,.0f} | {clock.held / 2**20:,.1f} | - |",
               flush=True)
 
     if only is None or len(runs) in only:

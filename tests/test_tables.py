@@ -11,6 +11,7 @@ from conftest import reference
 
 import hyparflow as hf
 from hyparflow.engine.local import run_ranks
+from hyparflow.kinds.tables import auto as tauto
 from hyparflow.kinds.tables import plan as tplan
 
 ROWS = {"user": 50, "item": 30, "cat": 12}
@@ -76,7 +77,7 @@ def _fit_ranks(build, x, y, start, ranks, hosts=None, **kwargs):
 
 CASES = [  # (ranks, sharding, optimizer, microbatches)
     (2, {"user": "row", "item": "table", "cat": "table"}, "adam", 1),
-    (2, "auto", "sgd", 2),
+    (2, "auto", "adam", 2),  # the costs choose "row" for user and item, "column" for cat
     (4, {"user": "table", "item": "row", "cat": "data"}, "adagrad", 1),
     (4, {"user": "row", "item": "row", "cat": "row"}, "adam", 2),
     # Column-wise, mixed with the other kinds; R=3 cuts 4 columns unevenly (2, 1, 1).
@@ -84,6 +85,16 @@ CASES = [  # (ranks, sharding, optimizer, microbatches)
     (3, {"user": "column", "item": "column", "cat": "row"}, "adagrad", 1),
     (3, {"user": "table", "item": "column", "cat": "column"}, "sgd", 2),
 ]
+
+
+def _placed(sharding, ranks, optimizer, x, batch_size=16):
+    """The placements fit makes: "auto" costs the ids of the data's first batches."""
+    factor, dense = {"adam": (3, True), "sgd": (1, False), "adagrad": (2, False)}[optimizer]
+    tables = [tplan.Table(n, r, 4, 4, factor, dense) for n, r in ROWS.items()]
+    if sharding != "auto":
+        return tplan.place(tables, sharding, ranks)
+    per_sample = {n: a.shape[1] * batch_size for n, a in zip(ROWS, x)}
+    return tauto.place(tables, "auto", ranks, lookups=per_sample, ids=dict(zip(ROWS, x)))
 
 
 @pytest.mark.parametrize("ranks,sharding,optimizer,micro", CASES)
@@ -95,7 +106,9 @@ def test_sharded_tables_train_as_model_fit(ranks, sharding, optimizer, micro):
                      num_microbatches=micro)
     tol = 1e-6 if optimizer == "sgd" else 2e-6
     user = [k for k, w in enumerate(start) if w.shape == (ROWS["user"], 4)][0]
-    placements = tplan.place([tplan.Table(n, r, 4) for n, r in ROWS.items()], sharding, ranks)
+    placements = _placed(sharding, ranks, optimizer, x)
+    if sharding == "auto":  # cat's ids are 4 rows of 12: all on one row owner
+        assert [p.kind for p in placements] == ["row", "row", "column"]
     for weights, held in out:
         diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
         assert diff <= tol, f"{sharding} {optimizer} R={ranks}: {diff}"
@@ -173,24 +186,91 @@ def test_table_row_placement():
 
 
 def test_planner_places_by_bytes():
+    """The first planner's kinds by bytes (`by_bytes`, the benchmark's baseline), placed
+    by `place`: whole tables on the least-loaded rank, biggest first."""
     tables = [tplan.Table("big", 1000, 8, factor=3), tplan.Table("a", 100, 8, factor=3),
               tplan.Table("b", 90, 8, factor=3), tplan.Table("c", 10, 8, factor=3)]
-    plan = {p.table.name: p for p in tplan.place(tables, "auto", 2)}
+    plan = {p.table.name: p for p in tplan.place(tables, tplan.by_bytes(tables, 2), 2)}
     assert plan["big"].kind == "row" and plan["big"].sizes == (500, 500)
     # The whole tables go to the least-loaded rank, biggest first: a on 0, b on 1, c on 1.
     assert [plan[n].ranks for n in "abc"] == [[0], [1], [1]]
     text = tplan.describe(list(plan.values()), 2)
     assert "big" in text and "row" in text and f"{500 * 8 * 4 * 3:,}" in text
     with pytest.raises(ValueError, match="memory_limit=1,000"):
-        tplan.place(tables, "auto", 2, memory_limit=1000)
+        tplan.place(tables, tplan.by_bytes(tables, 2, 1000), 2, memory_limit=1000)
     # A memory limit below a table's share cuts it row-wise.
-    limited = {p.table.name: p for p in tplan.place(tables, "auto", 4, memory_limit=40_000)}
+    limited = {p.table.name: p for p in tplan.place(
+        tables, tplan.by_bytes(tables, 4, 40_000), 4, memory_limit=40_000)}
     assert limited["big"].kind == "row" and limited["a"].kind == "table"
     column = tplan.place(tables, {"a": "column"}, 3)[1]
     assert column.widths == (3, 3, 2) and column.columns == [0, 3, 6]
     assert column.bytes_on(2) == 100 * 2 * 4 * 3 and column.ranks == [0, 1, 2]
     with pytest.raises(ValueError, match=r"'column' needs at least as many columns.*8 < 9"):
         tplan.place(tables, {"a": "column"}, 9)
+
+
+def test_auto_chooses_the_kinds_by_cost():
+    """"auto" costs every candidate of each table (pure, the plan's own numbers):
+    uniform ids keep a table "row"; ids piled on one row owner pick "column" (or spread
+    the tables over the ranks when "column" cannot be); a table with no room whole
+    goes "row"; tiny tables stay "data"; a memory_limit nothing fits under is an
+    error naming the table and its bytes."""
+    from hyparflow.kinds.tables import auto, cost as C
+
+    hot = [tplan.Table("hot", 1000, 8, factor=3)]
+    piled = {"hot": np.r_[np.zeros(900, int), np.arange(500, 600)]}  # 90% on row 0
+    assert tauto.place(hot, "auto", 2, lookups={"hot": 1000})[0].kind == "row"
+    chosen = tauto.place(hot, "auto", 2, lookups={"hot": 1000}, ids=piled)[0]
+    assert chosen.kind == "column"
+    # The cheapest of the candidates by the busiest rank's estimate.
+    priced = {p.kind + str(p.ranks): C.cost_of(p, 2, 1000, C.hits(p, piled["hot"], 2)).seconds
+              for p in auto.candidates(hot[0], 2, [[0, 1]], False)}
+    assert priced["column[0, 1]"] == min(priced.values()) < priced["row[0, 1]"]
+    # One column each (output_dim 1 < R): the hot tables spread over the ranks instead
+    # of both piling onto rank 0, the owner of their hot rows under "row".
+    two = [tplan.Table("a", 1000, 1, factor=3), tplan.Table("b", 1000, 1, factor=3)]
+    low = {"a": np.arange(400), "b": np.arange(400)}  # rank 0's rows under "row"
+    look = {"a": 1000, "b": 1000}
+    spread = tauto.place(two, "auto", 2, lookups=look, ids=low)
+    owners = [int(np.argmax(C.hits(p, low[p.table.name], 2))) for p in spread]
+    assert sorted(owners) == [0, 1], spread
+    piled_rows = tplan.place(two, {"a": "row", "b": "row"}, 2)
+    assert (C.step_seconds(C.costs(spread, 2, look, low), 2)
+            < C.step_seconds(C.costs(piled_rows, 2, look, low), 2))
+    # 12,000 bytes each: with a's rows on both ranks, b has no room whole: "row".
+    limited = tauto.place(two, "auto", 2, memory_limit=12_000, lookups=look, ids=low)
+    assert [p.kind for p in limited] == ["row", "row"]
+    assert max(sum(p.bytes_on(r) for p in limited) for r in range(2)) <= 12_000
+    # A tiny table (under 1% of a rank's share) stays replicated.
+    mixed = tauto.place([tplan.Table("big", 10_000, 8), tplan.Table("tiny", 10, 8)], "auto", 2)
+    assert [p.kind for p in mixed] == ["row", "data"]
+    with pytest.raises(ValueError, match=r"'b' \(1,000 x 1, 12,000 bytes.*smallest share is "
+                                         r"6,000 bytes.*memory_limit=9,000"):
+        tauto.place(two, "auto", 2, memory_limit=9_000, lookups=look, ids=low)
+
+
+def test_auto_places_table_row_within_a_host():
+    """Over 2 hosts x 2 ranks with a slow link between them, a table of 3 rows (too
+    few for "row" over 4 ranks, too narrow for "column") goes "table-row": its rows
+    over one host's two ranks, each answering the other host's lookups of its rows
+    only, so its owners send fewer bytes across hosts than "table"'s one owner and
+    its busiest rank's estimate is lower; on one host it is "table"."""
+    from hyparflow.kinds.tables import cost as C
+
+    hosts = ["x", "x", "y", "y"]
+    link = C.Link(alpha_inter=100e-6, beta_inter=10e-9)
+    few = [tplan.Table("few", 3, 2, factor=3)]
+    look = {"few": 4096}
+    placed = tauto.place(few, "auto", 4, hosts=hosts, lookups=look, link=link)[0]
+    assert placed.kind == "table-row" and placed.ranks in ([0, 1], [2, 3])
+    mine = C.costs([placed], 4, look, link=link, hosts=hosts)[0]
+    for r in range(4):
+        whole = tplan.Placement(few[0], "table", tuple(3 if q == r else 0 for q in range(4)))
+        theirs = C.costs([whole], 4, look, link=link, hosts=hosts)[0]
+        assert max(mine.cross[q] for q in placed.ranks) < theirs.cross[r]
+        assert mine.seconds < theirs.seconds
+    assert "cross-host" in C.describe([mine], 4)
+    assert tauto.place(few, "auto", 4, lookups=look, link=link)[0].kind == "table"
 
 
 def _errors(ranks, calls):
@@ -510,3 +590,20 @@ def test_plan_command_places_the_tables(tmp_path, capsys):
     with pytest.raises(ValueError, match="one stage and one tensor rank"):
         command._tables(args, model, from_model(model), Network(50e-6, 1e-9), 2, None,
                         plans[:1])
+    # Over hosts (`--hosts`, or --nodes x --ranks-per-node): each "table-row" table on
+    # one host's ranks (the second on the other host), the bytes to other hosts
+    # costed at the link between them.
+    four = [dict(stages=1, tensor=1, replicas=4, microbatches=1, schedule="1f1b", step_s=0.2)]
+    for hosts, nodes, names in (("a:2,b:2", 2, "a (ranks 0,1), b (ranks 2,3)"),
+                                (None, 2, "node0 (ranks 0,1), node1 (ranks 2,3)")):
+        args = argparse.Namespace(
+            embedding_sharding='{"user": "table-row", "item": "table-row"}', ids=None,
+            communication_dtype=None, batch_size=16, model=str(source), hosts=hosts,
+            nodes=nodes, ranks_per_node=2)
+        command._tables(args, model, from_model(model), Network(50e-6, 1e-9, 200e-6, 1e-8),
+                        4, None, four)
+        text = capsys.readouterr().out
+        assert f"the tables' hosts: {names}" in text and "cross-host" in text
+        rows = {line.split()[0]: line.split()[2] for line in text.splitlines()
+                if line.strip().startswith(("user", "item"))}
+        assert rows == {"user": "0,1", "item": "2,3"}, text

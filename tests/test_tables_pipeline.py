@@ -138,11 +138,11 @@ def test_placement_per_stage():
     stage_of = {i: int(i >= FIRST[0]) for i in range(len(graph.nodes))}
     tables = Tables.make(model, graph, layout, "auto", 3, stage_of=stage_of)
     assert tables.stages == [0, 1, 1] and tables.ranks == 2
-    # "auto" per stage: user alone in stage 0 is over half its bytes (row-wise over
-    # its 2 ranks); in stage 1 item is too, and cat goes whole on the lighter rank.
+    # "auto" per stage, by cost (no data given: uniform ids): each table's rows cut
+    # over its own stage's 2 ranks, its load even.
     user, item, cat = tables.placements
-    assert (user.kind, item.kind, cat.kind) == ("row", "row", "table")
-    assert user.sizes == (25, 25) and item.sizes == (15, 15) and len(cat.ranks) == 1
+    assert (user.kind, item.kind, cat.kind) == ("row", "row", "row")
+    assert user.sizes == (25, 25) and item.sizes == (15, 15) and cat.sizes == (6, 6)
     # Rank 3 = (replica 1, stage 1): parts of stage 1's tables.
     assert sorted(graph.nodes[i].op.name for i in tables.parts) == ["cat", "item"]
     text = tables.describe()

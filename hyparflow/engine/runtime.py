@@ -108,7 +108,9 @@ class Runtime:
                                           comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=tables_dtype,
-                                          hosts=hosts, stage_of={
+                                          hosts=hosts, sample=sample,
+                                          batch_size=(facts or {}).get("batch_size"),
+                                          stage_of={
                                               i: j % topo.num_stages
                                               for j, p in enumerate(part.stages)
                                               for i in p.nodes})

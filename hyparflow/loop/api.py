@@ -186,8 +186,10 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             leader's (LeaderSGD), and the History has a `replicas` attribute.
         embedding_sharding: shard the model's Embedding tables over the ranks of
             their pipeline stage (its replicas and tensor ranks, at least 2) while
-            the other layers stay data-parallel (and may be pipelined): "auto" (a greedy plan by bytes, printed on rank 0;
-            row-wise for a table over one rank's share or `memory_limit`) or
+            the other layers stay data-parallel (and may be pipelined): "auto" (each
+            table's kind and ranks chosen by its estimated cost per step, the owners'
+            load from the first batches' ids, under `memory_limit`; printed on rank
+            0) or
             {layer name: "table" | "row" | "column" | "data" | "table-row"} (whole
             on one rank, rows cut over every rank, columns cut over every rank,
             replicated, rows cut over the ranks of one host; unnamed tables stay

@@ -414,14 +414,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _rank_hosts(args: argparse.Namespace, ranks: int) -> Optional[List[str]]:
+    """Each rank's host as the plan runs it (`--hosts`, or `--nodes` x
+    `--ranks-per-node`: hosts filled in rank order, as `hyparflow run` fills them);
+    None on one host."""
+    if getattr(args, "hosts", None):
+        from ..cluster import hosts as H
+
+        names = [h for h, slots in H.parse_hosts(args.hosts) for _ in range(slots)]
+        if len(names) < ranks:
+            raise ValueError(f"--hosts {args.hosts} has {len(names)} slots, fewer than the "
+                             f"{ranks} ranks planned for. Add hosts or lower --ranks.")
+        return names[:ranks]
+    nodes, per = getattr(args, "nodes", 1) or 1, getattr(args, "ranks_per_node", None)
+    if nodes > 1 and per:
+        return [f"node{r // per}" for r in range(ranks)]
+    return None
+
+
 def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, ranks: int,
             limit: Optional[float], plans: List[Plan]) -> Tuple[Dict[str, str], List[Plan]]:
     """Place and cost the Embedding tables (`--embedding-sharding`) over the replicas
     of a plan with one stage and one tensor rank; print the placement; return its
     kinds for the plan file and the plans it allows. The owners' load is from the ids
-    `--ids` returns, else uniform (`hyparflow plan` sees no data)."""
+    `--ids` returns, else uniform (`hyparflow plan` sees no data). Over several hosts
+    (`--hosts`, `--nodes`) the links between them cost the network's measured (or
+    told) inter-host terms, and "table-row" tables go to one host's ranks."""
     from ..kinds import tables as T
     from ..kinds.tables import cost as C
+    from ..kinds.tables.plan import host_groups
     from .profile import load_function
 
     text = args.embedding_sharding
@@ -430,12 +451,21 @@ def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, 
     if not allowed:
         raise ValueError("--embedding-sharding needs plans with one stage and one tensor "
                          "rank (the tables are sharded over the replicas); none was found.")
-    placements = T.placements_for(model, graph, sharding, ranks, limit)
-    per_sample = T.lookups_per_sample(graph)
+    hosts = _rank_hosts(args, ranks)
     wire = 2 if args.communication_dtype in ("bfloat16", "float16") else 4
     ids = load_function(args.model, args.ids, "--ids")() if args.ids else None
+    link = C.Link(alpha=network.alpha, beta=network.beta, alpha_inter=network.alpha_inter,
+                  beta_inter=network.beta_inter)
+    placements = T.placements_for(model, graph, sharding, ranks, limit, hosts=hosts,
+                                  batch_size=args.batch_size, ids=ids, wire_bytes=wire,
+                                  link=link)
+    per_sample = T.lookups_per_sample(graph)
     rows = C.costs(placements, ranks, {k: v * args.batch_size for k, v in per_sample.items()},
-                   ids, wire_bytes=wire, alpha=network.alpha, beta=network.beta)
+                   ids, wire_bytes=wire, link=link, hosts=hosts)
+    if hosts:
+        groups = host_groups(hosts, ranks)
+        print("\nthe tables' hosts: " + ", ".join(
+            f"{hosts[g[0]]} (ranks {','.join(map(str, g))})" for g in groups))
     print("\n" + C.describe(rows, ranks))
     best = allowed[0]
     print(f"with the tables sharded over the replicas: plan S=1 T=1 R={best['replicas']} "

@@ -25,12 +25,14 @@ import numpy as np
 from ...engine.prepare import check_parted
 from ...topology import Topology
 from ..tensor.split import common_why_not
+from . import auto as _auto
+from . import cost as _cost
 from . import plan as _plan
 from . import whole as _whole
 from .lookup import Router, wire_dtype
 from .part import TablePart
 
-__all__ = ["Tables", "placements_for", "lookups_per_sample"]
+__all__ = ["Tables", "placements_for", "lookups_per_sample", "first_ids"]
 
 
 def _embeddings(graph):
@@ -60,6 +62,11 @@ def _factor(optimizer):
                                 momentum=getattr(optimizer, "momentum", 0.0) or 0.0,
                                 amsgrad=bool(getattr(optimizer, "amsgrad", False)),
                                 centered=bool(getattr(optimizer, "centered", False)))
+
+
+def _dense(optimizer):
+    return _plan.dense_update(type(optimizer).__name__,
+                              momentum=getattr(optimizer, "momentum", 0.0) or 0.0)
 
 
 def _check_layout(layout, sync, graph, model):
@@ -92,37 +99,65 @@ def _check_layout(layout, sync, graph, model):
 def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
                    memory_limit: Optional[float] = None, training: bool = True,
                    hosts: Optional[List[str]] = None,
-                   nodes: Optional[List[int]] = None) -> List[_plan.Placement]:
+                   nodes: Optional[List[int]] = None, *, batch_size: Optional[int] = None,
+                   ids: Optional[Dict[str, np.ndarray]] = None, wire_bytes: int = 4,
+                   link: Any = None) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
     `embedding_sharding=sharding` over `ranks` ranks (`hosts[r]`: rank r's host, for
     "table-row"), storage counted with the model's optimizer's slots (when
     `training`); what cannot be sharded, with why. `nodes`: place only the Embedding
     calls at these node indices (a pipeline stage's), over `ranks` ranks of their own;
-    the names of `sharding` are checked against every Embedding layer."""
+    the names of `sharding` are checked against every Embedding layer. "auto" chooses
+    by cost: the ids looked up per step (`batch_size` samples), their distribution
+    (`ids`: {layer: the first batches' ids}, uniform where missing), `wire_bytes` per
+    value sent, `link` (`cost.Link`, its defaults when None)."""
     found = _embeddings(graph)
     if not found:
         raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
                          "Embedding layer. Leave embedding_sharding out.")
     factor = _factor(model.optimizer) if training else 1
+    dense = _dense(model.optimizer) if training else False
     tables, refused = [], {}
     for _, op in found:
         table = op.embeddings
         tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
-                                  np.dtype(table.dtype).itemsize, factor))
+                                  np.dtype(table.dtype).itemsize, factor, dense))
         reason = _why_not(graph, op)
         if reason is not None:
             refused[op.name] = reason
+    costed: Dict[str, Any] = {}
+    if sharding == "auto":
+        costed = dict(ids=ids, wire_bytes=wire_bytes, link=link, lookups=None if not batch_size
+                      else {k: v * batch_size for k, v in lookups_per_sample(graph).items()})
     if nodes is None:
-        return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
+        return _auto.place(tables, sharding, ranks, memory_limit, refused, hosts, **costed)
     # The kinds and names checked over every table (the same ranks in every stage);
     # then this stage's tables placed over its ranks, its bytes within memory_limit.
-    _plan.place(tables, sharding, ranks, None, refused)
+    _auto.place(tables, sharding, ranks, None, refused, **costed)
     keep = [k for k, (i, _) in enumerate(found) if i in set(nodes)]
     names = {tables[k].name for k in keep}
     if isinstance(sharding, dict):
         sharding = {n: kind for n, kind in sharding.items() if n in names}
-    return _plan.place([tables[k] for k in keep], sharding, ranks, memory_limit,
-                       {n: why for n, why in refused.items() if n in names}, hosts)
+    return _auto.place([tables[k] for k in keep], sharding, ranks, memory_limit,
+                       {n: why for n, why in refused.items() if n in names}, hosts, **costed)
+
+
+FIRST_BATCHES = 8  # the batches whose ids "auto" reads for the owners' load
+
+
+def first_ids(graph: Any, sample: Any, batch_size: Optional[int]) -> Dict[str, np.ndarray]:
+    """{Embedding layer: the ids of the data's first `FIRST_BATCHES` batches}, for
+    the Embedding layers whose ids are a model input (others: uniform). `sample` is
+    what `fit` already holds (`loop.data.source`): the arrays (all of them), or a
+    dataset's first batch (nothing more is read from it)."""
+    out: Dict[str, np.ndarray] = {}
+    xs = getattr(sample, "x", None) or []
+    most = FIRST_BATCHES * (batch_size or 0) or None
+    for i, op in _embeddings(graph):
+        where = graph.tensors[graph.nodes[i].inputs[0]].input_position
+        if where is not None and where < len(xs):
+            out[op.name] = np.asarray(xs[where][:most])
+    return out
 
 
 def lookups_per_sample(graph: Any) -> Dict[str, int]:
@@ -154,15 +189,19 @@ class Tables:
         self.stage = stage
         self.pipelined = False  # whether `describe` names the stages
         self.nodes = set()
+        self.costs = None  # the placements' `cost.Cost`s, when the batch is known
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True, communication_dtype=None, hosts=None, stage_of=None):
+             training=True, communication_dtype=None, hosts=None, stage_of=None,
+             sample=None, batch_size=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
         returns None). `rank`: this rank in the run; `stage_of`: {node index: its
         pipeline position} (None: one stage); `communication_dtype`: the dtype rows
         and gradients travel in (None: float32); `hosts[q]`: rank q's host (None: one
-        host), where "table-row" tables go."""
+        host), where "table-row" tables go; `sample`, `batch_size`: the data fit holds
+        and its global batch, whose first batches' ids "auto" costs the owners' load
+        from (every rank holds the same: the same plan)."""
         wire = wire_dtype(communication_dtype)
         if sharding is None:
             if wire is not None:
@@ -176,6 +215,8 @@ class Tables:
             # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
+        ids = first_ids(graph, sample, batch_size)
+        wire_bytes = 2 if wire is not None else 4
         topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
         found = _embeddings(graph)
         stage_of = stage_of or {}
@@ -187,7 +228,8 @@ class Tables:
             nodes = [i for (i, _), q in zip(found, where) if q == s]
             mine = placements_for(model, graph, sharding, len(group), memory_limit, training,
                                   None if hosts is None else [hosts[q] for q in group],
-                                  nodes=nodes if layout.num_stages > 1 else None)
+                                  nodes=nodes if layout.num_stages > 1 else None,
+                                  batch_size=batch_size, ids=ids, wire_bytes=wire_bytes)
             placed.update(zip(nodes, mine))
         placements = [placed[i] for i, _ in found]
         s = topo.stage(rank)
@@ -204,6 +246,12 @@ class Tables:
         self.router = router
         # The Embedding calls sharded in any stage: no tensor split takes them.
         self.nodes = {i for (i, _), p in zip(found, placements) if p.kind != "data"}
+        if batch_size and layout.num_stages == 1:  # the plan's estimate, printed with it
+            group = _stage_ranks(topo, s)
+            lookups = {k: v * batch_size for k, v in lookups_per_sample(graph).items()}
+            self.costs = _cost.costs(placements, len(group), lookups, ids,
+                                     wire_bytes=wire_bytes,
+                                     hosts=None if hosts is None else [hosts[q] for q in group])
         return self
 
     def color(self):
@@ -221,9 +269,13 @@ class Tables:
         self.router.comm = comm
 
     def describe(self):
-        """The plan, one block per pipeline stage holding tables."""
+        """The plan, one block per pipeline stage holding tables; with one stage,
+        its estimate per step too (when fit gave the batch)."""
         if not self.pipelined:
-            return _plan.describe(self.placements, self.ranks)
+            text = _plan.describe(self.placements, self.ranks)
+            if not self.costs:
+                return text
+            return text + "\n" + _cost.describe(self.costs, self.ranks)
         return "\n".join(
             f"stage {s}: " + _plan.describe(
                 [p for p, q in zip(self.placements, self.stages) if q == s], self.ranks)

@@ -6,9 +6,11 @@ contiguous slices, one per rank: every rank holds every row's slice) or "data" (
 rank holds it whole: hyparflow's replicated path, its gradient pairs gathered over
 the replicas). `place` turns the
 user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
-table: the rows each rank owns. "auto" is the greedy rule TorchRec's planner starts
-from: biggest table first, row-wise when it is larger than one rank's share of all
-the tables (or than `memory_limit`), otherwise whole on the least-loaded rank.
+table: the rows each rank owns. "auto" chooses each table's kind and ranks by cost
+(`auto.choose`, as TorchRec's planner does); `by_bytes` is the first rule, by bytes
+alone (biggest table first, row-wise when it is larger than one rank's share of all
+the tables or than `memory_limit`, otherwise whole on the least-loaded rank), kept
+as the benchmark's baseline.
 
 "table-row" (TorchRec's TABLE_ROW_WISE) is a "row" table whose owners are the ranks of
 one host instead of every rank: its rows cut evenly over that host's ranks (that
@@ -21,9 +23,10 @@ it is "row"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["Table", "Placement", "KINDS", "place", "host_groups", "describe", "storage_factor"]
+__all__ = ["Table", "Placement", "KINDS", "place", "by_bytes", "host_groups", "describe",
+           "storage_factor", "dense_update"]
 
 KINDS = ("table", "row", "column", "data", "table-row")
 
@@ -38,6 +41,7 @@ class Table:
     dim: int
     itemsize: int = 4
     factor: int = 1
+    dense: bool = False  # the optimizer steps every stored row each step (Adam's moments)
 
     @property
     def bytes(self) -> int:
@@ -97,6 +101,13 @@ def storage_factor(optimizer_name: str, *, momentum: float = 0.0, amsgrad: bool 
     return 1 + slots + (1 if amsgrad else 0)
 
 
+def dense_update(optimizer_name: str, *, momentum: float = 0.0) -> bool:
+    """Whether the optimizer's step touches every row of a table, looked up or not
+    (Adam's moments decay everywhere), so its time grows with the rows a rank
+    stores; SGD without momentum and Adagrad scatter the looked-up rows only."""
+    return not (optimizer_name == "Adagrad" or (optimizer_name == "SGD" and not momentum))
+
+
 def _even(rows: int, n: int) -> Tuple[int, ...]:
     base, extra = divmod(rows, n)
     return tuple(base + (1 if r < extra else 0) for r in range(n))
@@ -116,18 +127,34 @@ def host_groups(hosts: Optional[Sequence[str]], ranks: int) -> List[List[int]]:
     return list(groups.values())
 
 
+def by_bytes(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] = None,
+             refused: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The kinds of the first planner, by bytes alone (the benchmark's baseline):
+    "row" for a table larger than one rank's share of all the tables (or than
+    `memory_limit`), else "table"; `place` then puts the whole tables on the
+    least-loaded rank, biggest first."""
+    refused = refused or {}
+    total = sum(t.bytes for t in tables if t.name not in refused)
+    cap = total / ranks if memory_limit is None else min(total / ranks, float(memory_limit))
+    return {t.name: "data" if t.name in refused else
+            "row" if t.bytes > cap and t.rows >= ranks else "table" for t in tables}
+
+
 def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
           memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
-          hosts: Optional[Sequence[str]] = None) -> List[Placement]:
+          hosts: Optional[Sequence[str]] = None, **costed: Any) -> List[Placement]:
     """One `Placement` per table, in the order of `tables`. `refused`: {name: why it
     cannot be sharded}: "auto" keeps those as "data"; naming one is an error.
-    `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host)."""
+    `hosts[r]`: rank r's host, for "table-row" (None: every rank on one host).
+    "auto" is `auto.place`'s (it costs the placements: `costed` are its `lookups`,
+    `ids`, `link`, `wire_bytes`); this module, which it imports, places named kinds."""
     groups = host_groups(hosts, ranks)
     refused = refused or {}
     names = [t.name for t in tables]
-    if sharding == "auto":
-        wanted = {}
-    elif isinstance(sharding, dict):
+    if sharding == "auto" or costed:
+        raise ValueError("plan.place places named kinds: place embedding_sharding='auto' "
+                         "with kinds.tables.auto.place (it costs the candidates).")
+    if isinstance(sharding, dict):
         unknown = sorted(set(sharding) - set(names))
         if unknown:
             raise ValueError(
@@ -150,18 +177,10 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
             f"'column' | 'data' | 'table-row'}}. Received: embedding_sharding={sharding!r}")
     load = [0] * ranks
     chosen: Dict[str, Placement] = {}
-    shardable = [t for t in tables if t.name not in refused]
-    total = sum(t.bytes for t in shardable)
-    share = total / ranks if ranks else total
-    cap = share if memory_limit is None else min(share, float(memory_limit))
     # Biggest first, row-wise ones before the whole tables are placed on the loads.
     order = sorted(tables, key=lambda t: -t.bytes)
     for t in order:
-        if t.name in refused and sharding == "auto":
-            chosen[t.name] = Placement(t, "data", why=refused[t.name])
-            continue
-        kind = wanted.get(t.name, "data") if isinstance(sharding, dict) else (
-            "row" if t.bytes > cap and t.rows >= ranks else "table")
+        kind = wanted.get(t.name, "data")
         if kind == "row":
             if t.rows < ranks:
                 raise ValueError(
