@@ -21,6 +21,8 @@ from ..tensor.split import common_why_not
 from . import plan as _plan
 from .lookup import Router, wire_dtype
 from .part import TablePart
+from .pooled import PoolTaken
+from .pooled import find as find_pooling
 
 __all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
 
@@ -110,8 +112,9 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
 class Tables:
     """This rank's sharded tables: placements, parts, and the router."""
 
-    def __init__(self, placements, parts, positions, ranks):
+    def __init__(self, placements, parts, positions, ranks, pools=None):
         self.placements, self.parts, self.ranks = placements, parts, ranks
+        self.pools = dict(pools or {})  # pooling node -> PoolTaken (pooled.py)
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
         self.router = next(iter(parts.values())).router if parts else Router()
 
@@ -139,13 +142,22 @@ class Tables:
         placements = placements_for(model, graph, sharding, layout.num_replicas,
                                     memory_limit, training, hosts)
         router = Router(wire)
-        parts = {}
+        parts, pools = {}, {}
         for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
             if p.kind != "data":
-                parts[i] = TablePart(op, p, rank, router, site)
-        self = cls(placements, parts, [], layout.num_replicas)
+                pooling = find_pooling(graph, i)
+                parts[i] = TablePart(op, p, rank, router, site, pooling)
+                if pooling is not None and pooling.node is not None:
+                    pools[pooling.node] = PoolTaken(graph.nodes[pooling.node].op, pooling)
+        self = cls(placements, parts, [], layout.num_replicas, pools)
         self.router = router
         return self
+
+    @property
+    def shards(self):
+        """{node: what the stage calls there}: the parts, and the pooling calls the
+        owners' pooled lookups took over."""
+        return {**self.parts, **self.pools}
 
     def bind(self, stage):
         """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
