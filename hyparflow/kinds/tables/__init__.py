@@ -19,6 +19,7 @@ import numpy as np
 from ...engine.prepare import check_parted
 from ..tensor.split import common_why_not
 from . import plan as _plan
+from . import rs as _rs
 from .lookup import Router, wire_dtype
 from .part import TablePart
 from .pooled import PoolTaken
@@ -28,20 +29,31 @@ __all__ = ["Tables", "check_batches", "placements_for", "lookups_per_sample"]
 
 
 def _embeddings(graph):
-    """[(node index, Embedding layer)] of the model's graph, in graph order."""
-    return [(i, node.op) for i, node in enumerate(graph.nodes)
-            if isinstance(node.op, keras.layers.Embedding)]
+    """[(node index, Embedding layer)]: the model's tables, in graph order: each
+    Embedding call, and each table (EmbedReduce) of a keras_rs DistributedEmbedding."""
+    out = []
+    for i, node in enumerate(graph.nodes):
+        if isinstance(node.op, keras.layers.Embedding):
+            out.append((i, node.op))
+        elif _rs.is_distributed(node.op):
+            out.extend((i, table) for table in _rs.tables(node.op))
+    return out
 
 
-def _why_not(graph, op):
-    """Why Embedding `op` cannot be sharded (a sentence), or None."""
+def _why_not(graph, i, op):
+    """Why Embedding `op` (called by node `i`) cannot be sharded (a sentence), or None."""
     reason = common_why_not(op, [op])
     if reason is not None:
         return reason
-    if sum(node.op is op for node in graph.nodes) != 1:
+    holder = graph.nodes[i].op
+    if holder is not op:  # a table of a DistributedEmbedding
+        reason = _rs.why_not(graph, i, op)
+        if reason is not None:
+            return reason
+    elif sum(node.op is op for node in graph.nodes) != 1:
         return "the layer is called more than once (shared weights)"
     for node in graph.nodes:
-        if node.op is not op and any(v is op.embeddings
+        if node.op is not holder and any(v is op.embeddings
                                      for v in getattr(node.op, "weights", ())):
             return f"its table is also used by layer {node.op.name!r} (tied weights)"
     if getattr(op, "sparse", False):
@@ -90,11 +102,11 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
                          "Embedding layer. Leave embedding_sharding out.")
     factor = _factor(model.optimizer) if training else 1
     tables, refused = [], {}
-    for _, op in found:
+    for i, op in found:
         table = op.embeddings
         tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
                                   np.dtype(table.dtype).itemsize, factor))
-        reason = _why_not(graph, op)
+        reason = _why_not(graph, i, op)
         if reason is not None:
             refused[op.name] = reason
     return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
@@ -104,6 +116,9 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
     """{Embedding layer name: ids it looks up per sample} (its input's size)."""
     out: Dict[str, int] = {}
     for i, op in _embeddings(graph):
+        if graph.nodes[i].op is not op:
+            out[op.name] = _rs.ids_per_sample(graph.nodes[i].op, op)
+            continue
         shape = graph.tensors[graph.nodes[i].inputs[0]].shape
         out[op.name] = int(np.prod([d or 1 for d in shape[1:]]))
     return out
@@ -112,11 +127,14 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
 class Tables:
     """This rank's sharded tables: placements, parts, and the router."""
 
-    def __init__(self, placements, parts, positions, ranks, pools=None):
+    def __init__(self, placements, parts, positions, ranks, shards=None):
         self.placements, self.parts, self.ranks = placements, parts, ranks
-        self.pools = dict(pools or {})  # pooling node -> PoolTaken (pooled.py)
+        # {node: what the stage calls there}: the parts (a DistributedEmbedding's
+        # together: rs.LayerTables), and the pooling calls the owners' pooled lookups
+        # took over (pooled.PoolTaken).
+        self.shards = dict(shards or {})
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
-        self.router = next(iter(parts.values())).router if parts else Router()
+        self.router = parts[0].router if parts else Router()
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
@@ -142,27 +160,30 @@ class Tables:
         placements = placements_for(model, graph, sharding, layout.num_replicas,
                                     memory_limit, training, hosts)
         router = Router(wire)
-        parts, pools = {}, {}
+        parts, shards, inner = [], {}, {}
         for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
-            if p.kind != "data":
-                pooling = find_pooling(graph, i)
-                parts[i] = TablePart(op, p, rank, router, site, pooling)
-                if pooling is not None and pooling.node is not None:
-                    pools[pooling.node] = PoolTaken(graph.nodes[pooling.node].op, pooling)
-        self = cls(placements, parts, [], layout.num_replicas, pools)
+            if p.kind == "data":
+                continue
+            holder = graph.nodes[i].op
+            pooling = find_pooling(graph, i) if holder is op else _rs.pooling(holder, op)
+            part = TablePart(op, p, rank, router, site, pooling)
+            parts.append(part)
+            if holder is not op:
+                inner.setdefault(i, []).append(part)
+                continue
+            shards[i] = part
+            if pooling is not None and pooling.node is not None:
+                shards[pooling.node] = PoolTaken(graph.nodes[pooling.node].op, pooling)
+        for i, held in inner.items():
+            shards[i] = _rs.LayerTables(graph.nodes[i].op, held)
+        self = cls(placements, parts, [], layout.num_replicas, shards)
         self.router = router
         return self
-
-    @property
-    def shards(self):
-        """{node: what the stage calls there}: the parts, and the pooling calls the
-        owners' pooled lookups took over."""
-        return {**self.parts, **self.pools}
 
     def bind(self, stage):
         """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
         where = {id(v): k for k, v in enumerate(stage.trainable)}
-        self.positions = sorted(where[id(part.variable)] for part in self.parts.values())
+        self.positions = sorted(where[id(part.variable)] for part in self.parts)
         return self.positions
 
     def connect(self, comm):
@@ -173,7 +194,7 @@ class Tables:
 
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""
-        return sum(part.nbytes for part in self.parts.values())
+        return sum(part.nbytes for part in self.parts)
 
 
 def check_batches(samples, batch_size, replicas, microbatches, what="the data"):

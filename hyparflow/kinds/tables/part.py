@@ -83,26 +83,32 @@ class TablePart:
         return [(slot, 0) for slot in optimizer.variables
                 if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(self.variable.shape)]
 
+    def replacement(self):
+        """What runs in place of the layer's `call`: the sharded lookup (pooled by
+        the owners when the layer pools itself: EmbedReduce's combiner)."""
+        op, pooling = self.op, self.pooling
+
+        def call(inputs, *_, **__):
+            inputs = _ids(inputs)
+            if pooling is not None:
+                return reduce_as_embed_reduce(self.lookup.pooled(inputs), inputs,
+                                              pooling.combiner)
+            return tf.cast(self.lookup(inputs), op.compute_dtype)
+
+        return call
+
     def __call__(self, args, kwargs, training=None):
         """The layer's call through Keras's `Layer.__call__` (its mask, casting and
         errors are Keras's), with the sharded lookup in place of `Embedding.call`.
         Pooled by a later call (`pooling.node`): the owners' sums per sample, for
         that call (`pooled.PoolTaken`) only, without Keras's call (whose mask and
         shape are of the rows, which nobody gets)."""
-        op, pooling = self.op, self.pooling
+        pooling = self.pooling
         if pooling is not None and pooling.node is not None:
             ids = _ids(args[0])
             return self.lookup.pooled(ids, tf.not_equal(ids, 0) if pooling.masked else None)
-
-        def call(inputs, *_, **__):
-            inputs = _ids(inputs)
-            if pooling is not None:  # the layer pools itself (EmbedReduce)
-                return reduce_as_embed_reduce(self.lookup.pooled(inputs), inputs,
-                                              pooling.combiner)
-            return tf.cast(self.lookup(inputs), op.compute_dtype)
-
-        with _compat.calls_replaced({op: call}):
-            return _compat.call_operation(op, args, kwargs, training)
+        with _compat.calls_replaced({self.op: self.replacement()}):
+            return _compat.call_operation(self.op, args, kwargs, training)
 
 
 def _ids(inputs):
