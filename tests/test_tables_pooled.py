@@ -119,3 +119,103 @@ def test_pooled_bytes_are_counted():
                               placements)
     assert sent == pooled * DIM * 4, (sent, pooled * DIM * 4)
     assert 0 < pooled < per_id, (pooled, per_id)
+
+
+def rs_model(optimizer="adam", shared=False):
+    """keras_rs's DistributedEmbedding (off TPU: an EmbedReduce per table) with the
+    three combiners over bags, and a standalone EmbedReduce; `shared`: two features
+    of one table."""
+    keras_rs = pytest.importorskip("keras_rs")
+    keras.utils.set_random_seed(3)
+    tables = {c: keras_rs.layers.TableConfig(name=f"t_{c}", vocabulary_size=20, embedding_dim=DIM,
+                                            combiner=c) for c in ("mean", "sum", "sqrtn")}
+    features = {c: keras_rs.layers.FeatureConfig(name=c, table=t, input_shape=(None, 3),
+                                                 output_shape=(None, DIM))
+                for c, t in tables.items()}
+    if shared:
+        features["again"] = keras_rs.layers.FeatureConfig(
+            name="again", table=tables["sum"], input_shape=(None, 3), output_shape=(None, DIM))
+    ins = {c: keras.Input((3,), dtype="int32", name=c) for c in features}
+    out = keras_rs.layers.DistributedEmbedding(features, name="dist")(ins)
+    alone = keras_rs.layers.EmbedReduce(16, DIM, combiner="mean", name="alone")(ins["mean"])
+    h = keras.layers.Concatenate()([out[c] for c in features] + [alone])
+    model = keras.Model(ins, keras.layers.Dense(1)(keras.layers.Dense(6, activation="tanh")(h)))
+    opt = {"adam": keras.optimizers.Adam(0.05), "adagrad": keras.optimizers.Adagrad(0.1)}[optimizer]
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def rs_data(n=32, shared=False):
+    rng = np.random.default_rng(4)
+    names = ("mean", "sum", "sqrtn") + (("again",) if shared else ())
+    return ({c: rng.integers(0, 16, (n, 3)).astype("int32") for c in names},
+            rng.normal(size=(n, 1)).astype("float32"))
+
+
+@pytest.mark.parametrize("ranks,sharding,optimizer", [
+    (2, {"t_mean": "row", "t_sum": "column", "t_sqrtn": "table", "alone": "row"}, "adam"),
+    (4, {"t_mean": "column", "t_sum": "row", "alone": "table"}, "adagrad")])
+def test_keras_rs_tables_train_as_model_fit(ranks, sharding, optimizer):
+    """DistributedEmbedding's tables are the units, named by TableConfig.name; each
+    combiner ("sum", "mean", "sqrtn") is a pooled lookup by the owners."""
+    build = lambda: rs_model(optimizer)  # noqa: E731
+    x, y = rs_data()
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
+
+    def body(comm):
+        model = build()
+        model.set_weights(start)
+        hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
+               num_replicas=ranks, num_microbatches=2, embedding_sharding=sharding)
+        dist = model.get_layer("dist")
+        layers = {t.name: t for t in dist._default_device_embedding_layers.values()}
+        layers["alone"] = model.get_layer("alone")
+        held = {n: layers[n].__dict__.get("_hyparflow_table_part") for n in layers}
+        return model.get_weights(), {n: (None if p is None else (tuple(p.variable.shape),
+                                                                 p.pooling.combiner))
+                                     for n, p in held.items()}
+
+    out = run_ranks(ranks, body, timeout=300)
+    tol = 2e-6
+    for weights, _ in out:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= tol, (sharding, diff)
+    for name in ("t_mean", "t_sum", "t_sqrtn", "alone"):
+        held = [h[name] for _, h in out]
+        if name not in sharding:
+            assert held == [None] * ranks
+            continue
+        rows = 16 if name == "alone" else 20
+        assert all(h[1] == ("mean" if name == "alone" else name[2:]) for h in held)
+        shapes = [h[0] for h in held]
+        if sharding[name] == "column":
+            assert [s[0] for s in shapes] == [rows] * ranks and sum(s[1] for s in shapes) == DIM
+        else:
+            assert sum(s[0] for s in shapes) == rows and all(s[1] == DIM for s in shapes)
+
+
+def test_keras_rs_shared_table_is_refused_and_replicated_trains():
+    """A table serving two features is not sharded: named, an error with the reason;
+    under "auto" (and without embedding_sharding) it stays replicated and trains to
+    model.fit's weights."""
+    build = lambda: rs_model("adam", shared=True)  # noqa: E731
+    x, y = rs_data(shared=True)
+    start, want, _ = reference(build, x, y, epochs=2, batch_size=16)
+
+    def body(comm):
+        model = build()
+        try:
+            hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0, comm=comm,
+                   embedding_sharding={"t_sum": "row"})
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        model = build()
+        model.set_weights(start)
+        hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, comm=comm,
+               embedding_sharding="auto")
+        return error, model.get_weights()
+
+    for error, weights in run_ranks(2, body, timeout=300):
+        assert error is not None and "'t_sum'" in error and "serves 2 features" in error, error
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
