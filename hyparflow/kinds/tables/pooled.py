@@ -18,7 +18,7 @@ The Embedding's call then returns the owners' pooled sums, and the pooling call
 pooling layer would (nothing else reads the Embedding's output: `find` checks)."""
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 import keras
 import tensorflow as tf
@@ -41,17 +41,17 @@ def is_embed_reduce(op: Any) -> bool:
                for c in type(op).__mro__)
 
 
-def _float32(op):
-    return getattr(op, "compute_dtype", None) == "float32"
+def _float32(op: Any) -> bool:
+    return bool(getattr(op, "compute_dtype", None) == "float32")
 
 
-def _sum_axis(op):
+def _sum_axis(op: Any) -> bool:
     """Whether `op` is keras.ops.sum over axis 1 of a rank-3 value."""
     if type(op).__name__ != "Sum" or not type(op).__module__.startswith("keras.src.ops"):
         return False
     axis = getattr(op, "axis", None)
     axis = list(axis) if isinstance(axis, (list, tuple)) else [axis]
-    return axis in ([1], [-2])
+    return bool(axis in ([1], [-2]))
 
 
 def find(graph: Any, i: int) -> Optional[Pooling]:
@@ -97,7 +97,7 @@ def find(graph: Any, i: int) -> Optional[Pooling]:
     return None
 
 
-def reduce_as_embed_reduce(pooled, ids, combiner):
+def reduce_as_embed_reduce(pooled: Any, ids: Any, combiner: str) -> Any:
     """EmbedReduce's divisor (its weights are ones without `weights`), as it computes it."""
     if combiner == "sum":
         return pooled
@@ -114,21 +114,21 @@ class PoolTaken:
     Keras's masked GlobalAveragePooling1D: sum(x * mask) / sum(mask)). A shard of
     the stage with no variables of its own."""
 
-    replaces: dict = {}
+    replaces: Dict[int, Any] = {}
 
-    def __init__(self, op, pooling):
+    def __init__(self, op: Any, pooling: Pooling) -> None:
         self.op, self.pooling = op, pooling
 
-    def load(self):
+    def load(self) -> None:
         pass
 
-    def gather(self):
+    def gather(self) -> None:
         pass
 
-    def slots(self, optimizer):
+    def slots(self, optimizer: Any) -> List[Any]:
         return []
 
-    def __call__(self, args, kwargs, training=None):
+    def __call__(self, args: Any, kwargs: Dict[str, Any], training: Optional[bool] = None) -> Any:
         pooled = args[0]  # (batch, dim): the owners' sums
         if self.pooling.combiner == "mean":
             mask = kwargs.get("mask")

@@ -30,7 +30,7 @@ def _features(op, table):
 
 def tables(op: Any) -> List[Any]:
     """The EmbedReduce layers of DistributedEmbedding `op` (its tables off TPU), each once."""
-    out = []
+    out: List[Any] = []
     for layer in op.__dict__.get("_default_device_embedding_layers", {}).values():
         if all(layer is not t for t in out):
             out.append(layer)
