@@ -105,7 +105,8 @@ def main():
             name = f"S={s} R={r} M={m} {schedule}" + (f" T={t}" if t > 1 else "") + "".join(
                 f" {k.replace('HYPARFLOW_', '').lower()}={v}" for k, v in extra.items())
             trace = os.path.join(trace_dir, f"{workload}_S{s}_R{r}_M{m}_{schedule}_T{t}"
-                                 + "".join(f"_{v}" for v in extra.values()) + ".json")
+                                 + "".join(f"_{v}".replace(os.sep, "-") for v in extra.values())
+                                 + ".json")
             res = run([MPIEXEC, "-n", str(s * r * t), *worker_cmd(
                 "hf", workload, batch, args.steps, s, r, m, schedule, trace, t)],
                 dict(env, **extra))

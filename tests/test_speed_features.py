@@ -204,3 +204,29 @@ def test_a_model_compiled_for_xla_runs_its_stages_under_xla(build, data, config,
     assert _XLAOrPlain.runs > before
     assert not [w for w in recwarn if "XLA could not compile" in str(w.message)]
     assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-w"])
+def test_transposes_are_copied_after_the_first_stages_forwards(schedule, monkeypatch, tmp_path):
+    """The kept W^T copies of a step wait for the stage's first wait or backward (a first
+    stage's warm-up forwards do not read them): on stage 0 they come after F0 and before
+    B0 every step, and the backwards still multiply by the step's own weights (model.fit's
+    weights after 2 epochs of 4 steps; a stale W^T would be a step behind)."""
+    monkeypatch.setenv("HYPARFLOW_TRANSPOSED", "1")
+    build = lambda: models.mlp("sgd")  # noqa: E731
+    x, y = models.mlp_data(64)
+    start, expected, _ = reference(build, x, y, epochs=2)
+    trace = str(tmp_path / "t.json")
+    results = train_ranks(build, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
+                          weights=start, batch_size=16, epochs=2, shuffle=False,
+                          schedule=schedule, trace=trace)
+    assert max(max_diff(w, expected) for w, _ in results) <= 1e-5
+    events = sorted((e for e in json.load(open(trace))["traceEvents"]
+                     if e.get("tid") == 0 and e.get("ph") == "X"), key=lambda e: e["ts"])
+    steps = [e for e in events if e["cat"] == "step"]
+    assert len(steps) == 8
+    for step in steps:
+        inside = [e["name"] for e in events if e["cat"] != "step"
+                  and step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+        assert inside.index("F0") < inside.index("W^T copies") < inside.index("B0"), inside
+        assert inside.count("W^T copies") == 1

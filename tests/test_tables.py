@@ -237,7 +237,7 @@ def test_bad_input_is_named():
     assert "'rows'" in errors["kind"] and "'table', 'row', 'column', 'data'" in errors["kind"]
     assert "layer 'user'" in errors["vocabulary"]
     assert f"= {ROWS['user'] + 3} is not in [0, {ROWS['user']})" in errors["vocabulary"]
-    assert "num_stages=1" in errors["pipeline"]
+    assert "at least 2 ranks per stage" in errors["pipeline"]
     assert "communication_dtype='bf16'" in errors["dtype"]
     assert "'float32', 'bfloat16', 'float16'" in errors["dtype"]
     assert "embedding_sharding is not set" in errors["no tables"]

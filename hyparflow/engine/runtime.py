@@ -76,8 +76,8 @@ class Runtime:
         to cut the layer calls (counts, or costs from hyparflow.costs), by default
         `layout.balance`; `replica_sync`: None (allreduce) or a `hyparflow.sync`
         method, under which each replica steps on its own (`hyparflow.replicas`);
-        `embedding_sharding`: the Embedding tables sharded over the replicas
-        (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
+        `embedding_sharding`: the Embedding tables sharded over the replicas of their
+        stage (`kinds.tables`), placed within `memory_limit` bytes per rank, their rows and
         gradients exchanged in `communication_dtype` (None: float32); `hosts[r]`: rank
         r's host, where "table-row" tables go (gathered collectively by the caller)."""
         _prepare.check_model(model, sample)
@@ -95,13 +95,16 @@ class Runtime:
         self.part = part = _partition.partition(
             graph, layout.num_stages * layout.num_chunks, layout.balance if cut is None else cut)
         self.topo = topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
-        self.splits, split_names = self._choose_splits()
         self.training = training
         self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
-                                          topo.replica(comm.rank), memory_limit=memory_limit,
+                                          comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=communication_dtype,
-                                          hosts=hosts)
+                                          hosts=hosts, stage_of={
+                                              i: j % topo.num_stages
+                                              for j, p in enumerate(part.stages)
+                                              for i in p.nodes})
+        self.splits, split_names = self._choose_splits()
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
@@ -216,8 +219,18 @@ class Runtime:
                 raise ValueError(f"tensor_layers names layers the model does not have: "
                                  f"{missing}. Layer names: {[n.op.name for n in graph.nodes]}")
         kinds = self._kinds
+        # A sharded table's Embedding is looked up from its owners, not split.
+        tables = self.tables.nodes if self.tables is not None else set()
+        named = sorted(graph.nodes[i].op.name for i in tables
+                       if graph.nodes[i].op.name in (tensor_layers or ()))
+        if named:
+            raise ValueError(
+                f"tensor_layers names {named}, whose tables embedding_sharding shards over "
+                "the ranks of their stage. Leave them out of tensor_layers, or make them "
+                "'data' in embedding_sharding.")
         every = {i: sp for p in part.stages
-                 for i, sp in kinds.choose(graph, p.nodes, num_tensor, tensor_layers).items()}
+                 for i, sp in kinds.choose(graph, p.nodes, num_tensor, tensor_layers).items()
+                 if i not in tables}
         if not every:
             raise ValueError(
                 f"num_tensor={num_tensor}, but no layer of {model.name!r} is split: none of "
@@ -263,9 +276,9 @@ class Runtime:
             self.collectives.comm = self.comm.split(
                 topo.replica(rank) * topo.num_stages + topo.stage(rank), topo.tensor(rank))
         if self.tables is not None:
-            # The ranks that share the tables (S = T = 1: every rank), on a
-            # communicator of their own, so their lookups never pair with other messages.
-            self.tables.connect(self.comm.split(0, rank))
+            # The ranks that share a stage's tables (its replicas), on a communicator
+            # of their own, so their lookups never pair with other messages.
+            self.tables.connect(self.comm.split(self.tables.color(), rank))
         if self.training:
             optimizer = self.model.optimizer
             local = self.sync is not None

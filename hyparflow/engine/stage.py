@@ -70,6 +70,7 @@ class Stage(StageBody):
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(cut.nodes, trainable=True)
         self.transposed = {} if accumulator else self._transposed(graph, cut)
+        self._stale = False  # the kept W^Ts are older than the kernels (`begin_step`)
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the
         # Dense (and EinsumDense) calls whose kernel gradients B leaves to W, as (node,
@@ -77,6 +78,7 @@ class Stage(StageBody):
         self.split = False
         self.deferred = [] if accumulator else self._deferrable(graph, cut)
         self._kept = {}  # microbatch -> (inputs, output gradients) of `deferred`, for W
+        self._w_per_row = 0.0  # seconds per row of the last W (`weight_seconds`)
         self._zero_cache = {}
         # Layers whose own losses (regularisers, add_loss) this stage adds: a layer
         # shared with an earlier stage is counted there, once.
@@ -190,9 +192,23 @@ class Stage(StageBody):
             self._functions.clear()  # traced with the dropped ones (say, by `time`)
 
     def begin_step(self):
-        """Before a training step's first microbatch: the kept `W^T`s follow the weights."""
-        for t in {id(t): t for t in self.transposed.values()}.values():
+        """Before a training step's first microbatch: the kept `W^T`s are out of date
+        (the optimizer stepped the kernels). Only backwards read them, so they are
+        copied by `refresh_transposed` before the step's first backward, which the
+        executor calls where the stage would wait anyway (a first stage waits for its
+        first output gradient after its warm-up forwards)."""
+        self._stale = bool(self.transposed)
+
+    def refresh_transposed(self):
+        """Copy the kernels into the kept `W^T`s if this step has not yet; returns how
+        many were copied (0 when they are current)."""
+        if not self._stale:
+            return 0
+        kept = {id(t): t for t in self.transposed.values()}.values()
+        for t in kept:
             t.refresh()
+        self._stale = False
+        return len(kept)
 
     def _lag(self, start):
         """HYPARFLOW_SLOWDOWN: act as a rank that many times slower (for tests of
@@ -308,6 +324,7 @@ class Stage(StageBody):
         to the gradient buffers and returns the gradients of the received inputs by
         tensor id. With GLOBAL losses, `scales` must be set (`Executor`)."""
         start = time.perf_counter()
+        self.refresh_transposed()  # the executor has done it, unless it had no wait
         if self.recompute:
             tape, diff_inputs, outs, contribution, terms, _, zs, kept = self._replay(i)
         else:
@@ -363,6 +380,13 @@ class Stage(StageBody):
         """Microbatches whose deferred weight gradients W has yet to compute."""
         return self._kept.keys()
 
+    def weight_seconds(self, microbatches):
+        """The expected time of `weight_grads(microbatches)`: their rows at the seconds
+        per row W took last (0 before the first W has run)."""
+        rows = sum(int(self._kept[i][0][0].shape[0]) for i in microbatches
+                   if i in self._kept and self._kept[i][0])
+        return rows * self._w_per_row
+
     def weight_grads(self, microbatches):
         """W: the deferred kernels' gradients of `microbatches`, in one call over their
         concatenated rows (so each product runs at the size of all of them), added
@@ -387,6 +411,8 @@ class Stage(StageBody):
             self.grads.make_buffers()
         for (_, k, _), g in zip(self.deferred, self._functions["weights"](xs, dys)):
             self.grads.add(k, np.asarray(g))
+        if xs and xs[0].shape[0]:
+            self._w_per_row = (time.perf_counter() - start) / int(xs[0].shape[0])
         self._lag(start)
 
     def forward_backward(self, i, inputs, y=(), sample_weight=(), share=1.0, seed=None,
@@ -396,6 +422,7 @@ class Stage(StageBody):
         with one stage): no tape crosses calls. Returns (gradients of the received
         inputs by tensor id, loss contribution)."""
         start = time.perf_counter()
+        self.refresh_transposed()
         hooked = self.hooks if hooked else ()
         if seed is not None:
             self.reseed(*seed)

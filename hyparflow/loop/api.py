@@ -184,9 +184,9 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             training loss); see docs/replicas.md for what each promises. The
             returned model is then the replicas' mean (LocalSGD) or the global
             leader's (LeaderSGD), and the History has a `replicas` attribute.
-        embedding_sharding: shard the model's Embedding tables over the replicas
-            (num_stages=1, num_replicas >= 2) while the other layers stay
-            data-parallel: "auto" (a greedy plan by bytes, printed on rank 0;
+        embedding_sharding: shard the model's Embedding tables over the ranks of
+            their pipeline stage (its replicas and tensor ranks, at least 2) while
+            the other layers stay data-parallel (and may be pipelined): "auto" (a greedy plan by bytes, printed on rank 0;
             row-wise for a table over one rank's share or `memory_limit`) or
             {layer name: "table" | "row" | "column" | "data" | "table-row"} (whole
             on one rank, rows cut over every rank, columns cut over every rank,

@@ -48,3 +48,34 @@ def test_sharded_tables_under_mpiexec():
               f"message {router[0].largest:,} bytes, {router[0].bytes:,} bytes sent")
     assert diff <= 2e-6
     assert router[0].largest > 64 * 1024
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pipelined_tables_under_mpiexec():
+    """S=2 stages x R=SIZE/2 replicas, tables in both stages (user and item in stage 0,
+    cat in stage 1) sharded over the replicas of their stage, each on a communicator of
+    its own, while the pipeline's activations (past 64 KB too) cross between the stages:
+    model.fit's weights under zb-h1 (B and W apart) with 2 microbatches."""
+    build = lambda: tables_model("sgd", dim=256, bag=8, rows=BIG)  # noqa: E731
+    x, y = tables_data(n=256, bag=8, rows=BIG)
+    start, want, _ = reference(build, x, y, batch_size=128, epochs=2)
+    model = build()
+    model.set_weights(start)
+    routers = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            routers[:] = [model.get_layer(n).__dict__["_hyparflow_table_part"].router
+                          for n in BIG if "_hyparflow_table_part" in model.get_layer(n).__dict__]
+
+    hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
+           num_stages=2, num_replicas=SIZE // 2, num_microbatches=2, balance=(3, 7),
+           schedule="zb-h1", embedding_sharding={"user": "table", "item": "row", "cat": "column"},
+           callbacks=[Look()])
+    diff = max_diff(model.get_weights(), want)
+    largest = max(r.largest for r in routers)
+    if hf.is_main():
+        print(f"\npipelined sharded tables S=2 R={SIZE // 2}: max weight difference "
+              f"{diff:.3g}, largest table message {largest:,} bytes")
+    assert diff <= 2e-6
+    assert largest > 64 * 1024

@@ -2,10 +2,16 @@
 embedding_sharding=...)`): each table whole on one rank ("table"), its rows cut over
 every rank ("row") or over the ranks of one host ("table-row"), its columns cut over
 every rank ("column"), or replicated as before ("data"), while the dense layers stay
-data-parallel. `plan` (pure) places the tables; `lookup` sends ids to their owners
-and rows back; `part` is a rank's rows, trained in the table's place. The owner's
-optimizer steps its rows on their (row, value) pairs, in the order of the global
-batch, so the weights are `model.fit`'s (docs/recommenders.md).
+data-parallel. In a pipeline, "every rank" is every rank of the table's stage (its
+R replicas, times its T tensor ranks): each stage's tables are placed over its own
+ranks, which look up together on a communicator of their own (`Tables.color`). Every
+replica of a stage runs the same schedule program (`schedules.program`, one per
+stage), so their lookups pair up microbatch by microbatch, in the same order.
+
+`plan` (pure) places the tables; `lookup` sends ids to their owners and rows back;
+`part` is a rank's rows, trained in the table's place. The owner's optimizer steps
+its rows on their (row, value) pairs, in the order of the global batch, so the
+weights are `model.fit`'s (docs/recommenders.md).
 
 `Tables.make` is the one entry the runtime calls; `Tables` then answers what the
 runtime and the executor ask: its parts (as the stage's `shards`), the positions
@@ -17,6 +23,7 @@ import keras
 import numpy as np
 
 from ...engine.prepare import check_parted
+from ...topology import Topology
 from ..tensor.split import common_why_not
 from . import plan as _plan
 from . import rs as _rs
@@ -73,16 +80,22 @@ def _check_layout(layout, sync, graph, model):
     if graph.functional is None:
         raise ValueError(f"{what} needs a Functional or Sequential model, whose Embedding "
                          f"layers hyparflow can replace; {model.name!r} is subclassed.")
-    if layout.num_stages != 1 or layout.num_tensor != 1 or layout.num_chunks != 1:
+    if layout.num_chunks != 1 or layout.tensor_mesh:
+        # Model chunks (interleaved) are Stages built without parts; a tensor mesh's
+        # ranks are not known to compute the same lookups (a 1D split's are).
         raise NotImplementedError(
-            f"{what} shards tables over the replicas of a data-parallel run; this run has "
-            f"{layout.describe()}. Use num_stages=1 and num_tensor=1 with it (pipelines and "
-            "tensor splits together with sharded tables are not supported yet).")
-    if layout.num_replicas < 2:
+            f"{what} shards tables over the ranks of each pipeline stage; this run has "
+            f"{layout.describe()}. Use num_chunks=1 and no tensor_mesh with it "
+            "(interleaved schedules and tensor meshes together with sharded tables are not "
+            "supported yet).")
+    if layout.num_replicas * layout.num_tensor < 2:
+        stages = (" (in a pipeline, each stage's tables are sharded over the ranks that "
+                  "run that stage: its replicas and tensor ranks)"
+                  if layout.num_stages > 1 else "")
         raise ValueError(
-            f"{what} needs at least 2 replicas to shard the tables over; this run has "
-            f"num_replicas={layout.num_replicas}. Launch more ranks, or leave "
-            f"{what} out.")
+            f"{what} needs at least 2 ranks per stage to shard the tables over; this run "
+            f"has num_replicas={layout.num_replicas} and num_tensor={layout.num_tensor}"
+            f"{stages}. Launch more ranks, or leave {what} out.")
     if sync is not None:
         raise NotImplementedError(
             f"{what} needs replica_sync='allreduce': the owners step the tables every "
@@ -91,11 +104,14 @@ def _check_layout(layout, sync, graph, model):
 
 def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
                    memory_limit: Optional[float] = None, training: bool = True,
-                   hosts: Optional[List[str]] = None) -> List[_plan.Placement]:
+                   hosts: Optional[List[str]] = None,
+                   nodes: Optional[List[int]] = None) -> List[_plan.Placement]:
     """The `plan.Placement` of each Embedding layer of `graph` (graph order) for
     `embedding_sharding=sharding` over `ranks` ranks (`hosts[r]`: rank r's host, for
     "table-row"), storage counted with the model's optimizer's slots (when
-    `training`); what cannot be sharded, with why."""
+    `training`); what cannot be sharded, with why. `nodes`: place only the Embedding
+    calls at these node indices (a pipeline stage's), over `ranks` ranks of their own;
+    the names of `sharding` are checked against every Embedding layer."""
     found = _embeddings(graph)
     if not found:
         raise ValueError(f"embedding_sharding={sharding!r}, but {model.name!r} has no "
@@ -109,7 +125,17 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
         reason = _why_not(graph, i, op)
         if reason is not None:
             refused[op.name] = reason
-    return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
+    if nodes is None:
+        return _plan.place(tables, sharding, ranks, memory_limit, refused, hosts)
+    # The kinds and names checked over every table (the same ranks in every stage);
+    # then this stage's tables placed over its ranks, its bytes within memory_limit.
+    _plan.place(tables, sharding, ranks, None, refused)
+    keep = [k for k, (i, _) in enumerate(found) if i in set(nodes)]
+    names = {tables[k].name for k in keep}
+    if isinstance(sharding, dict):
+        sharding = {n: kind for n, kind in sharding.items() if n in names}
+    return _plan.place([tables[k] for k in keep], sharding, ranks, memory_limit,
+                       {n: why for n, why in refused.items() if n in names}, hosts)
 
 
 def lookups_per_sample(graph: Any) -> Dict[str, int]:
@@ -124,10 +150,19 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
     return out
 
 
-class Tables:
-    """This rank's sharded tables: placements, parts, and the router."""
+def _stage_ranks(topo, stage):
+    """The ranks that run pipeline position `stage`, in rank order (replica-major):
+    a stage's tables are sharded over them, and a rank's index here is its share."""
+    return sorted(topo.rank(stage, r, t) for r in range(topo.num_replicas)
+                  for t in range(topo.num_tensor))
 
-    def __init__(self, placements, parts, positions, ranks, shards=None):
+
+class Tables:
+    """This rank's sharded tables: placements (of every stage's tables), parts (of
+    this rank's stage's), and the router."""
+
+    def __init__(self, placements, parts, positions, ranks, stages=None, stage=0,
+                 shards=None):
         self.placements, self.parts, self.ranks = placements, parts, ranks
         # {node: what the stage calls there}: the parts (a DistributedEmbedding's
         # together: rs.LayerTables), and the pooling calls the owners' pooled lookups
@@ -135,14 +170,20 @@ class Tables:
         self.shards = dict(shards or {})
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
         self.router = parts[0].router if parts else Router()
+        # The pipeline position of each placement's table, and this rank's.
+        self.stages = list(stages) if stages is not None else [0] * len(placements)
+        self.stage = stage
+        self.pipelined = False  # whether `describe` names the stages
+        self.nodes = set()
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
-             training=True, communication_dtype=None, hosts=None):
+             training=True, communication_dtype=None, hosts=None, stage_of=None):
         """The run's `Tables` for `embedding_sharding=sharding` (None: nothing sharded,
-        returns None). `rank`: this rank's replica index; `communication_dtype`: the
-        dtype rows and gradients travel in (None: float32); `hosts[r]`: replica r's
-        host (None: one host), where "table-row" tables go."""
+        returns None). `rank`: this rank in the run; `stage_of`: {node index: its
+        pipeline position} (None: one stage); `communication_dtype`: the dtype rows
+        and gradients travel in (None: float32); `hosts[q]`: rank q's host (None: one
+        host), where "table-row" tables go."""
         wire = wire_dtype(communication_dtype)
         if sharding is None:
             if wire is not None:
@@ -157,16 +198,36 @@ class Tables:
             # engine.prepare.check_optimizer refused LossScaleOptimizer for every run.
             check_parted(model.optimizer, "the owners of a sharded table each hold a part "
                          "of it", "embedding_sharding=None")
-        placements = placements_for(model, graph, sharding, layout.num_replicas,
-                                    memory_limit, training, hosts)
+        topo = Topology(layout.num_stages, layout.num_replicas, layout.num_tensor)
+        found = _embeddings(graph)
+        stage_of = stage_of or {}
+        where = [stage_of.get(i, 0) for i, _ in found]
+        # Each stage's tables over the ranks of that stage (as many in every stage).
+        placed = {}  # by place in `found` (a DistributedEmbedding's tables share a node)
+        for s in sorted(set(where)):
+            group = _stage_ranks(topo, s)
+            ks = [k for k, q in enumerate(where) if q == s]
+            nodes = sorted({found[k][0] for k in ks})
+            mine = placements_for(model, graph, sharding, len(group), memory_limit, training,
+                                  None if hosts is None else [hosts[q] for q in group],
+                                  nodes=nodes if layout.num_stages > 1 else None)
+            placed.update(zip(ks, mine))
+        placements = [placed[k] for k in range(len(found))]
+        s = topo.stage(rank)
+        share = _stage_ranks(topo, s).index(rank)  # this rank's part of its stage's tables
         router = Router(wire)
+        group = _stage_ranks(topo, s)
+        router.silent = frozenset(k for k, q in enumerate(group) if topo.tensor(q) != 0)
         parts, shards, inner = [], {}, {}
-        for site, ((i, op), p) in enumerate(zip(_embeddings(graph), placements)):
-            if p.kind == "data":
+        for site, ((i, op), p, q) in enumerate(zip(found, placements, where)):
+            if p.kind == "data" or q != s:
                 continue
             holder = graph.nodes[i].op
             pooling = find_pooling(graph, i) if holder is op else _rs.pooling(holder, op)
-            part = TablePart(op, p, rank, router, site, pooling)
+            if (pooling is not None and pooling.node is not None
+                    and stage_of.get(pooling.node, 0) != q):
+                pooling = None  # the rows cross to the next stage: pooled there, per id
+            part = TablePart(op, p, share, router, site, pooling)
             parts.append(part)
             if holder is not op:
                 inner.setdefault(i, []).append(part)
@@ -176,9 +237,17 @@ class Tables:
                 shards[pooling.node] = PoolTaken(graph.nodes[pooling.node].op, pooling)
         for i, held in inner.items():
             shards[i] = _rs.LayerTables(graph.nodes[i].op, held)
-        self = cls(placements, parts, [], layout.num_replicas, shards)
+        self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s, shards)
+        self.pipelined = layout.num_stages > 1
         self.router = router
+        # The Embedding calls sharded in any stage: no tensor split takes them.
+        self.nodes = {i for (i, _), p in zip(found, placements) if p.kind != "data"}
         return self
+
+    def color(self):
+        """This rank's color in the split that makes the tables' communicator: its
+        stage (the ranks of a stage look up together)."""
+        return self.stage
 
     def bind(self, stage):
         """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
@@ -190,7 +259,13 @@ class Tables:
         self.router.comm = comm
 
     def describe(self):
-        return _plan.describe(self.placements, self.ranks)
+        """The plan, one block per pipeline stage holding tables."""
+        if not self.pipelined:
+            return _plan.describe(self.placements, self.ranks)
+        return "\n".join(
+            f"stage {s}: " + _plan.describe(
+                [p for p, q in zip(self.placements, self.stages) if q == s], self.ranks)
+            for s in sorted(set(self.stages)))
 
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""

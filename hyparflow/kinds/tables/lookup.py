@@ -31,6 +31,10 @@ sends one vector per sample it had ids for (row-wise: partial sums, added on the
 sample's rank; "column": its columns of the whole sum). Rows and gradients may travel in 16 bits
 (`Router.wire`, `communication_dtype`): cast back to float32 on arrival.
 
+With tensor ranks (`Router.silent`), every tensor rank of a replica looks its ids up
+(it needs the rows) but only tensor rank 0 sends gradients: the owners take the
+others' as zeros, which leave each row's sum as it was.
+
 An id outside the table fails on every rank at step 1 (the flag rides with the
 counts), with Keras's words, so no rank waits for a message that never comes."""
 
@@ -71,9 +75,26 @@ class Router:
     def __init__(self, wire=None):
         self.comm = None
         self.wire = wire
+        # Ranks (of `comm`) whose lookups repeat another's: the tensor ranks t > 0 of a
+        # replica look the same ids up as its tensor rank 0 and get the same
+        # gradients; they send none, and the owners take theirs as zeros.
+        self.silent = frozenset()
         self.bytes = 0
         self.payload = 0
         self.largest = 0  # the largest message sent, in bytes
+
+    def gradients(self, blocks, counts_in, tail, dtype, tag, what):
+        """`alltoall` of gradients, the silent ranks' (`silent`) left out: they send
+        empty blocks, and what they would have sent arrives as zeros (zero pairs add
+        nothing to a row's sum)."""
+        comm = self.comm
+        if comm.rank in self.silent:
+            blocks = [block[:0] for block in blocks]
+        counts = [0 if p in self.silent else counts_in[p] for p in range(comm.size)]
+        got = self.alltoall(blocks, counts, tail, dtype, tag, what, self.wire)
+        for p in self.silent:
+            got[p] = np.zeros((int(counts_in[p]),) + tuple(tail), dtype)
+        return got
 
     def alltoall(self, blocks, counts_in, tail, dtype, tag, what, wire=None):
         """Send blocks[p] to rank p; receive counts_in[p] rows of shape `tail` (or
@@ -181,8 +202,8 @@ class Lookup:
         ordered = dy[order]
         off = _offsets(sent)
         blocks = [ordered[off[p]:off[p + 1]] for p in range(size)]
-        got = self.router.alltoall(blocks, recv, (self.dim,), dy.dtype, self.tag + GRADS,
-                                   f"gradients of {self.what}", self.router.wire)
+        got = self.router.gradients(blocks, recv, (self.dim,), dy.dtype, self.tag + GRADS,
+                                    f"gradients of {self.what}")
         return np.concatenate(got).reshape(-1, self.dim)
 
     # -- TensorFlow ----------------------------------------------------------
@@ -293,8 +314,8 @@ class Lookup:
         size = self.router.comm.size
         at = _offsets(mine)
         blocks = [self._take(dy, p, samples[at[p]:at[p + 1]]) for p in range(size)]
-        got = self.router.alltoall(blocks, theirs, (self.width,), dy.dtype, self.tag + GRADS,
-                                   f"gradients of {self.what}", self.router.wire)
+        got = self.router.gradients(blocks, theirs, (self.width,), dy.dtype, self.tag + GRADS,
+                                    f"gradients of {self.what}")
         return np.concatenate(got).reshape(-1, self.width)
 
     def pooled(self, ids, keep=None):
@@ -382,6 +403,6 @@ class ColumnLookup(Lookup):
         dy, recv = dy.numpy(), recv.numpy()
         size = self.router.comm.size
         blocks = [dy[:, self.firsts[p]:self.firsts[p] + self.widths[p]] for p in range(size)]
-        got = self.router.alltoall(blocks, recv, (self.width,), dy.dtype, self.tag + GRADS,
-                                   f"gradients of {self.what}", self.router.wire)
+        got = self.router.gradients(blocks, recv, (self.width,), dy.dtype, self.tag + GRADS,
+                                    f"gradients of {self.what}")
         return np.concatenate(got).reshape(-1, self.width)
