@@ -7,7 +7,7 @@ DistributedEmbedding's own call runs (`LayerTables`, the stage's shard at that n
 
 keras_rs is not imported here: a model without it never meets this module's classes."""
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ... import _compat
 from .pooled import Pooling
@@ -20,7 +20,7 @@ def is_distributed(op: Any) -> bool:
                for c in type(op).__mro__)
 
 
-def _features(op, table):
+def _features(op: Any, table: Any) -> Dict[Any, Any]:
     """{feature path: FeatureConfig} of `table` (an EmbedReduce of `op`)."""
     configs = op.__dict__.get("_placement_to_path_to_feature_config", {})
     layers = op.__dict__.get("_default_device_embedding_layers", {})
@@ -56,7 +56,7 @@ def why_not(graph: Any, i: int, table: Any) -> Optional[str]:
     return None
 
 
-def _input_shape(op, table):
+def _input_shape(op: Any, table: Any) -> Tuple[Any, ...]:
     config = next(iter(_features(op, table).values()))
     return tuple(config.input_shape) if config is not None else ()
 
@@ -71,7 +71,7 @@ def pooling(op: Any, table: Any) -> Optional[Pooling]:
 
 def ids_per_sample(op: Any, table: Any) -> int:
     shape = _input_shape(op, table)
-    return int(shape[1]) if len(shape) == 2 and shape[1] else 1
+    return int(shape[1]) if len(shape) == 2 and shape[1] else 1  # 1D ids: one
 
 
 class LayerTables:
@@ -81,31 +81,32 @@ class LayerTables:
     Answers the engine's questions of a shard for all its parts (a slot's axis
     carries which part holds it)."""
 
-    def __init__(self, op, parts):
+    def __init__(self, op: Any, parts: List[Any]) -> None:
         self.op, self.parts = op, list(parts)
 
     @property
-    def replaces(self):
+    def replaces(self) -> Dict[int, Any]:
         return {k: v for part in self.parts for k, v in part.replaces.items()}
 
-    def load(self):
+    def load(self) -> None:
         for part in self.parts:
             part.load()
 
-    def gather(self):
+    def gather(self) -> None:
         for part in self.parts:
             part.gather()
 
-    def slots(self, optimizer):
+    def slots(self, optimizer: Any) -> List[Tuple[Any, Tuple[int, Any]]]:
         return [(slot, (k, axis)) for k, part in enumerate(self.parts)
                 for slot, axis in part.slots(optimizer)]
 
-    def gathered(self, value, how):
+    def gathered(self, value: Any, how: Tuple[int, Any]) -> Any:
         return self.parts[how[0]].gathered(value, how[1])
 
-    def sliced(self, value, how):
+    def sliced(self, value: Any, how: Tuple[int, Any]) -> Any:
         return self.parts[how[0]].sliced(value, how[1])
 
-    def __call__(self, args, kwargs, training=None):
-        with _compat.calls_replaced({part.op: part.replacement() for part in self.parts}):
-            return _compat.call_operation(self.op, args, kwargs, training)
+    def __call__(self, args: Any, kwargs: Dict[str, Any], training: Optional[bool] = None) -> Any:
+        replaced: Any = _compat.calls_replaced  # an untyped context manager
+        with replaced({part.op: part.replacement() for part in self.parts}):
+            return _compat.call_operation(self.op, args, kwargs, training)  # type: ignore[arg-type]
