@@ -144,7 +144,7 @@ def test_placement_per_stage():
     assert (user.kind, item.kind, cat.kind) == ("row", "row", "row")
     assert user.sizes == (25, 25) and item.sizes == (15, 15) and cat.sizes == (6, 6)
     # Rank 3 = (replica 1, stage 1): parts of stage 1's tables.
-    assert sorted(graph.nodes[i].op.name for i in tables.parts) == ["cat", "item"]
+    assert sorted(part.op.name for part in tables.parts) == ["cat", "item"]
     text = tables.describe()
     assert "stage 0: embedding sharding over 2 ranks" in text and "stage 1:" in text
     # memory_limit holds per rank, so per stage: 1,300 bytes (3 values per weight

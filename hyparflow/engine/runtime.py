@@ -134,7 +134,7 @@ class Runtime:
         eager = bool(getattr(model, "run_eagerly", False)) if run_eagerly is None else run_eagerly
         shards = self._shards(layout.tensor_shares)
         if self.tables is not None:
-            shards.update(self.tables.parts)
+            shards.update(self.tables.shards)
         chunks = None
         if layout.num_chunks == 1:
             stage = Stage(graph, part.stages[s], model, part,

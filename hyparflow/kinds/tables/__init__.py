@@ -28,28 +28,42 @@ from ..tensor.split import common_why_not
 from . import auto as _auto
 from . import cost as _cost
 from . import plan as _plan
+from . import rs as _rs
 from . import whole as _whole
 from .lookup import Router, wire_dtype
 from .part import TablePart
+from .pooled import PoolTaken
+from .pooled import find as find_pooling
 
 __all__ = ["Tables", "placements_for", "lookups_per_sample", "first_ids"]
 
 
 def _embeddings(graph):
-    """[(node index, Embedding layer)] of the model's graph, in graph order."""
-    return [(i, node.op) for i, node in enumerate(graph.nodes)
-            if isinstance(node.op, keras.layers.Embedding)]
+    """[(node index, Embedding layer)]: the model's tables, in graph order: each
+    Embedding call, and each table (EmbedReduce) of a keras_rs DistributedEmbedding."""
+    out = []
+    for i, node in enumerate(graph.nodes):
+        if isinstance(node.op, keras.layers.Embedding):
+            out.append((i, node.op))
+        elif _rs.is_distributed(node.op):
+            out.extend((i, table) for table in _rs.tables(node.op))
+    return out
 
 
-def _why_not(graph, op):
-    """Why Embedding `op` cannot be sharded (a sentence), or None."""
+def _why_not(graph, i, op):
+    """Why Embedding `op` (called by node `i`) cannot be sharded (a sentence), or None."""
     reason = common_why_not(op, [op])
     if reason is not None:
         return reason
-    if sum(node.op is op for node in graph.nodes) != 1:
+    holder = graph.nodes[i].op
+    if holder is not op:  # a table of a DistributedEmbedding
+        reason = _rs.why_not(graph, i, op)
+        if reason is not None:
+            return reason
+    elif sum(node.op is op for node in graph.nodes) != 1:
         return "the layer is called more than once (shared weights)"
     for node in graph.nodes:
-        if node.op is not op and any(v is op.embeddings
+        if node.op is not holder and any(v is op.embeddings
                                      for v in getattr(node.op, "weights", ())):
             return f"its table is also used by layer {node.op.name!r} (tied weights)"
     if getattr(op, "sparse", False):
@@ -118,11 +132,11 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
     factor = _factor(model.optimizer) if training else 1
     dense = _dense(model.optimizer) if training else False
     tables, refused = [], {}
-    for _, op in found:
+    for i, op in found:
         table = op.embeddings
         tables.append(_plan.Table(op.name, int(table.shape[0]), int(table.shape[1]),
                                   np.dtype(table.dtype).itemsize, factor, dense))
-        reason = _why_not(graph, op)
+        reason = _why_not(graph, i, op)
         if reason is not None:
             refused[op.name] = reason
     costed: Dict[str, Any] = {}
@@ -154,6 +168,8 @@ def first_ids(graph: Any, sample: Any, batch_size: Optional[int]) -> Dict[str, n
     xs = getattr(sample, "x", None) or []
     most = FIRST_BATCHES * (batch_size or 0) or None
     for i, op in _embeddings(graph):
+        if graph.nodes[i].op is not op:  # a DistributedEmbedding's table: uniform
+            continue
         where = graph.tensors[graph.nodes[i].inputs[0]].input_position
         if where is not None and where < len(xs):
             out[op.name] = np.asarray(xs[where][:most])
@@ -164,6 +180,9 @@ def lookups_per_sample(graph: Any) -> Dict[str, int]:
     """{Embedding layer name: ids it looks up per sample} (its input's size)."""
     out: Dict[str, int] = {}
     for i, op in _embeddings(graph):
+        if graph.nodes[i].op is not op:
+            out[op.name] = _rs.ids_per_sample(graph.nodes[i].op, op)
+            continue
         shape = graph.tensors[graph.nodes[i].inputs[0]].shape
         out[op.name] = int(np.prod([d or 1 for d in shape[1:]]))
     return out
@@ -180,10 +199,15 @@ class Tables:
     """This rank's sharded tables: placements (of every stage's tables), parts (of
     this rank's stage's), and the router."""
 
-    def __init__(self, placements, parts, positions, ranks, stages=None, stage=0):
+    def __init__(self, placements, parts, positions, ranks, stages=None, stage=0,
+                 shards=None):
         self.placements, self.parts, self.ranks = placements, parts, ranks
+        # {node: what the stage calls there}: the parts (a DistributedEmbedding's
+        # together: rs.LayerTables), and the pooling calls the owners' pooled lookups
+        # took over (pooled.PoolTaken).
+        self.shards = dict(shards or {})
         self.positions = positions  # filled in by `bind` (positions in stage.trainable)
-        self.router = next(iter(parts.values())).router if parts else Router()
+        self.router = parts[0].router if parts else Router()
         # The pipeline position of each placement's table, and this rank's.
         self.stages = list(stages) if stages is not None else [0] * len(placements)
         self.stage = stage
@@ -222,26 +246,42 @@ class Tables:
         stage_of = stage_of or {}
         where = [stage_of.get(i, 0) for i, _ in found]
         # Each stage's tables over the ranks of that stage (as many in every stage).
-        placed = {}
+        placed = {}  # by place in `found` (a DistributedEmbedding's tables share a node)
         for s in sorted(set(where)):
             group = _stage_ranks(topo, s)
-            nodes = [i for (i, _), q in zip(found, where) if q == s]
+            ks = [k for k, q in enumerate(where) if q == s]
+            nodes = sorted({found[k][0] for k in ks})
             mine = placements_for(model, graph, sharding, len(group), memory_limit, training,
                                   None if hosts is None else [hosts[q] for q in group],
                                   nodes=nodes if layout.num_stages > 1 else None,
                                   batch_size=batch_size, ids=ids, wire_bytes=wire_bytes)
-            placed.update(zip(nodes, mine))
-        placements = [placed[i] for i, _ in found]
+            placed.update(zip(ks, mine))
+        placements = [placed[k] for k in range(len(found))]
         s = topo.stage(rank)
         share = _stage_ranks(topo, s).index(rank)  # this rank's part of its stage's tables
         router = Router(wire)
         group = _stage_ranks(topo, s)
         router.silent = frozenset(k for k, q in enumerate(group) if topo.tensor(q) != 0)
-        parts = {}
+        parts, shards, inner = [], {}, {}
         for site, ((i, op), p, q) in enumerate(zip(found, placements, where)):
-            if p.kind != "data" and q == s:
-                parts[i] = TablePart(op, p, share, router, site)
-        self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s)
+            if p.kind == "data" or q != s:
+                continue
+            holder = graph.nodes[i].op
+            pooling = find_pooling(graph, i) if holder is op else _rs.pooling(holder, op)
+            if (pooling is not None and pooling.node is not None
+                    and stage_of.get(pooling.node, 0) != q):
+                pooling = None  # the rows cross to the next stage: pooled there, per id
+            part = TablePart(op, p, share, router, site, pooling)
+            parts.append(part)
+            if holder is not op:
+                inner.setdefault(i, []).append(part)
+                continue
+            shards[i] = part
+            if pooling is not None and pooling.node is not None:
+                shards[pooling.node] = PoolTaken(graph.nodes[pooling.node].op, pooling)
+        for i, held in inner.items():
+            shards[i] = _rs.LayerTables(graph.nodes[i].op, held)
+        self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s, shards)
         self.pipelined = layout.num_stages > 1
         self.router = router
         # The Embedding calls sharded in any stage: no tensor split takes them.
@@ -262,7 +302,7 @@ class Tables:
     def bind(self, stage):
         """Positions, in `stage.trainable`, of the parts: their pairs stay on this rank."""
         where = {id(v): k for k, v in enumerate(stage.trainable)}
-        self.positions = sorted(where[id(part.variable)] for part in self.parts.values())
+        self.positions = sorted(where[id(part.variable)] for part in self.parts)
         return self.positions
 
     def connect(self, comm):
@@ -283,7 +323,7 @@ class Tables:
 
     def nbytes(self):
         """The bytes of the table rows this rank trains (weights only)."""
-        return sum(part.nbytes for part in self.parts.values())
+        return sum(part.nbytes for part in self.parts)
 
     # -- the whole tables' storage while fit trains (`whole`) -------------------
     def empty(self):

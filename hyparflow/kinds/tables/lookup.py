@@ -21,7 +21,14 @@ contiguous ranges (`Placement.sizes`):
    order of `requested`.
 
 A "column" table (`ColumnLookup`) sends every id to every rank instead, and the
-slices of columns come back side by side. Rows and gradients may travel in 16 bits
+slices of columns come back side by side.
+
+A pooled lookup (`pooled`: a bag of ids per sample summed, `pooled.py` finds them)
+sends each kept id with its sample's slot; the owner gathers its rows and sums them
+per sample (`unsorted_segment_sum`, whose gradient hands a sample's pooled gradient
+to each of its rows: the same pairs, in the same order, as the per-id lookup) and
+sends one vector per sample it had ids for (row-wise: partial sums, added on the
+sample's rank; "column": its columns of the whole sum). Rows and gradients may travel in 16 bits
 (`Router.wire`, `communication_dtype`): cast back to float32 on arrival.
 
 With tensor ranks (`Router.silent`), every tensor rank of a replica looks its ids up
@@ -225,6 +232,128 @@ class Lookup:
         out = exchange(rows, sent, recv, order)
         return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], 0))
 
+    # -- pooled lookups (`pooled.py`: a bag of ids per sample, summed) --------
+    def _blocks(self, ids):
+        """[indices into `ids` (ids kept for pooling, sample-major) for rank p]: the
+        ids each rank pools, in batch order; and each block's ids as the owner
+        numbers them (row numbers in its part)."""
+        owner = np.searchsorted(self.ends, np.clip(ids, 0, self.rows - 1), side="right")
+        order = np.argsort(owner, kind="stable")
+        counts = np.bincount(owner, minlength=self.router.comm.size)
+        off = _offsets(counts)
+        picks = [order[off[p]:off[p + 1]] for p in range(len(counts))]
+        return picks, [ids[k] - self.starts[p] for p, k in enumerate(picks)]
+
+    def _put(self, out, p, samples, block):
+        out[samples] += block  # a partial sum of the rows rank p owns
+
+    def _take(self, dy, p, samples):
+        return dy[samples]
+
+    def _tails(self, size):
+        """The shape of one pooled vector from each rank."""
+        return [(self.dim,)] * size
+
+    def pooled_route(self, ids, keep):
+        """Each kept id (all of them when `keep` is empty) to the rank that pools it,
+        with its slot: the sample's number among the samples of that block (its
+        samples ascend, so slots are 0..k-1). Returns for TensorFlow: the rows this
+        rank looks up (`requested`, every rank's in rank order: the global batch's),
+        each one's segment among this rank's pooled vectors, their number, how many
+        vectors each rank gets from this one (`theirs`) and sends it (`mine`), and
+        the samples of this rank's vectors from each rank (`samples`, rank order)."""
+        shape = tuple(ids.shape)
+        ids = ids.numpy().astype(np.int64, copy=False)
+        keep = keep.numpy()
+        flat = ids.reshape(-1)
+        sample = np.repeat(np.arange(shape[0], dtype=np.int64), shape[1])
+        if keep.size:  # masked: the ids Keras's mask drops add nothing, and are not sent
+            kept = keep.reshape(-1)
+            ids_kept, sample = flat[kept], sample[kept]
+        else:
+            ids_kept = flat
+        size = self.router.comm.size
+        picks, local = self._blocks(ids_kept)
+        blocks, samples, mine = [], [], np.zeros(size, np.int64)
+        for p in range(size):
+            s = sample[picks[p]]
+            first = np.ones(len(s), bool)
+            first[1:] = s[1:] != s[:-1]
+            samples.append(s[first])
+            mine[p] = len(samples[p])
+            blocks.append(np.stack([local[p], np.cumsum(first) - 1], axis=1))
+        recv = self._heads(flat, shape, np.array([len(b) for b in blocks], np.int64))
+        got = self.router.alltoall(blocks, recv, (2,), np.int64, self.tag + IDS, self.what)
+        theirs = np.array([int(g[-1, 1]) + 1 if len(g) else 0 for g in got], np.int64)
+        base = _offsets(theirs)
+        segments = np.concatenate([g[:, 1] + base[q] for q, g in enumerate(got)])
+        requested = np.concatenate([g[:, 0] for g in got])
+        return (requested, segments, np.int64(base[-1]), theirs, mine,
+                np.concatenate(samples).astype(np.int64))
+
+    def pooled_back(self, pooled, theirs, mine, samples, batch):
+        """Each rank its vectors (one per sample it had ids for here), added into
+        the microbatch's pooled sums in rank order (samples with none stay 0)."""
+        pooled, theirs, mine = pooled.numpy(), theirs.numpy(), mine.numpy()
+        samples = samples.numpy()
+        size = self.router.comm.size
+        off = _offsets(theirs)
+        blocks = [pooled[off[p]:off[p + 1]] for p in range(size)]
+        got = self.router.alltoall(blocks, mine, self._tails(size), pooled.dtype,
+                                   self.tag + ROWS, self.what, self.router.wire)
+        out = np.zeros((int(batch), self.dim), pooled.dtype)
+        at = _offsets(mine)
+        for p in range(size):
+            self._put(out, p, samples[at[p]:at[p + 1]], got[p])
+        return out
+
+    def pooled_grads(self, dy, theirs, mine, samples):
+        """The pooled gradient of each sample to the ranks that pooled it (a "column"
+        rank: its columns): one vector per (sample, rank) as in the forward."""
+        dy, theirs, mine, samples = dy.numpy(), theirs.numpy(), mine.numpy(), samples.numpy()
+        size = self.router.comm.size
+        at = _offsets(mine)
+        blocks = [self._take(dy, p, samples[at[p]:at[p + 1]]) for p in range(size)]
+        got = self.router.gradients(blocks, theirs, (self.width,), dy.dtype, self.tag + GRADS,
+                                    f"gradients of {self.what}")
+        return np.concatenate(got).reshape(-1, self.width)
+
+    def pooled(self, ids, keep=None):
+        """The sum over axis 1 of the rows of `ids` (batch, bag) where `keep` (same
+        shape, bool; None: every id), shape (batch, dim): each rank pools the rows
+        it owns (a sum per sample, on the owner) and sends one vector per sample.
+        Its backward gives each owner the pooled gradient of the samples, which
+        the segment sum's gradient hands to each of their rows: the (row, value)
+        pairs of the global batch, in its order, as the per-id lookup gives."""
+        ids = tf.cast(ids, tf.int64)
+        keep = tf.zeros((0,), tf.bool) if keep is None else tf.cast(keep, tf.bool)
+        requested, segments, count, theirs, mine, samples = tf.py_function(
+            self.pooled_route, [ids, keep], [tf.int64] * 6)
+        requested.set_shape([None])
+        segments.set_shape([None])
+        count.set_shape([])
+        table = self.part.variable.value
+        pooled = tf.math.unsorted_segment_sum(tf.gather(table, requested), segments, count)
+        dim, width, dtype = self.dim, self.width, pooled.dtype
+        batch = tf.shape(ids, out_type=tf.int64)[0]
+
+        @tf.custom_gradient
+        def exchange(pooled, theirs, mine, samples, batch):
+            out = tf.py_function(self.pooled_back, [pooled, theirs, mine, samples, batch],
+                                 dtype)
+            out.set_shape([None, dim])
+
+            def grad(dy):
+                g = tf.py_function(self.pooled_grads,
+                                   [tf.convert_to_tensor(dy), theirs, mine, samples], dtype)
+                g.set_shape([None, width])
+                return g, None, None, None, None
+
+            return out, grad
+
+        out = exchange(pooled, theirs, mine, samples, batch)
+        return tf.reshape(out, tf.stack([batch, dim]))
+
 
 class ColumnLookup(Lookup):
     """The lookup of a table sharded by columns: every id goes to every rank, each
@@ -256,6 +385,19 @@ class ColumnLookup(Lookup):
         got = self.router.alltoall(blocks, sent, [(w,) for w in self.widths], rows.dtype,
                                    self.tag + ROWS, self.what, self.router.wire)
         return np.concatenate(got, axis=1)
+
+    def _blocks(self, ids):
+        every = np.arange(len(ids))
+        return [every] * self.router.comm.size, [ids] * self.router.comm.size
+
+    def _put(self, out, p, samples, block):
+        out[samples, self.firsts[p]:self.firsts[p] + self.widths[p]] = block
+
+    def _take(self, dy, p, samples):
+        return dy[samples, self.firsts[p]:self.firsts[p] + self.widths[p]]
+
+    def _tails(self, size):
+        return [(w,) for w in self.widths]
 
     def grads_back(self, dy, sent, recv, order):
         dy, recv = dy.numpy(), recv.numpy()

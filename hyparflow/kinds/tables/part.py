@@ -10,6 +10,7 @@ import tensorflow as tf
 from ... import _compat
 from ..tensor.shard import part_variable
 from .lookup import ColumnLookup, Lookup
+from .pooled import reduce_as_embed_reduce
 
 __all__ = ["TablePart"]
 
@@ -19,8 +20,9 @@ class TablePart:
     them: possibly none (a whole table placed on another rank); for "column", its
     columns of every row."""
 
-    def __init__(self, op, placement, rank, router, site):
+    def __init__(self, op, placement, rank, router, site, pooling=None):
         self.op, self.placement, self.rank, self.router = op, placement, rank, router
+        self.pooling = pooling  # a `pooled.Pooling`: the owners pool the bag (None: per id)
         self.column = placement.kind == "column"
         # Along the cut axis (rows, or columns for "column"): what each rank owns.
         self.sizes = list(placement.widths if self.column else placement.sizes)
@@ -86,18 +88,37 @@ class TablePart:
         return [(slot, 0) for slot in optimizer.variables
                 if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(self.variable.shape)]
 
-    def __call__(self, args, kwargs, training=None):
-        """The layer's call through Keras's `Layer.__call__` (its mask, casting and
-        errors are Keras's), with the sharded lookup in place of `Embedding.call`."""
-        op = self.op
+    def replacement(self):
+        """What runs in place of the layer's `call`: the sharded lookup (pooled by
+        the owners when the layer pools itself: EmbedReduce's combiner)."""
+        op, pooling = self.op, self.pooling
 
         def call(inputs, *_, **__):
-            if inputs.dtype not in (tf.int32, tf.int64):
-                inputs = tf.cast(inputs, tf.int32)
+            inputs = _ids(inputs)
+            if pooling is not None:
+                return reduce_as_embed_reduce(self.lookup.pooled(inputs), inputs,
+                                              pooling.combiner)
             return tf.cast(self.lookup(inputs), op.compute_dtype)
 
-        with _compat.calls_replaced({op: call}):
-            return _compat.call_operation(op, args, kwargs, training)
+        return call
+
+    def __call__(self, args, kwargs, training=None):
+        """The layer's call through Keras's `Layer.__call__` (its mask, casting and
+        errors are Keras's), with the sharded lookup in place of `Embedding.call`.
+        Pooled by a later call (`pooling.node`): the owners' sums per sample, for
+        that call (`pooled.PoolTaken`) only, without Keras's call (whose mask and
+        shape are of the rows, which nobody gets)."""
+        pooling = self.pooling
+        if pooling is not None and pooling.node is not None:
+            ids = _ids(args[0])
+            return self.lookup.pooled(ids, tf.not_equal(ids, 0) if pooling.masked else None)
+        with _compat.calls_replaced({self.op: self.replacement()}):
+            return _compat.call_operation(self.op, args, kwargs, training)
+
+
+def _ids(inputs):
+    inputs = tf.convert_to_tensor(inputs)
+    return inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
 
 
 _WEIGHTS_TAG = 7  # gathers of whole tables and slots, between steps (never inside one)
