@@ -77,7 +77,8 @@ LAYERS = {
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
               "kinds.tables.part", "kinds.tables.cost", "kinds.tables.idle",
-              "kinds.tables.whole", "kinds.tables.auto"}
+              "kinds.tables.whole", "kinds.tables.auto", "kinds.tables.pooled",
+              "kinds.tables.rs"}
     # A new split kind is one file there (docs/architecture.md): all of them belong here.
     | {f"kinds.{d}.{p.stem}" for d in ("tensor", "mesh")
        for p in (PACKAGE / "kinds" / d).glob("*.py") if p.stem != "__init__"},

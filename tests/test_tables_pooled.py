@@ -83,6 +83,20 @@ def test_pooled_lookups_train_as_model_fit(ranks, sharding, optimizer, micro):
         assert all(pooling[n] is None for n in ("user", "bmax") if n in pooling)
 
 
+def test_pooled_short_last_batch_trains_as_model_fit():
+    """A last batch of 3 over R=4 x M=2: replica 3 has no sample, and serves the
+    others' pooled lookups (one vector per sample back, its rows' pairs from their
+    samples' gradients: `idle.py`) as a replica with samples would."""
+    x, y = pooled_data(n=35)
+    start, want, _ = reference(lambda: pooled_model("adam"), x, y, epochs=2, batch_size=16)
+    sharding = {"bmean": "row", "bsum": "column", "bavg": "table", "user": "row",
+                "bmax": "row"}
+    for weights, pooling, _ in _fit(4, sharding, "adam", 2, x, y, start):
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, want))
+        assert diff <= 2e-6, diff
+        assert pooling["bmean"] is not None and pooling["bsum"] is not None
+
+
 def _vectors(x, ranks, placements):
     """(pooled, per id): the rows and gradients one epoch sends between ranks, in
     vectors: pooled, one per (sample, owning rank other than the sample's) with a

@@ -328,23 +328,23 @@ class Tables:
     # -- the whole tables' storage while fit trains (`whole`) -------------------
     def empty(self):
         """Drop every sharded table's whole copy on this rank (its part trains)."""
-        for part in self.parts.values():
+        for part in self.parts:
             _whole.empty(part)
         _whole.trim()
 
     def fill(self):
         """Every sharded table whole again in its Keras variable (collective)."""
-        for part in self.parts.values():
+        for part in self.parts:
             if part.emptied:
                 _whole.fill(part)
 
     def emptied(self):
         """{id(Keras variable)} of the tables whose whole copy is dropped."""
-        return {id(part.op.embeddings) for part in self.parts.values() if part.emptied}
+        return {id(part.op.embeddings) for part in self.parts if part.emptied}
 
     def whole_weights(self):
         """{id(Keras variable): whole table} of the dropped tables, gathered from
         their owners (collective), for a checkpoint."""
         return {id(part.op.embeddings): part.gathered(part.variable.numpy(), 0)
-                for part in self.parts.values() if part.emptied}
+                for part in self.parts if part.emptied}
 

@@ -35,8 +35,11 @@ class Idle:
     def __init__(self, tables, stage, replicas, microbatches, served=True):
         # `served`: with one stage and one tensor rank (tested so); in a pipeline or
         # with tensor ranks a short batch that leaves a replica short is refused.
-        self.served = served
-        self.parts = [tables.parts[i] for i in sorted(tables.parts)]  # graph order
+        # A keras_rs DistributedEmbedding looks its tables up in an order of its own
+        # (its features'), which this replica could not follow without its ids.
+        self.served = served and not any(type(s).__name__ == "LayerTables"
+                                         for s in tables.shards.values())
+        self.parts = list(tables.parts)  # graph order, as the stage calls them
         self.stage, self.replicas, self.microbatches = stage, replicas, microbatches
         where = {id(v): k for k, v in enumerate(stage.trainable)}
         self.positions = [where[id(part.variable)] for part in self.parts]
@@ -51,9 +54,9 @@ class Idle:
             # Every rank sees the same batch size: every rank raises.
             raise NotImplementedError(
                 f"A batch of {batch_size} samples leaves some replica fewer than "
-                f"{most} microbatches; with embedding_sharding in a pipeline or with tensor "
-                "ranks such a short batch is not supported yet (one stage and one tensor "
-                "rank train it). Drop the last samples (a dataset: drop_remainder=True), or "
+                f"{most} microbatches; with embedding_sharding in a pipeline, with tensor "
+                "ranks or with a keras_rs DistributedEmbedding such a short batch is not "
+                "supported yet (one stage and one tensor rank train it). Drop the last samples (a dataset: drop_remainder=True), or "
                 "pick a batch_size whose batches give every replica as many microbatches.")
         return list(micro) + [np.zeros(0, np.int64)] * (most - len(micro))
 
@@ -66,10 +69,22 @@ class Idle:
         served = []
         for part in self.parts:
             lookup = part.lookup
+            if part.pooling is not None:
+                # A pooled lookup: the others' bags summed per sample here, one vector
+                # each sent back; its gradient pairs are each row's sample's vector.
+                bag = max(int(part.pooling.bag or 1), 1)
+                requested, segments, count, theirs, mine, samples = lookup.pooled_route(
+                    tf.zeros([0, bag], tf.int64), tf.zeros([0], tf.bool))
+                pooled = tf.math.unsorted_segment_sum(
+                    tf.gather(part.variable.value, requested), segments, count)
+                lookup.pooled_back(pooled, tf.constant(theirs), tf.constant(mine),
+                                   tf.constant(samples), tf.constant(0, tf.int64))
+                served.append((requested, theirs, segments))
+                continue
             requested, sent, recv, order = lookup.route(tf.zeros([0], tf.int64))
             rows = tf.gather(part.variable.value, requested)
             lookup.rows_back(rows, tf.constant(sent), tf.constant(recv), tf.constant(order))
-            served.append((requested, recv))
+            served.append((requested, recv, None))
         if keep:
             self._served[i] = served
         return served
@@ -83,7 +98,7 @@ class Idle:
         router = self.parts[0].router
         comm = router.comm
         reqs, got = [], []
-        for part, (_, recv) in zip(self.parts, served):
+        for part, (_, recv, _) in zip(self.parts, served):
             lookup, dtype = part.lookup, np.dtype(part.variable.dtype)
             wire = router.wire or dtype
             blocks = []
@@ -102,6 +117,8 @@ class Idle:
         stage = self.stage
         into, where = stage.sink if stage.sink is not None else (
             stage, range(len(stage.trainable)))
-        for k, (requested, _), blocks in zip(self.positions, served, got):
+        for k, (requested, _, segments), blocks in zip(self.positions, served, got):
             values = np.concatenate(blocks).astype(np.float32)
+            if segments is not None:  # pooled: a row's gradient is its sample's vector's
+                values = values[np.asarray(segments, np.int64)]
             into.grads.keep(where[k], i, np.asarray(requested, np.int64), values)
