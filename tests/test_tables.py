@@ -316,7 +316,8 @@ def test_bad_input_is_named():
         "no tables": (tables_model, x, y, {"communication_dtype": {"tables": "bfloat16"}}),
         "adafactor": (adafactor, x, y, {"embedding_sharding": "auto"}),
         "saves mid-fit": (tables_model, x, y, {"embedding_sharding": "auto", "callbacks": [
-            keras.callbacks.EarlyStopping(restore_best_weights=True)]}),
+            keras.callbacks.ModelCheckpoint("/tmp/hyparflow-never.weights.h5",
+                                            save_weights_only=True, save_freq=2)]}),
         # Last: a failure inside a step aborts the ranks' world (as MPI_Abort would).
         "vocabulary": (tables_model, bad, y, {"embedding_sharding": {"user": "row"}}),
     })
@@ -330,8 +331,47 @@ def test_bad_input_is_named():
     assert "embedding_sharding is not set" in errors["no tables"]
     assert "Adafactor updates a weight matrix as a whole" in errors["adafactor"]
     assert "owners of a sharded table" in errors["adafactor"]
-    assert "EarlyStopping(restore_best_weights=True)" in errors["saves mid-fit"]
+    assert "ModelCheckpoint(save_freq=2)" in errors["saves mid-fit"]
     assert "checkpoint_dir" in errors["saves mid-fit"]
+
+
+def test_epoch_end_callbacks_see_the_whole_tables(tmp_path):
+    """The whole copies are dropped while an epoch trains, and put back for the
+    user's callbacks at its end: ModelCheckpoint (per epoch) saves, and
+    EarlyStopping(restore_best_weights=True) restores, the weights model.fit's do."""
+    x, y = tables_data()
+    vx, vy = [a[:16] for a in x], y[:16]
+
+    def callbacks(where):
+        return [keras.callbacks.ModelCheckpoint(str(where), save_weights_only=True),
+                keras.callbacks.EarlyStopping("val_loss", patience=1,
+                                              restore_best_weights=True)]
+
+    keras_file = tmp_path / "keras.weights.h5"
+    start, want, _ = reference(lambda: tables_model("adam"), x, y, epochs=3, batch_size=16,
+                               validation_data=(vx, vy), callbacks=callbacks(keras_file))
+    saved = tables_model("adam")
+    saved.load_weights(str(keras_file))
+
+    def body(comm):
+        model = tables_model("adam")
+        model.set_weights(start)
+        mine = tmp_path / f"rank{comm.rank}.weights.h5"
+        hf.fit(model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, comm=comm,
+               num_replicas=2, validation_data=(vx, vy), callbacks=callbacks(mine),
+               embedding_sharding={"user": "row", "item": "column", "cat": "table"})
+        if comm.rank != 0:  # ModelCheckpoint writes on rank 0 only
+            return model.get_weights(), None
+        last = tables_model("adam")
+        last.load_weights(str(mine))
+        return model.get_weights(), last.get_weights()
+
+    out = run_ranks(2, body, timeout=300)
+    assert out[0][1] is not None
+    for weights, checkpoint in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 2e-6
+        assert checkpoint is None or max(float(np.abs(a - b).max())
+                   for a, b in zip(checkpoint, saved.get_weights())) <= 2e-6
 
 
 @pytest.mark.parametrize("dtype,optimizer,bound", [

@@ -156,6 +156,10 @@ def train(model, x, y, *, comm, layout, options):
             # rank holds a part of each sharded table; not yet in pipelines or with
             # tensor ranks, whose other stages take the tables from the owners).
             runtime.tables.empty()
+            # The user's callbacks see the whole tables at each epoch's end (a collective:
+            # ranks may pass different callbacks, so all fill if any has some).
+            state["whole_at_epoch_end"] = any(comm.allgather_obj(
+                _tables_whole.reads_weights(options.callbacks)))
         history = _loop(model, runtime, source, state, options.epochs, options.callbacks)
         # Bytes per sample this rank keeps for the backward (`StageBody._run_nodes`).
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
@@ -302,10 +306,15 @@ def _loop(model, runtime, source, state, epochs, callbacks):
         if "validation" in state and epoch in state["validation_epochs"]:
             val = run_evaluation(model, runtime, state["validation"], logs)
             epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        whole = state.get("whole_at_epoch_end")
+        if whole:
+            runtime.tables.fill()  # collective: every rank is at this epoch's end
         cbs.on_epoch_end(epoch, epoch_logs)
         model.stop_training = comm.bcast_obj(bool(model.stop_training), 0)
         if model.stop_training:
             break
+        if whole and epoch + 1 < epochs:
+            runtime.tables.empty()
     if runtime.tables is not None:
         runtime.tables.fill()  # whole again, from their owners, for the model fit returns
     cbs.on_train_end(epoch_logs)

@@ -7,12 +7,14 @@ resource handle: functions that captured it stay valid), and `fill` puts the who
 table back (gathered from the owners) before the `on_train_end` callbacks, when
 `fit` returns.
 
-Meanwhile the variable holds no rows: `model.get_weights()` in a callback gives the
-table with shape (0, output_dim), and assigning it fails (TensorFlow's shape error).
-Keras's callbacks that read or restore the whole model mid-fit (`ModelCheckpoint`,
-`BackupAndRestore`, `EarlyStopping(restore_best_weights=True)`, `SwapEMAWeights`)
-are refused up front, naming `checkpoint_dir` (whose checkpoints hold the whole
-tables, gathered from the owners) instead of writing tables with no rows."""
+Meanwhile the variable holds no rows, except at an epoch's end: when `fit` has
+callbacks of the user's, the tables are gathered back whole before `on_epoch_end`
+(so `ModelCheckpoint`, `EarlyStopping(restore_best_weights=True)`, `BackupAndRestore`
+and a user's own callback see the whole model, as with `model.fit`) and dropped again
+after it. Within an epoch `model.get_weights()` gives a sharded table with shape
+(0, output_dim): the callbacks that save or restore the model every N batches
+(`save_freq=N`) and `SwapEMAWeights` (the owners' optimizer keeps no average of the
+whole table) are refused up front, naming what to use instead."""
 
 import ctypes
 
@@ -58,21 +60,28 @@ def trim():
         pass
 
 
-_REFUSED = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
-            getattr(keras.callbacks, "SwapEMAWeights", ()))
+def reads_weights(callbacks):
+    """Whether `fit`'s callbacks include any of the user's (which may read or save
+    the model at an epoch's end): then the tables are whole for `on_epoch_end`."""
+    return any(not isinstance(cb, (keras.callbacks.History, keras.callbacks.ProgbarLogger))
+               for cb in callbacks or ())
 
 
 def check_callbacks(callbacks):
-    """Refuse the Keras callbacks that read or set the whole model during fit."""
+    """Refuse the Keras callbacks that read or set the whole model within an epoch."""
     for cb in callbacks or ():
         name = type(cb).__name__
-        if isinstance(cb, _REFUSED) or (isinstance(cb, keras.callbacks.EarlyStopping)
-                                        and cb.restore_best_weights):
-            what = (f"{name}(restore_best_weights=True)"
-                    if isinstance(cb, keras.callbacks.EarlyStopping) else name)
+        swap = getattr(keras.callbacks, "SwapEMAWeights", None)
+        batches = (isinstance(cb, (keras.callbacks.ModelCheckpoint,
+                                   keras.callbacks.BackupAndRestore))
+                   and getattr(cb, "save_freq", "epoch") != "epoch")
+        if batches or (swap is not None and isinstance(cb, swap)):
+            what = f"{name}(save_freq={cb.save_freq!r})" if batches else name
             raise ValueError(
-                f"{what} reads or sets the model's weights during fit, but with "
-                "embedding_sharding a sharded table's Keras variable holds no rows until fit "
-                "returns (each rank keeps only the rows it owns: docs/recommenders.md). Use "
-                "hf.fit(..., checkpoint_dir=...) instead (its checkpoints hold the whole "
-                "tables, gathered from their owners), or save the model after fit.")
+                f"{what} reads or sets the model's weights within an epoch, but with "
+                "embedding_sharding a sharded table's Keras variable holds no rows between "
+                "epoch ends (each rank keeps only the rows it owns: docs/recommenders.md). "
+                + ("Use save_freq='epoch', or hf.fit(..., checkpoint_dir=..., "
+                   "checkpoint_every=N) (its checkpoints hold the whole tables, gathered "
+                   "from their owners)." if batches else
+                   "Leave it out with embedding_sharding, or set embedding_sharding=None."))
