@@ -183,13 +183,14 @@ def resumable():
 
 
 def tables():
-    """"table-row" tables (rows of 256 values, bags of 8 ids: messages past 64 KB) and a
+    """"table-row" tables (rows of 768 values, bags of 8 ids: messages past 64 KB, the
+    pooled ones one vector per sample: 32 x 768 x 4 bytes) and a
     row-wise one, SGD, against model.fit; every rank writes OUTDIR/rank-K.json with its
     host, the weight difference, the rows it held of each table and its largest message."""
     from test_tables import tables_data, tables_model
 
     rows = {"user": 64, "item": 300, "cat": 12}
-    build = lambda: tables_model("sgd", dim=256, bag=8, rows=rows)  # noqa: E731
+    build = lambda: tables_model("sgd", dim=768, bag=8, rows=rows)  # noqa: E731
     x, y = tables_data(n=256, bag=8, rows=rows)
     reference = build()
     start = reference.get_weights()

@@ -55,8 +55,10 @@ def test_pipelined_tables_under_mpiexec():
     """S=2 stages x R=SIZE/2 replicas, tables in both stages (user and item in stage 0,
     cat in stage 1) sharded over the replicas of their stage, each on a communicator of
     its own, while the pipeline's activations (past 64 KB too) cross between the stages:
-    model.fit's weights under zb-h1 (B and W apart) with 2 microbatches."""
-    build = lambda: tables_model("sgd", dim=256, bag=8, rows=BIG)  # noqa: E731
+    model.fit's weights under zb-h1 (B and W apart) with 2 microbatches. Rows of 1280
+    values: the pooled and column-wise messages carry one (part of a) vector per
+    sample of a 32-sample microbatch, past 64 KB on every rank."""
+    build = lambda: tables_model("sgd", dim=1280, bag=8, rows=BIG)  # noqa: E731
     x, y = tables_data(n=256, bag=8, rows=BIG)
     start, want, _ = reference(build, x, y, batch_size=128, epochs=2)
     model = build()
