@@ -406,11 +406,54 @@ def test_reduced_precision_exchanges(dtype, optimizer, bound):
 
     for out in run_ranks(2, body, timeout=300):
         (full, full_all, exact, _), (half, half_all, drift, loss) = out["float32"], out[dtype]
-        assert full > 0 and half * 2 == full  # rows and gradients: half the bytes
+        if dtype == "bfloat16":
+            assert full > 0 and half * 2 == full  # rows and gradients: half the bytes
+        else:  # float16: half, and each gradient message's scale row (`lookup.pack`)
+            assert full > 0 and full < half * 2 < full * 1.5, (half, full)
         assert full_all - half_all == full - half  # ids and counts: as they were
         assert exact <= 2e-6
         assert 1e-7 < drift < bound, (dtype, optimizer, drift)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
+
+
+def test_float16_table_gradients_carry_their_scale():
+    """A float16 gradient message travels scaled by its own power of two (`lookup.pack`):
+    gradients of 1e-9 (0 in plain float16) and of 1e6 (inf) arrive within float16's
+    relative rounding, from every rank to every rank."""
+    from hyparflow.kinds.tables.lookup import Router
+
+    def block(p, q):
+        rng = np.random.default_rng(10 * p + q)
+        size = 1e-9 if (p + q) % 2 else 1e6
+        return (rng.normal(size=(3 + p + q, 4)) * size).astype(np.float32)
+
+    assert not np.float16(1e-9) and np.isinf(np.float16(1e6))  # what a plain cast does
+
+    def body(comm):
+        router = Router(np.dtype(np.float16))
+        router.comm = comm
+        got = router.gradients([block(comm.rank, q) for q in range(comm.size)],
+                               [len(block(p, comm.rank)) for p in range(comm.size)], (4,),
+                               np.float32, 900, "test")
+        return [np.abs(g / block(p, comm.rank) - 1).max() for p, g in enumerate(got)]
+
+    for errors in run_ranks(3, body, timeout=60):
+        assert max(errors) < 1e-3, errors
+
+
+def test_float16_tables_with_a_short_last_batch():
+    """The idle replica of a short last batch takes the float16 gradients with their
+    scale, as the others do: the weights stay within float16's rounding of model.fit's."""
+    from conftest import train_ranks
+
+    x, y = tables_data(n=33)
+    start, want, _ = reference(lambda: tables_model("sgd"), x, y, epochs=2, batch_size=16)
+    out = train_ranks(lambda: tables_model("sgd"), x, y, num_stages=1, num_replicas=2,
+                      num_microbatches=2, weights=start, batch_size=16, epochs=2,
+                      shuffle=False, communication_dtype={"tables": "float16"},
+                      embedding_sharding={"user": "row", "item": "column", "cat": "table"})
+    for weights, _ in out:
+        assert max(float(np.abs(a - b).max()) for a, b in zip(weights, want)) <= 1e-4
 
 
 @pytest.mark.parametrize("first,then", [

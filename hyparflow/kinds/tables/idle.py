@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from ...engine.comm import timeout_seconds, wait_all
-from .lookup import GRADS
+from .lookup import GRADS, packed_rows, scaled, unpack
 
 __all__ = ["Idle"]
 
@@ -106,7 +106,8 @@ class Idle:
                 if p == comm.rank:  # no ids of its own: nothing from itself
                     blocks.append(np.zeros((0, lookup.width), wire))
                     continue
-                block = np.empty((int(recv[p]), lookup.width), wire)
+                rows = packed_rows(int(recv[p])) if scaled(router.wire) else int(recv[p])
+                block = np.empty((rows, lookup.width), wire)
                 reqs.append(comm.irecv(block, p, lookup.tag + GRADS))
                 reqs.append(comm.isend(np.zeros((0, lookup.width), wire), p, lookup.tag + GRADS))
                 blocks.append(block)
@@ -118,6 +119,8 @@ class Idle:
         into, where = stage.sink if stage.sink is not None else (
             stage, range(len(stage.trainable)))
         for k, (requested, _, segments), blocks in zip(self.positions, served, got):
+            if scaled(router.wire):  # float16 gradients come with their scale (`pack`)
+                blocks = [unpack(b, np.float32) for b in blocks]
             values = np.concatenate(blocks).astype(np.float32)
             if segments is not None:  # pooled: a row's gradient is its sample's vector's
                 values = values[np.asarray(segments, np.int64)]
