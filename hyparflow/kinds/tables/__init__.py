@@ -30,7 +30,8 @@ from . import cost as _cost
 from . import plan as _plan
 from . import rs as _rs
 from . import whole as _whole
-from .lookup import Router, wire_dtype
+from ...engine.wire import numpy_dtype
+from .lookup import Router
 from .part import TablePart
 from .pooled import PoolTaken
 from .pooled import find as find_pooling
@@ -226,7 +227,7 @@ class Tables:
         host), where "table-row" tables go; `sample`, `batch_size`: the data fit holds
         and its global batch, whose first batches' ids "auto" costs the owners' load
         from (every rank holds the same: the same plan)."""
-        wire = wire_dtype(communication_dtype)
+        wire = numpy_dtype(communication_dtype)  # a name engine.wire.resolve checked
         if sharding is None:
             if wire is not None:
                 raise ValueError(

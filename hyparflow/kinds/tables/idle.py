@@ -22,7 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from ...engine.comm import timeout_seconds, wait_all
-from .lookup import GRADS, packed_rows, scaled, unpack
+from ...engine.wire import scaled
+from .lookup import GRADS, packed_rows, unpack
 
 __all__ = ["Idle"]
 

@@ -42,34 +42,13 @@ import numpy as np
 import tensorflow as tf
 
 from ...engine.comm import timeout_seconds, wait_all
+from ...engine.wire import scaled
 
-__all__ = ["Router", "Lookup", "ColumnLookup", "TAG_BASE", "wire_dtype"]
+__all__ = ["Router", "Lookup", "ColumnLookup", "TAG_BASE", "pack", "unpack", "packed_rows"]
 
 TAG_BASE = 1 << 12
 _ROLES = 4
 COUNTS, IDS, ROWS, GRADS = range(_ROLES)
-
-
-def wire_dtype(name):
-    """The numpy dtype rows and gradients travel in for `communication_dtype=name`
-    (None: as they are, float32)."""
-    if name is None or name == "float32":
-        return None
-    if name == "bfloat16":
-        import ml_dtypes  # comes with TensorFlow
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if name == "float16":
-        return np.dtype(np.float16)
-    raise ValueError(
-        f"communication_dtype={name!r} is not a dtype hyparflow exchanges in. Use one of "
-        "['float32', 'bfloat16', 'float16'] (or None: float32).")
-
-
-def scaled(wire):
-    """Whether gradients travelling in `wire` carry a scale (float16: its range is
-    narrow; bfloat16 keeps float32's)."""
-    return wire is not None and wire == np.float16
 
 
 def pack(block, wire):
