@@ -26,39 +26,10 @@ SIZE = MPI.COMM_WORLD.Get_size()
 BIG = {"user": 64, "item": 300, "cat": 12}
 
 
-@pytest.mark.mpi(min_size=2)
-def test_sharded_tables_under_mpiexec():
-    build = lambda: tables_model("sgd", dim=256, bag=8, rows=BIG)  # noqa: E731
-    x, y = tables_data(n=256, bag=8, rows=BIG)
-    start, want, _ = reference(build, x, y, batch_size=128, epochs=2)
-    model = build()
-    model.set_weights(start)
-    router = []
-
-    class Look(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            router[:] = [model.get_layer("item").__dict__["_hyparflow_table_part"].router]
-
-    hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
-           embedding_sharding={"user": "table", "item": "row", "cat": "column"},
-           callbacks=[Look()])
-    diff = max_diff(model.get_weights(), want)
-    if hf.is_main():
-        print(f"\nsharded tables R={SIZE}: max weight difference {diff:.3g}, largest "
-              f"message {router[0].largest:,} bytes, {router[0].bytes:,} bytes sent")
-    assert diff <= 2e-6
-    assert router[0].largest > 64 * 1024
-
-
-@pytest.mark.mpi(min_size=4)
-def test_pipelined_tables_under_mpiexec():
-    """S=2 stages x R=SIZE/2 replicas, tables in both stages (user and item in stage 0,
-    cat in stage 1) sharded over the replicas of their stage, each on a communicator of
-    its own, while the pipeline's activations (past 64 KB too) cross between the stages:
-    model.fit's weights under zb-h1 (B and W apart) with 2 microbatches. Rows of 1280
-    values: the pooled and column-wise messages carry one (part of a) vector per
-    sample of a 32-sample microbatch, past 64 KB on every rank."""
-    build = lambda: tables_model("sgd", dim=1280, bag=8, rows=BIG)  # noqa: E731
+def _fit(dim, **layout):
+    """hf.fit of the tables model with rows of `dim` values on this rank's data, from
+    model.fit's start: (max weight difference from model.fit, this rank's routers)."""
+    build = lambda: tables_model("sgd", dim=dim, bag=8, rows=BIG)  # noqa: E731
     x, y = tables_data(n=256, bag=8, rows=BIG)
     start, want, _ = reference(build, x, y, batch_size=128, epochs=2)
     model = build()
@@ -71,10 +42,31 @@ def test_pipelined_tables_under_mpiexec():
                           for n in BIG if "_hyparflow_table_part" in model.get_layer(n).__dict__]
 
     hf.fit(model, x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
-           num_stages=2, num_replicas=SIZE // 2, num_microbatches=2, balance=(3, 7),
-           schedule="zb-h1", embedding_sharding={"user": "table", "item": "row", "cat": "column"},
-           callbacks=[Look()])
-    diff = max_diff(model.get_weights(), want)
+           embedding_sharding={"user": "table", "item": "row", "cat": "column"},
+           callbacks=[Look()], **layout)
+    return max_diff(model.get_weights(), want), routers
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sharded_tables_under_mpiexec():
+    diff, routers = _fit(256)
+    if hf.is_main():
+        print(f"\nsharded tables R={SIZE}: max weight difference {diff:.3g}, largest "
+              f"message {routers[0].largest:,} bytes, {routers[0].bytes:,} bytes sent")
+    assert diff <= 2e-6
+    assert routers[0].largest > 64 * 1024
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pipelined_tables_under_mpiexec():
+    """S=2 stages x R=SIZE/2 replicas, tables in both stages (user and item in stage 0,
+    cat in stage 1) sharded over the replicas of their stage, each on a communicator of
+    its own, while the pipeline's activations (past 64 KB too) cross between the stages:
+    model.fit's weights under zb-h1 (B and W apart) with 2 microbatches. Rows of 1280
+    values: the pooled and column-wise messages carry one (part of a) vector per
+    sample of a 32-sample microbatch, past 64 KB on every rank."""
+    diff, routers = _fit(1280, num_stages=2, num_replicas=SIZE // 2, num_microbatches=2,
+                         balance=(3, 7), schedule="zb-h1")
     largest = max(r.largest for r in routers)
     if hf.is_main():
         print(f"\npipelined sharded tables S=2 R={SIZE // 2}: max weight difference "

@@ -24,6 +24,7 @@ import tensorflow as tf
 from ...engine.comm import timeout_seconds, wait_all
 from ...engine.wire import scaled
 from .lookup import GRADS, packed_rows, unpack
+from .rs import LayerTables
 
 __all__ = ["Idle"]
 
@@ -38,7 +39,7 @@ class Idle:
         # with tensor ranks a short batch that leaves a replica short is refused.
         # A keras_rs DistributedEmbedding looks its tables up in an order of its own
         # (its features'), which this replica could not follow without its ids.
-        self.served = served and not any(type(s).__name__ == "LayerTables"
+        self.served = served and not any(isinstance(s, LayerTables)
                                          for s in tables.shards.values())
         self.parts = list(tables.parts)  # graph order, as the stage calls them
         self.stage, self.replicas, self.microbatches = stage, replicas, microbatches
