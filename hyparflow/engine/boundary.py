@@ -29,7 +29,7 @@ halves at the next step's `start`): no round trip, and the result is what float3
 
 import numpy as np
 
-from ..engine.comm import poll, timeout_seconds
+from .comm import poll, timeout_seconds
 from . import wire as _wire
 
 __all__ = ["Boundary"]
