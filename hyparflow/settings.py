@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
-           "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
+           "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale"]
@@ -49,6 +49,9 @@ VARIABLES = (
     Variable("HYPARFLOW_TIMEOUT", "600",
              "communication watchdog in seconds: a wait longer than this ends the run "
              "(0 = off)"),
+    Variable("HYPARFLOW_ORDER_SECONDS", "20",
+             "a split layer's collective waiting this long looks for peers in another "
+             "collective (named at once) or says what it waits for"),
     Variable("HYPARFLOW_SPIN_SECONDS", "0.2, or 0 when oversubscribed",
              "how long a wait polls before it sleeps between polls"),
     Variable("HYPARFLOW_PEER_TIMEOUT", "20",
@@ -184,6 +187,12 @@ def timeout() -> Optional[float]:
     value = _number("HYPARFLOW_TIMEOUT", float)
     value = 600.0 if value is None else value
     return value if value > 0 else None
+
+
+def order_seconds() -> float:
+    """HYPARFLOW_ORDER_SECONDS: when a waiting collective checks what its peers are in."""
+    value = _number("HYPARFLOW_ORDER_SECONDS", float, minimum=0)
+    return 20.0 if value is None else float(value)
 
 
 def spin_seconds() -> Optional[float]:

@@ -20,7 +20,8 @@ def clean_environment(**extra):
     """The caller's environment without Slurm's or hyparflow's layout variables."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "HYPARFLOW_NUM_"))}
-    env.update(HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1", **extra)
+    env.update(HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1", HYPARFLOW_INTER_OP_THREADS="1",
+               **extra)
     return env
 
 
@@ -40,7 +41,10 @@ exec {mpiexec} -n "$n" "$@"
 
 
 def mpiexec(n, *args, timeout=600):
-    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    # Production's thread settings: one inter-op thread per rank (tests/conftest.py
+    # gives thread-ranks more, which hid a deadlock of split layers' collectives).
+    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1",
+               HYPARFLOW_INTER_OP_THREADS="1")
     start = time.monotonic()
     out = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], capture_output=True,
                          text=True, timeout=timeout, env=env, cwd=HERE)

@@ -90,6 +90,12 @@ def poll(test: Callable[[], object], timeout: Optional[float], what: str,
         pause = min(pause * 2, 1e-3)
 
 
+# Requests given up on by a wait that timed out, with their buffers: MPI may still
+# write into a receive's buffer (a late message) or read a send's, so neither may be
+# freed before the process ends (which the timeout's error brings about).
+_ABANDONED: List[Request] = []
+
+
 def wait_all(requests: Iterable[Optional[Request]], timeout: Optional[float] = None,
              what: str = "messages", spin: Optional[float] = None) -> None:
     pending = [r for r in requests if r is not None]
@@ -101,7 +107,11 @@ def wait_all(requests: Iterable[Optional[Request]], timeout: Optional[float] = N
         pending[:] = [r for r in pending if not r.test()]
         return not pending
 
-    poll(test, timeout, what, spin)
+    try:
+        poll(test, timeout, what, spin)
+    except BaseException:
+        _ABANDONED.extend(pending)
+        raise
 
 
 def sum_in_order(values: Sequence[Buffer]) -> Buffer:
@@ -150,6 +160,11 @@ class Communicator:
         return everyone if self.rank == root else None
     def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         raise NotImplementedError
+
+    def pending_tag(self, source: int) -> Optional[int]:
+        """The tag of a message from `source` that arrived and waits for a receive, if
+        any (None where this cannot be seen)."""
+        return None
     def abort(self, code: int = 1) -> None: raise NotImplementedError
     def free(self) -> None: pass
 
@@ -346,6 +361,12 @@ class MPICommunicator(Communicator):
         if sub == self._MPI.COMM_NULL:
             return None
         return MPICommunicator(sub, dup=False)
+
+    def pending_tag(self, source: int) -> Optional[int]:
+        status = self._MPI.Status()
+        if self.comm.Iprobe(source, self._MPI.ANY_TAG, status):
+            return int(status.Get_tag())
+        return None
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)

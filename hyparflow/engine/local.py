@@ -108,6 +108,13 @@ class LocalCommunicator(Communicator):
 
         return _LocalRequest(test)
 
+    def pending_tag(self, source):
+        with self.world.lock:
+            for (gid, src, dest, tag), queue in self.world.mail.items():
+                if gid == self.group.gid and src == source and dest == self.rank and queue:
+                    return tag
+        return None
+
     # collectives -----------------------------------------------------------
     def _deposit(self, value):
         """Put `value` in this member's slot of the next collective; returns a test

@@ -13,6 +13,7 @@ of column j, its gradient summed over the column."""
 import keras
 import tensorflow as tf
 
+from ...engine import order as _order
 from ..tensor.split import common_why_not, qualified, weights_of
 from .base import ENTER, GATHER, MeshKind, elementwise
 from .grid import is_block, mark, sizes_of, whole_of
@@ -165,13 +166,13 @@ def summa(mesh, x, w, ins, part, base=_X):
             dw = total if total is not None else dw
         return dx.reshape(xv.shape).astype(xv.dtype), dw.astype(wv.dtype)
 
-    @tf.custom_gradient
+    @_order.custom_gradient
     def op(x, w):
-        y = tf.py_function(forward, [x, w], x.dtype)
+        y = _order.py_function(forward, [x, w], x.dtype)
         y.set_shape(x.shape[:-1].concatenate([w.shape[-1]]))
 
         def grad(dy):
-            dx, dw = tf.py_function(backward, [dy, x, w], [x.dtype, w.dtype])
+            dx, dw = _order.py_function(backward, [dy, x, w], [x.dtype, w.dtype])
             dx.set_shape(x.shape)
             dw.set_shape(w.shape)
             return dx, dw

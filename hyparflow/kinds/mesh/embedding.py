@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ...engine import order as _order
 from ..tensor.split import common_why_not, qualified
 from .base import GATHER, MeshKind
 from .grid import is_block, mark, rows_of, sizes_of
@@ -118,14 +119,14 @@ def _column_scatter_sum(mesh: Any, x: Any, part: MeshPart) -> Any:
         blocks = mesh.exchange(dy, shapes, what, part.tag(_BACK), mesh.column())
         return np.concatenate(blocks, axis=0)
 
-    @tf.custom_gradient
+    @_order.custom_gradient
     def op(x):
         batch = tf.shape(x)[0]
-        y = tf.py_function(forward, [x], x.dtype)
+        y = _order.py_function(forward, [x], x.dtype)
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy):
-            dx = tf.py_function(backward, [dy, batch], dy.dtype)
+            dx = _order.py_function(backward, [dy, batch], dy.dtype)
             dx.set_shape(x.shape)
             return dx
 

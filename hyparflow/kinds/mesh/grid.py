@@ -17,7 +17,8 @@ from typing import Any, List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from ...engine.comm import sum_in_order, timeout_seconds, wait_all
+from ...engine import order as _order
+from ...engine.comm import sum_in_order
 from ..tensor.collectives import Collectives, site_tag
 from ..tensor.split import split_sizes
 
@@ -85,9 +86,6 @@ class Mesh(Collectives):
 
     def everyone(self):
         return list(range(self.q * self.q))
-
-    def wait(self, reqs, what):
-        wait_all(reqs, timeout_seconds(), f"the other mesh ranks ({what})", self.comm.spin)
 
     def post_bcast(self, value, root, members, shape, dtype, tag):
         """Start broadcasting `value` (on `root`) to `members`: (array, requests); the
@@ -161,12 +159,12 @@ class Mesh(Collectives):
                                    what, tag, self.everyone())
             return self.assemble(blocks)
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def op(x):
             batch = tf.shape(x)[0]
 
             def grad(dy):
-                out = tf.py_function(whole, [dy, batch], dy.dtype)
+                out = _order.py_function(whole, [dy, batch], dy.dtype)
                 out.set_shape(x.shape)
                 return out
 
@@ -186,9 +184,9 @@ class Mesh(Collectives):
                                    what, tag, self.everyone())
             return self.assemble(blocks)
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def op(value):
-            out = tf.py_function(gather, [value, batch], value.dtype)
+            out = _order.py_function(gather, [value, batch], value.dtype)
             out.set_shape(tf.TensorShape([None]).concatenate(block.shape[1:-1])
                           .concatenate([features]))
             return out, lambda dy: self.slice_block(dy, i, j)
@@ -201,12 +199,12 @@ class Mesh(Collectives):
         `tags`: (forward's, backward's)."""
 
         def summed(value, t):
-            out = tf.py_function(lambda v: self.allsum(v.numpy(), members(), what, t),
+            out = _order.py_function(lambda v: self.allsum(v.numpy(), members(), what, t),
                                  [value], value.dtype)
             out.set_shape(value.shape)
             return out
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def op(x):
             return summed(x, tags[0]), lambda dy: summed(dy, tags[1])
 
@@ -216,10 +214,10 @@ class Mesh(Collectives):
         """Forward: `x` as it is (a copy every member holds); backward: the gradient
         summed over `members`, so every copy steps alike (a bias over batch rows)."""
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def op(x):
             def grad(dy):
-                out = tf.py_function(lambda v: self.allsum(v.numpy(), members(), what, tag),
+                out = _order.py_function(lambda v: self.allsum(v.numpy(), members(), what, tag),
                                      [dy], dy.dtype)
                 out.set_shape(dy.shape)
                 return out

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ...engine import order as _order
 from ... import _compat
 from ..tensor.split import weights_of
 from .base import ENTER
@@ -121,13 +122,13 @@ def per_token(part, z, labels, vocabulary):
                                               mesh.column()), 0)
         return losses, highest.astype(block.dtype), total.astype(block.dtype)
 
-    @tf.custom_gradient
+    @_order.custom_gradient
     def op(z):
         # The target's logit where this rank holds it, zero elsewhere (the row sums it).
         picked = tf.where(mine, tf.gather(z, tf.clip_by_value(local, 0, widths[j] - 1),
                                           batch_dims=len(labels.shape)),
                           tf.zeros_like(z[..., 0]))
-        losses, highest, total = tf.py_function(forward, [z, picked, batch],
+        losses, highest, total = _order.py_function(forward, [z, picked, batch],
                                                 [z.dtype, z.dtype, z.dtype])
         losses.set_shape(labels.shape)
 

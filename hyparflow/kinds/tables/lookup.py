@@ -41,6 +41,7 @@ counts), with Keras's words, so no rank waits for a message that never comes."""
 import numpy as np
 import tensorflow as tf
 
+from ...engine import order as _order
 from ...engine.comm import timeout_seconds, wait_all
 from ...engine.wire import scaled
 
@@ -231,20 +232,20 @@ class Lookup:
     # -- TensorFlow ----------------------------------------------------------
     def __call__(self, ids):
         """The looked-up rows of `ids` (any shape), shape ids.shape + (dim,)."""
-        requested, sent, recv, order = tf.py_function(
+        requested, sent, recv, order = _order.py_function(
             self.route, [tf.cast(ids, tf.int64)], [tf.int64, tf.int64, tf.int64, tf.int64])
         requested.set_shape([None])
         table = self.part.variable.value
         rows = tf.gather(table, requested)
         dim, width, dtype = self.dim, self.width, rows.dtype
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def exchange(rows, sent, recv, order):
-            out = tf.py_function(self.rows_back, [rows, sent, recv, order], dtype)
+            out = _order.py_function(self.rows_back, [rows, sent, recv, order], dtype)
             out.set_shape([None, dim])
 
             def grad(dy):
-                g = tf.py_function(self.grads_back, [tf.convert_to_tensor(dy), sent, recv, order],
+                g = _order.py_function(self.grads_back, [tf.convert_to_tensor(dy), sent, recv, order],
                                    dtype)
                 g.set_shape([None, width])
                 return g, None, None, None
@@ -349,7 +350,7 @@ class Lookup:
         pairs of the global batch, in its order, as the per-id lookup gives."""
         ids = tf.cast(ids, tf.int64)
         keep = tf.zeros((0,), tf.bool) if keep is None else tf.cast(keep, tf.bool)
-        requested, segments, count, theirs, mine, samples = tf.py_function(
+        requested, segments, count, theirs, mine, samples = _order.py_function(
             self.pooled_route, [ids, keep], [tf.int64] * 6)
         requested.set_shape([None])
         segments.set_shape([None])
@@ -359,14 +360,14 @@ class Lookup:
         dim, width, dtype = self.dim, self.width, pooled.dtype
         batch = tf.shape(ids, out_type=tf.int64)[0]
 
-        @tf.custom_gradient
+        @_order.custom_gradient
         def exchange(pooled, theirs, mine, samples, batch):
-            out = tf.py_function(self.pooled_back, [pooled, theirs, mine, samples, batch],
+            out = _order.py_function(self.pooled_back, [pooled, theirs, mine, samples, batch],
                                  dtype)
             out.set_shape([None, dim])
 
             def grad(dy):
-                g = tf.py_function(self.pooled_grads,
+                g = _order.py_function(self.pooled_grads,
                                    [tf.convert_to_tensor(dy), theirs, mine, samples], dtype)
                 g.set_shape([None, width])
                 return g, None, None, None, None
