@@ -88,18 +88,30 @@ class _chain:
 
 def py_function(func, inp, Tout, name=None):
     """`tf.py_function(func, inp, Tout)` run after the graph's previous collective and
-    before its next one."""
+    before its next one. Its outputs have no gradient (a collective with one makes it
+    inside `custom_gradient`); the token's passes through, so that the collectives on
+    either side stay in order backward too."""
     if tf.executing_eagerly():
         return tf.py_function(func, inp, Tout, name=name)
     single = not isinstance(Tout, (list, tuple))
     touts = [Tout] if single else list(Tout)
+    inp = [tf.stop_gradient(x) for x in inp]
 
     def run(*args):
         out = func(*args[:-1])
         out = [out] if single else list(out)
         return out + [tf.zeros((), tf.float32)]
 
-    outs = tf.py_function(run, list(inp) + [_take()], touts + [tf.float32], name=name)
+    @tf.custom_gradient
+    def link(token):
+        outs = tf.py_function(run, inp + [token], touts + [tf.float32], name=name)
+
+        def grad(*douts):
+            return tf.zeros((), tf.float32) if douts[-1] is None else douts[-1]
+
+        return outs, grad
+
+    outs = link(_take())
     _put(outs[-1])
     return outs[0] if single else outs[:-1]
 
