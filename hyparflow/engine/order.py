@@ -21,9 +21,15 @@ forwards.
 In eager code (`run_eagerly`) Python's order is the order: tokens are not used.
 """
 
+from __future__ import annotations
+
 import threading
+from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
+
+# TensorFlow's tensors, graphs and dtypes are untyped here: Any.
+Tensor = Any
 
 __all__ = ["py_function", "custom_gradient"]
 
@@ -31,26 +37,28 @@ _state = threading.local()
 _ATTR = "_hyparflow_order"  # the token of a graph's outermost chain, kept on the graph
 
 
-def _graph():
+def _graph() -> Any:
     return tf.compat.v1.get_default_graph()
 
 
-def _frames():
+def _frames() -> List[List[Any]]:
     if not hasattr(_state, "frames"):
         _state.frames = []  # [graph, token] chains opened by `custom_gradient`
-    return _state.frames
+    frames: List[List[Any]] = _state.frames
+    return frames
 
 
-def _frame():
+def _frame() -> Optional[List[Any]]:
     """The innermost chain open in the graph being built, or None."""
     graph = _graph()
-    for frame in reversed(_frames()):
+    found: Optional[List[Any]] = None
+    for frame in _frames():
         if frame[0] is graph:
-            return frame
-    return None
+            found = frame
+    return found
 
 
-def _take():
+def _take() -> Tensor:
     """The token the next collective of this graph waits for."""
     frame = _frame()
     if frame is not None:
@@ -59,7 +67,7 @@ def _take():
     return tf.zeros((), tf.float32) if token is None else token
 
 
-def _put(token):
+def _put(token: Tensor) -> None:
     frame = _frame()
     if frame is not None:
         frame[1] = token
@@ -70,23 +78,23 @@ def _put(token):
 class _chain:
     """A chain of collectives starting at `token` (a gradient function's own)."""
 
-    def __init__(self, token):
-        self.frame = [_graph(), token]
+    def __init__(self, token: Tensor) -> None:
+        self.frame: List[Any] = [_graph(), token]
 
-    def __enter__(self):
+    def __enter__(self) -> _chain:
         _frames().append(self.frame)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _frames().remove(self.frame)
-        return False
 
     @property
-    def token(self):
+    def token(self) -> Tensor:
         return self.frame[1]
 
 
-def py_function(func, inp, Tout, name=None):
+def py_function(func: Callable[..., Any], inp: Sequence[Tensor], Tout: Any,
+                name: Optional[str] = None) -> Any:
     """`tf.py_function(func, inp, Tout)` run after the graph's previous collective and
     before its next one. Its outputs have no gradient (a collective with one makes it
     inside `custom_gradient`); the token's passes through, so that the collectives on
@@ -97,16 +105,16 @@ def py_function(func, inp, Tout, name=None):
     touts = [Tout] if single else list(Tout)
     inp = [tf.stop_gradient(x) for x in inp]
 
-    def run(*args):
+    def run(*args: Tensor) -> List[Any]:
         out = func(*args[:-1])
         out = [out] if single else list(out)
         return out + [tf.zeros((), tf.float32)]
 
     @tf.custom_gradient
-    def link(token):
+    def link(token: Tensor) -> Any:
         outs = tf.py_function(run, inp + [token], touts + [tf.float32], name=name)
 
-        def grad(*douts):
+        def grad(*douts: Tensor) -> Tensor:
             return tf.zeros((), tf.float32) if douts[-1] is None else douts[-1]
 
         return outs, grad
@@ -116,26 +124,26 @@ def py_function(func, inp, Tout, name=None):
     return outs[0] if single else outs[:-1]
 
 
-def custom_gradient(f):
+def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
     """As `tf.custom_gradient`, for functions whose forward or gradient function makes
     collectives (`py_function` above): both keep the graph's one order. `f(*xs)` returns
     (outputs, grad_fn) as for `tf.custom_gradient`; xs are tensors."""
 
-    def call(*xs):
+    def call(*xs: Tensor) -> Any:
         if tf.executing_eagerly():
             return tf.custom_gradient(f)(*xs)
-        holder = {}
+        holder: dict[str, bool] = {}
 
         @tf.custom_gradient
-        def op(*args):
+        def op(*args: Tensor) -> Any:
             xs_, token = args[:-1], args[-1]
             with _chain(token) as forward:
                 ys, grad = f(*xs_)
             holder["single"] = not isinstance(ys, (list, tuple))
             flat = [ys] if holder["single"] else list(ys)
 
-            def backward(*dys, **kwargs):
-                dys, dtoken = list(dys[:-1]), dys[-1]
+            def backward(*grads: Tensor, **kwargs: Any) -> Any:
+                dys, dtoken = list(grads[:-1]), grads[-1]
                 if dtoken is None:
                     dtoken = tf.zeros((), tf.float32)
                 last = getattr(_graph(), _ATTR, None)

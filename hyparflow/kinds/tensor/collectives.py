@@ -38,7 +38,7 @@ def site_tag(site, role):
 
 # What each tag's collective is (the layer a message names), as the stage functions
 # made them: the same on every rank, so a peer's pending message names its layer here.
-_SITES = {}
+_SITES: dict = {}  # tag -> what
 
 
 class CollectiveOrderError(RuntimeError):
