@@ -14,7 +14,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
-           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
+           "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale"]
 
 
@@ -77,6 +77,9 @@ VARIABLES = (
              "`1`: each replica steps its share of the rows and keeps only that share's "
              "optimizer state (ZeRO stage 1) whenever the optimizer allows; `0`: every "
              "replica steps the whole optimizer"),
+    Variable("HYPARFLOW_SHARED_SUMS", "1",
+             "`0`: the replicas' gradient sums go as MPI messages even between ranks of one "
+             "node, instead of through a shared-memory window"),
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
@@ -217,6 +220,11 @@ def reshaped(environ: Optional[Mapping[str, str]] = None) -> bool:
 def transposed() -> Optional[bool]:
     """True / False when HYPARFLOW_TRANSPOSED forces kept `W^T`s; None: where they pay."""
     return _flag("HYPARFLOW_TRANSPOSED")
+
+
+def shared_sums() -> Optional[bool]:
+    """HYPARFLOW_SHARED_SUMS: False ("0") keeps in-node sums as messages."""
+    return _flag("HYPARFLOW_SHARED_SUMS")
 
 
 def sparse() -> bool:
