@@ -77,9 +77,9 @@ VARIABLES = (
              "`1`: each replica steps its share of the rows and keeps only that share's "
              "optimizer state (ZeRO stage 1) whenever the optimizer allows; `0`: every "
              "replica steps the whole optimizer"),
-    Variable("HYPARFLOW_SHARED_SUMS", "1",
-             "`0`: the replicas' gradient sums go as MPI messages even between ranks of one "
-             "node, instead of through a shared-memory window"),
+    Variable("HYPARFLOW_SHARED_SUMS", "auto (where a node holds more than 2 ranks of a sum)",
+             "`1`: large gradient sums between ranks of one node go through a shared-memory "
+             "window (across nodes only slices travel); `0`: always as MPI messages"),
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
@@ -223,7 +223,7 @@ def transposed() -> Optional[bool]:
 
 
 def shared_sums() -> Optional[bool]:
-    """HYPARFLOW_SHARED_SUMS: False ("0") keeps in-node sums as messages."""
+    """HYPARFLOW_SHARED_SUMS: True / False forces the shared window on / off; None: auto."""
     return _flag("HYPARFLOW_SHARED_SUMS")
 
 

@@ -303,7 +303,7 @@ class MPICommunicator(Communicator):
             if self.sums is None:
                 self._shared, self.sums = attach(
                     self.comm, lambda test, what: poll(test, timeout_seconds(), what, self.spin),
-                    buf.nbytes, self._cross, self.node_of)
+                    self._cross, self.node_of)
             if self._shared is not None:
                 return self._shared.iallreduce(buf)
         if buf.nbytes >= RING_BYTES and buf.size >= self.size:

@@ -6,7 +6,7 @@ piece (at most a segment's data area each):
 
 1. each rank copies its piece into its own segment and publishes `written`;
 2. once every rank of the node has written, rank i adds its 1/n slice of the piece
-   over every segment in local rank order (so every rank gets the same bits: each
+   over every segment in local rank order, into its own segment (so every rank gets the same bits: each
    slice is added on one rank only), and, when the communicator spans several
    nodes, sums that slice with the same-position ranks of the other nodes (a ring
    of slices, `cross`: only slices travel between nodes, as Horovod's hierarchical
@@ -23,8 +23,8 @@ memory model asks. Every wait polls under the watchdog (`comm.poll`), and sums
 queue in the order they started (every rank starts them in the same order).
 
 Used by `comm.MPICommunicator.iallreduce` for float32 / float64 buffers of at least
-`SHM_BYTES`, when every node holds as many of the communicator's ranks, at least
-two; otherwise, or where the window cannot be made, the messages of today
+`SHM_BYTES`, when every node holds as many of the communicator's ranks, more than
+`AUTO_RANKS` (at least two with HYPARFLOW_SHARED_SUMS=1); otherwise, or where the window cannot be made, the messages of today
 (`why_not` says which)."""
 
 from __future__ import annotations
@@ -41,9 +41,15 @@ __all__ = ["SHM_BYTES", "Shared", "attach", "used"]
 Buffer = npt.NDArray[Any]
 
 SHM_BYTES = 64 << 10   # sums of at least this many bytes go through the window
-CAPACITY = 16 << 20    # bytes of each rank's data area at most (larger sums: in pieces)
+CAPACITY = 16 << 20    # bytes of each rank's data area (larger sums go in pieces)
 HEADER = 192           # three counters, each on its own 64-byte line
 WRITTEN, SUMMED, DONE = 0, 8, 16   # their positions among the header's int64s
+# By default the window serves nodes holding more of a group's ranks than this. Two
+# ranks on 2 cores (benchmarks/shm_sum.py, docs/performance.md): the ring's single
+# message each way beat the window's copy in from 8 MB (2.1 vs 5.3 ms at 8 MB); four
+# ranks: the window was ahead (6.6 vs 11.4 ms at 8 MB), as the ring's steps grow with
+# the ranks and the window's three phases do not.
+AUTO_RANKS = 2
 
 _USED = [0]   # pieces summed through a window in this process (tests, the trace)
 
@@ -160,10 +166,15 @@ class _Sum:
             elif self.state == 1:
                 if not s.all_reached(WRITTEN, self.seq):
                     return False
-                acc = self.buf[a + lo:a + hi]
-                np.copyto(acc, data[0][lo:hi])
-                for d in data[1:]:   # local rank order: the same bits on every rank
-                    np.add(acc, d[lo:hi], out=acc)
+                # Added straight into this rank's own slot (its slice there is read by
+                # no other rank), in local rank order: the same bits on every rank.
+                terms = [d[lo:hi] for d in data]
+                acc = terms[s.rank]
+                if s.rank >= 2:   # overwritten by the first addition, added later
+                    terms[s.rank] = acc.copy()
+                np.add(terms[0], terms[1], out=acc)
+                for term in terms[2:]:
+                    np.add(acc, term, out=acc)
                 if s.cross is not None:   # every cross rank has a slice (sizes agree)
                     self.cross_req = s.cross.iallreduce(acc)
                 self.state = 2
@@ -172,15 +183,13 @@ class _Sum:
                     if not self.cross_req.test():
                         return False
                     self.cross_req = None
-                np.copyto(data[s.rank][lo:hi], self.buf[a + lo:a + hi])
                 s.publish(SUMMED, self.seq)
                 self.state = 3
             else:
                 if not s.all_reached(SUMMED, self.seq):
                     return False
                 for j, (l2, h2) in enumerate(slices):
-                    if j != s.rank:
-                        np.copyto(self.buf[a + l2:a + h2], data[j][l2:h2])
+                    np.copyto(self.buf[a + l2:a + h2], data[j][l2:h2])
                 s.seq = self.seq
                 s.publish(DONE, self.seq)
                 _USED[0] += 1
@@ -201,7 +210,7 @@ def why_not(sizes: List[int]) -> Optional[str]:
 
 
 def attach(comm: Any, wait: Callable[[Callable[[], object], str], None],
-           nbytes: int, wrap: Callable[[Any], Any],
+           wrap: Callable[[Any], Any],
            node_of: Optional[Callable[[int], int]] = None) -> Tuple[Optional[Shared], str]:
     """Collective over the mpi4py communicator `comm`: its window (None when it cannot
     have one) and a sentence saying how its sums go. `node_of`: rank -> node number,
@@ -211,7 +220,8 @@ def attach(comm: Any, wait: Callable[[Callable[[], object], str], None],
     sums: a ring of messages, the same bits on every rank)."""
     from mpi4py import MPI
 
-    if settings.shared_sums() is False:
+    choice = settings.shared_sums()
+    if choice is False:
         return None, "messages (HYPARFLOW_SHARED_SUMS=0)"
     rank = comm.Get_rank()
     # Everyone here first, so the blocking set-up calls below cannot wait on a
@@ -223,10 +233,13 @@ def attach(comm: Any, wait: Callable[[Callable[[], object], str], None],
     req = comm.Iallgather(np.array([node.Get_size()], np.int64), sizes)
     wait(req.Test, "the other ranks' node sizes")
     reason = why_not([int(s) for s in sizes])
+    if reason is None and choice is None and sizes[0] <= AUTO_RANKS:
+        reason = (f"{int(sizes[0])} of the group's ranks per node: there a ring's one "
+                  "message each way moves fewer bytes; HYPARFLOW_SHARED_SUMS=1 forces the window")
     if reason is not None:
         node.Free()
         return None, f"messages ({reason})"
-    capacity = min(CAPACITY, max(SHM_BYTES, -(-nbytes // 4096) * 4096))
+    capacity = CAPACITY   # not the first sum's size: a later one may be larger
     win, error = None, ""
     try:
         win = MPI.Win.Allocate_shared(HEADER + capacity, 1, comm=node)

@@ -32,7 +32,8 @@ def summed(comm, values):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("n", [7, 100_000, 5_000_001])   # in pieces past 16 MB
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_window_sum_is_the_sum_with_the_same_bits_everywhere(n, dtype):
+def test_window_sum_is_the_sum_with_the_same_bits_everywhere(n, dtype, monkeypatch):
+    monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     comm = _comm.MPICommunicator(MPI.COMM_WORLD)
     before = shm.used()
     try:
@@ -53,9 +54,10 @@ def test_window_sum_is_the_sum_with_the_same_bits_everywhere(n, dtype):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_nodes_exchange_slices_only():
+def test_nodes_exchange_slices_only(monkeypatch):
     """Four ranks played as two nodes of two: the sum inside each node through its
     window, then each rank's slice with the same-position rank of the other node."""
+    monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     comm = _comm.MPICommunicator(MPI.COMM_WORLD)
     comm.node_of = lambda rank: rank // (SIZE // 2)
     try:
@@ -91,6 +93,18 @@ def test_turned_off_the_sums_are_messages(monkeypatch):
     assert sums == "messages (HYPARFLOW_SHARED_SUMS=0)" and pieces == 0
 
 
+@pytest.mark.mpi(min_size=2)
+def test_by_default_a_window_where_a_node_holds_more_than_two(monkeypatch):
+    monkeypatch.delenv("HYPARFLOW_SHARED_SUMS", raising=False)
+    comm = _comm.MPICommunicator(MPI.COMM_WORLD)
+    try:
+        summed(comm, np.ones(100_000, "float32"))
+        assert comm.sums.startswith("shared memory" if SIZE > shm.AUTO_RANKS else
+                                    "messages ("), comm.sums
+    finally:
+        comm.free()
+
+
 def wide_adam():
     """Kernels of 256 x 512 floats: buckets far past the window's threshold."""
     keras.utils.set_random_seed(11)
@@ -112,6 +126,7 @@ def layouts():
 
 @pytest.mark.mpi(min_size=2)
 def test_fit_with_shared_sums_matches_model_fit(monkeypatch):
+    monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(64, 32)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
     reference = wide_adam()
