@@ -240,7 +240,8 @@ def attach(comm: Any, wait: Callable[[Callable[[], object], str], None],
         node.Free()
         return None, f"messages ({reason})"
     capacity = CAPACITY   # not the first sum's size: a later one may be larger
-    win, error = None, ""
+    win: Any = None   # an mpi4py window (untyped)
+    error = ""
     try:
         win = MPI.Win.Allocate_shared(HEADER + capacity, 1, comm=node)
     except Exception as exc:   # noqa: BLE001 - any failure: the messages instead
