@@ -4,12 +4,13 @@ import contextlib
 import os
 import sys
 import tempfile
-from typing import Iterator
+from typing import Iterator, List, Optional
 
 from . import settings
 
 __all__ = ["quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
-           "start_tensorflow", "oversubscribed"]
+           "start_tensorflow", "oversubscribed", "derive_threads", "cpu_quota", "my_cores",
+           "threads_source", "configured_threads"]
 
 
 def quiet_tensorflow() -> None:
@@ -35,26 +36,110 @@ def local_ranks() -> int:
         head = value.split(",")[0].split("(")[0]
         if head.isdigit():
             return max(1, int(head))
+    if any(name in os.environ for name in ("PMI_RANK", "PMIX_RANK", "PMI_SIZE")):
+        return _shared_split()  # a launcher that does not say: ask MPI
     return 1
 
 
-def threads_per_rank() -> int:
-    """Intra-op threads for this rank: HYPARFLOW_THREADS, else cores // ranks-on-node.
+_SPLIT: List[int] = []
 
-    When the launcher bound the process to fewer cores than the node has, the
-    binding already says how many cores are ours, so it is used as is.
+
+def _shared_split() -> int:
+    """The ranks on this node from MPI's shared-memory split (COMM_TYPE_SHARED), for
+    launchers that set no local count. Starts MPI (this runs before TensorFlow does,
+    at import); 1 when MPI is not to be started here (`mpi4py.rc.initialize` off)."""
+    if not _SPLIT:
+        try:
+            import mpi4py
+
+            if not mpi4py.rc.initialize and "mpi4py.MPI" not in sys.modules:
+                return 1
+            from mpi4py import MPI
+
+            if not MPI.Is_initialized() or MPI.Is_finalized():
+                return 1
+            node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+            _SPLIT.append(node.Get_size())
+            node.Free()
+        except Exception:  # noqa: BLE001 - no MPI: one rank
+            _SPLIT.append(1)
+    return _SPLIT[0]
+
+
+def derive_threads(cores: int, node_cores: int, local: int, quota: Optional[float] = None,
+                   slurm_cpus: Optional[int] = None) -> int:
+    """Threads per rank from what the node allows (pure: tested as a table).
+
+    `cores`: the cores this rank may run on (its affinity); `node_cores`: the node's;
+    `local`: the ranks on this node; `quota`: the cgroup's CPU quota in cores (cpu.max,
+    shared by every rank of the container), if any; `slurm_cpus`: SLURM_CPUS_PER_TASK
+    inside a Slurm step (Slurm gives and binds each task that many). A rank whose
+    affinity is narrower than the node was bound by its launcher: its cores are its own.
+    Otherwise the ranks of the node share them.
     """
+    if slurm_cpus:
+        return max(1, min(slurm_cpus, cores))
+    share = float(cores) if cores < node_cores else cores / max(1, local)
+    if quota is not None:
+        share = min(share, quota / max(1, local))
+    return max(1, int(share))
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[float]:
+    """The cgroup's CPU quota in cores (cgroup v2 cpu.max, else v1's cfs files); None
+    when unlimited or unreadable."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def my_cores() -> List[int]:
+    """The cores this process may run on (its affinity), else all of the machine's."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def slurm_cpus() -> Optional[int]:
+    """SLURM_CPUS_PER_TASK inside a Slurm job step (srun), else None."""
+    value = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return int(value) if value.isdigit() and "SLURM_STEP_ID" in os.environ else None
+
+
+def threads_per_rank() -> int:
+    """Intra-op threads for this rank: HYPARFLOW_THREADS_PER_RANK, else derived from
+    the cores this rank may use and the ranks on its node (`derive_threads`)."""
     value = settings.threads()
     if value is not None:
         return value
-    node_cores = os.cpu_count() or 1
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = node_cores
-    if mine < node_cores:
-        return max(1, mine)
-    return max(1, node_cores // local_ranks())
+    return derive_threads(len(my_cores()), os.cpu_count() or 1, local_ranks(), cpu_quota(),
+                          slurm_cpus())
+
+
+def threads_source() -> str:
+    """Where `threads_per_rank` came from, in words (the first line of a run, `info`)."""
+    if settings.threads() is not None:
+        return "HYPARFLOW_THREADS_PER_RANK"
+    if slurm_cpus():
+        return "SLURM_CPUS_PER_TASK"
+    cores, node, quota = len(my_cores()), os.cpu_count() or 1, cpu_quota()
+    if cores < node:
+        text = f"{cores} cores bound to this rank"
+    else:
+        text = f"{cores} cores // {local_ranks()} ranks on this node"
+    return text + (f", cgroup quota {quota:g} cores" if quota is not None else "")
 
 
 @contextlib.contextmanager
@@ -99,12 +184,22 @@ def oversubscribed() -> bool:
     return local_ranks() * threads_per_rank() > (os.cpu_count() or 1)
 
 
+_CONFIGURED: List[int] = []   # the intra-op threads this process's TensorFlow started with
+
+
+def configured_threads() -> Optional[int]:
+    """The intra-op threads hyparflow gave TensorFlow (None: it could not)."""
+    return _CONFIGURED[-1] if _CONFIGURED else None
+
+
 def configure_threads() -> bool:
     """Set TensorFlow's thread pools; a no-op once TensorFlow has started running ops."""
     import tensorflow as tf
 
     try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads_per_rank())
+        count = threads_per_rank()
+        tf.config.threading.set_intra_op_parallelism_threads(count)
+        _CONFIGURED.append(count)
         # One: a rank's ops run in order on its own core. Ranks run as threads of one
         # process (tests) need one each, since a split layer's sum waits inside a
         # compiled function for the other ranks' (HYPARFLOW_INTER_OP_THREADS).

@@ -28,7 +28,7 @@ def _add_run(sub: Subparsers) -> None:
                     "else the mpiexec beside this Python. Passes on only the counts given "
                     "here, as HYPARFLOW_NUM_STAGES/REPLICAS/MICROBATCHES/TENSOR (the defaults "
                     "of hyparflow.fit's arguments the script leaves out; the script's own "
-                    "arguments win); sets HYPARFLOW_THREADS, PYTHONUNBUFFERED=1 and "
+                    "arguments win); sets HYPARFLOW_THREADS_PER_RANK, PYTHONUNBUFFERED=1 and "
                     "TF_CPP_MIN_LOG_LEVEL=2; exits with the run's code.")
     p.add_argument("-n", "--ranks", type=int, default=None,
                    help="number of ranks (default: $SLURM_NTASKS inside a Slurm job)")
@@ -47,8 +47,9 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument("--microbatches", type=int,
                    help="microbatches M (default: the script's num_microbatches, else "
                         "$HYPARFLOW_NUM_MICROBATCHES, else 1)")
-    p.add_argument("--threads", type=int,
-                   help="intra-op threads per rank (default cores // N on this node)")
+    p.add_argument("--threads-per-rank", "--threads", dest="threads", type=int,
+                   help="intra-op threads per rank, exported as HYPARFLOW_THREADS_PER_RANK "
+                        "(default: the cores each rank may use // the ranks on its node)")
     p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
                    help="default auto: srun inside a Slurm allocation, else mpiexec")
     where = p.add_mutually_exclusive_group()

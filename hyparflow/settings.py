@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, NamedTuple, Optional
 
-__all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads",
+__all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads", "pin",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
-           "defer_conv", "zero", "overlap", "slowdown", "slurm_templates", "reshaped",
+           "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale"]
 
 
@@ -38,8 +38,14 @@ VARIABLES = (
     Variable("HYPARFLOW_TENSOR_MESH", "unset (a 1D split)",
              "`QxQ`: the T = Q * Q tensor ranks of a stage as a 2D mesh "
              "(`hyparflow run --tensor-mesh`)"),
-    Variable("HYPARFLOW_THREADS", "cores // ranks on the node",
-             "intra-op threads per rank"),
+    Variable("HYPARFLOW_THREADS_PER_RANK", "derived: the cores this rank may use "
+             "(affinity, cgroup quota, SLURM_CPUS_PER_TASK) // ranks on its node",
+             "intra-op threads per rank (`hyparflow run --threads-per-rank`)"),
+    Variable("HYPARFLOW_THREADS", "unset",
+             "the older name of HYPARFLOW_THREADS_PER_RANK (which wins when both are set)"),
+    Variable("HYPARFLOW_PIN", "1",
+             "`0`: ranks the launcher did not bind stay where the operating system puts "
+             "them (by default each is pinned to cores of its own)"),
     Variable("HYPARFLOW_INTER_OP_THREADS", "1",
              "inter-op threads per rank (ranks run as threads of one process need more)"),
     Variable("HYPARFLOW_JIT", "as `model.compile(jit_compile=...)`",
@@ -80,6 +86,9 @@ VARIABLES = (
              "`1`: each replica steps its share of the rows and keeps only that share's "
              "optimizer state (ZeRO stage 1) whenever the optimizer allows; `0`: every "
              "replica steps the whole optimizer"),
+    Variable("HYPARFLOW_SHARED_SUMS", "auto (where a node holds more than 2 ranks of a sum)",
+             "`1`: large gradient sums between ranks of one node go through a shared-memory "
+             "window (across nodes only slices travel); `0`: always as MPI messages"),
     Variable("HYPARFLOW_SPARSE", "1",
              "`0`: Embedding gradients reduced densely instead of as (row, value) pairs "
              "(for measuring only: Adam and the like then differ from `model.fit`)"),
@@ -162,9 +171,16 @@ def tensor_mesh(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[i
 
 
 def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """HYPARFLOW_THREADS, if set."""
-    value = _number("HYPARFLOW_THREADS", int, environ, minimum=1)
+    """HYPARFLOW_THREADS_PER_RANK (else its older name HYPARFLOW_THREADS), if set."""
+    value = _number("HYPARFLOW_THREADS_PER_RANK", int, environ, minimum=1)
+    if value is None:
+        value = _number("HYPARFLOW_THREADS", int, environ, minimum=1)
     return None if value is None else int(value)
+
+
+def pin() -> Optional[bool]:
+    """HYPARFLOW_PIN: False ("0") leaves unbound ranks unpinned."""
+    return _flag("HYPARFLOW_PIN")
 
 
 def inter_op_threads() -> int:
@@ -226,6 +242,11 @@ def reshaped(environ: Optional[Mapping[str, str]] = None) -> bool:
 def transposed() -> Optional[bool]:
     """True / False when HYPARFLOW_TRANSPOSED forces kept `W^T`s; None: where they pay."""
     return _flag("HYPARFLOW_TRANSPOSED")
+
+
+def shared_sums() -> Optional[bool]:
+    """HYPARFLOW_SHARED_SUMS: True / False forces the shared window on / off; None: auto."""
+    return _flag("HYPARFLOW_SHARED_SUMS")
 
 
 def sparse() -> bool:

@@ -21,8 +21,8 @@ MPIEXEC = launch.find_mpiexec()
 def clean_env(monkeypatch):
     """No Slurm job, no HYPARFLOW_* settings inherited from the caller's shell."""
     for name in list(os.environ):
-        if name.startswith(("SLURM_", "HYPARFLOW_NUM_")) or name in ("HYPARFLOW_THREADS",
-                                                                      "OMP_NUM_THREADS"):
+        if name.startswith(("SLURM_", "HYPARFLOW_NUM_")) or name in (
+                "HYPARFLOW_THREADS", "HYPARFLOW_THREADS_PER_RANK", "OMP_NUM_THREADS"):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -46,7 +46,7 @@ def test_run_dry_run_local(clean_env, capsys):
     # Replicas are derived where S is known (the script may pass its own num_stages).
     assert "HYPARFLOW_NUM_REPLICAS" not in exports and "HYPARFLOW_NUM_TENSOR" not in exports
     assert "# layout: 4 ranks; stages 2, microbatches 3" in out
-    assert exports["HYPARFLOW_THREADS"] == str(max(1, launch.usable_cores() // 4))
+    assert exports["HYPARFLOW_THREADS_PER_RANK"] == str(max(1, launch.usable_cores() // 4))
     assert exports["PYTHONUNBUFFERED"] == "1"
     assert exports["TF_CPP_MIN_LOG_LEVEL"] == "2"
     # The script's own arguments, even those named like ours, are passed through.
@@ -56,7 +56,7 @@ def test_run_dry_run_local(clean_env, capsys):
 
 def test_run_dry_run_threads_and_defaults(clean_env, capsys):
     exports, _, out = dry_run(capsys, "-n", "3", "--threads", "5", EXAMPLE)
-    assert exports["HYPARFLOW_THREADS"] == "5"
+    assert exports["HYPARFLOW_THREADS_PER_RANK"] == "5"
     # Nothing asked for, nothing imposed: the script's hf.fit arguments decide.
     assert not [name for name in exports if name.startswith("HYPARFLOW_NUM_")], exports
     assert "as the script's hf.fit says (without arguments: 1 stage x 3 replicas)" in out
@@ -89,7 +89,7 @@ def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     exports, command, out = dry_run(capsys, "--stages", "2", EXAMPLE)   # -n from SLURM_NTASKS
     assert "# launcher: srun (inside Slurm job 1234)" in out
     assert command.startswith(f"{fake} --mpi=pmi2 -n 4 ")
-    assert exports["HYPARFLOW_THREADS"] == "3"
+    assert exports["HYPARFLOW_THREADS_PER_RANK"] == "3"
     assert exports["HYPARFLOW_NUM_STAGES"] == "2" and "HYPARFLOW_NUM_REPLICAS" not in exports
     exports, command, _ = dry_run(capsys, "-n", "2", "--launcher", "mpiexec", EXAMPLE)
     assert command.split()[:3] == [MPIEXEC, "-n", "2"]
@@ -396,7 +396,7 @@ def test_run_hosts_places_pipelines_within_hosts(clean_env, capsys, tmp_path):
         "rank 2: node2 (stage 0, replica 1)", "rank 3: node2 (stage 1, replica 1)"]
     assert "spans hosts" not in out
     # Threads are each host's business (its cores over its ranks), not this machine's.
-    assert "HYPARFLOW_THREADS" not in exports
+    assert "HYPARFLOW_THREADS_PER_RANK" not in exports
     # Only what was given is exported: the replicas are derived where fit knows S.
     assert exports["HYPARFLOW_NUM_STAGES"] == "2" and "HYPARFLOW_NUM_REPLICAS" not in exports
     # A hostfile, -n below the slots, and a pipeline that crosses hosts is pointed out.

@@ -30,6 +30,8 @@ RULES = {
     "hyparflow.cluster.hosts": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.cluster.heartbeat": ["tensorflow", "keras"],
     "hyparflow.engine.calls": ["tensorflow", "keras"],
+    "hyparflow.engine.shm": ["tensorflow", "keras"],
+    "hyparflow.engine.node": ["tensorflow", "keras"],
     "hyparflow.cluster.restart": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.engine.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
@@ -73,7 +75,8 @@ LAYERS = {
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
-        "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire", "order")},
+        "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire", "shm",
+        "node", "order")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
               "kinds.tables.part", "kinds.tables.cost", "kinds.tables.idle",

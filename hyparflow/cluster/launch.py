@@ -173,7 +173,8 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
     that is only derived, like the replicas = ranks // S, must be derived again where the
     script's own S is known), threads per rank, quiet unbuffered Python.
 
-    Threads: `threads` if given, else an HYPARFLOW_THREADS already set, else Slurm's
+    Threads: `threads` if given, else an HYPARFLOW_THREADS_PER_RANK (or its older name
+    HYPARFLOW_THREADS) already set, else Slurm's
     SLURM_CPUS_PER_TASK, else cores // ranks_on_node when that is known (all ranks on
     this node); otherwise left unset and each rank works it out at start-up.
     """
@@ -189,7 +190,7 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     })
-    count = _positive("--threads", threads)
+    count = _positive("--threads-per-rank", threads)
     if count is None:
         try:
             count = settings.threads(environ)
@@ -200,7 +201,7 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
     if count is None and ranks_on_node:
         count = max(1, usable_cores() // ranks_on_node)
     if count is not None:
-        env["HYPARFLOW_THREADS"] = str(count)
+        env["HYPARFLOW_THREADS_PER_RANK"] = str(count)
         if "OMP_NUM_THREADS" not in environ:
             env["OMP_NUM_THREADS"] = str(count)
     return env

@@ -8,7 +8,6 @@ import shutil
 import sys
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from .. import settings
 from .launch import find_mpiexec, in_slurm_allocation, usable_cores
 
 __all__ = ["report"]
@@ -101,9 +100,9 @@ def report(environ: Optional[Mapping[str, str]] = None) -> str:
     add("mpiexec", find_mpiexec(environ) or "not found")
     add("cores", f"{os.cpu_count()} on this machine, {usable_cores()} usable by this process")
     add("ranks per node", f"{_env.local_ranks()} (from the launcher's environment; 1 outside a launch)")
-    source = ("HYPARFLOW_THREADS" if settings.threads(environ) is not None
-              else "usable cores // ranks per node")
-    add("threads per rank", f"{_env.threads_per_rank()} ({source})")
+    add("threads per rank", f"{_env.threads_per_rank()} ({_env.threads_source()})")
+    quota = _env.cpu_quota()
+    add("cgroup CPU quota", "none" if quota is None else f"{quota:g} cores")
     try:
         threads = tf.config.threading.get_intra_op_parallelism_threads()
         add("TF intra-op threads", f"{threads} (this process)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Proto
 import numpy as np
 import numpy.typing as npt
 from .. import settings
+from .shm import SHM_BYTES, Shared, attach
 
 if TYPE_CHECKING:
     from .calls import Calls
@@ -247,12 +248,19 @@ class _RingAllreduce:
 class MPICommunicator(Communicator):
     """An mpi4py communicator (duplicated, so hyparflow's tags never meet the user's)."""
 
+    # Large float sums of ranks on one node go through a shared window (`engine.shm`),
+    # set up at the first such sum; `sums` then says how they go.
+    shareable = True
+    node_of: Optional[Callable[[int], int]] = None   # rank -> node (tests play nodes)
+
     def __init__(self, comm: Any, dup: bool = True, call: Optional[str] = None) -> None:
         """`call`: the public collective call this communicator is made for (e.g.
         "hf.fit"), which every rank of `comm` must be entering (hyparflow.calls)."""
         from mpi4py import MPI
 
         self._MPI: Any = MPI
+        self._shared: Optional[Shared] = None
+        self.sums: Optional[str] = None   # None: no large sum yet
         calls: Optional[Calls] = None   # the side channel of a collective call (with `call`)
         number, name = 0, call or ""
         if dup and comm.Get_size() > 1:
@@ -305,10 +313,25 @@ class MPICommunicator(Communicator):
     def iallreduce(self, buf: Buffer) -> Request:
         if self.size == 1:
             return _Done()
+        if (self.shareable and buf.nbytes >= SHM_BYTES and buf.flags.c_contiguous
+                and buf.dtype in (np.float32, np.float64)):
+            if self.sums is None:
+                self._shared, self.sums = attach(
+                    self.comm, lambda test, what: poll(test, timeout_seconds(), what, self.spin),
+                    self._cross, self.node_of)
+            if self._shared is not None:
+                return self._shared.iallreduce(buf)
         if buf.nbytes >= RING_BYTES and buf.size >= self.size:
             self._rings = (getattr(self, "_rings", 0) + 1) % 4096
             return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
+
+    @staticmethod
+    def _cross(comm: Any) -> "MPICommunicator":
+        """The same-position ranks of the nodes: sums as messages (a ring)."""
+        cross = MPICommunicator(comm, dup=False)
+        cross.shareable = False
+        return cross
 
     def iallgatherv(self, send: Buffer, recv: Buffer, counts: Sequence[int]) -> Request:
         if self.size == 1:
@@ -372,6 +395,9 @@ class MPICommunicator(Communicator):
         self.comm.Abort(code)
 
     def free(self) -> None:
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
         if self._owned or self.comm != self._MPI.COMM_WORLD:
             try:
                 self.comm.Free()

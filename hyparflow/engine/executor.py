@@ -93,6 +93,8 @@ class Executor:
         `zero`: a `hyparflow.zero.Zero` when the optimizer step is sharded. `wire`: the
         dtype the sums travel in (None: float32; `engine.wire`)."""
         self.buckets = overlap.Buckets(self.stage, groups, wire)
+        # Sums no other rank shares go to the optimizer as the tensors they came as.
+        self.stage.grads.direct = not self.buckets.shared
         self.zero = zero if zero else None
         if self.zero is not None:
             self.buckets.reduce = self.zero.start_reduce

@@ -504,7 +504,7 @@ class Stage(StageBody):
                 values = g.values if g.values.dtype == tf.float32 else tf.cast(g.values, tf.float32)
                 sums.keep(where[k], microbatch, np.asarray(g.indices, np.int64), np.asarray(values))
                 continue
-            sums.add(where[k], np.asarray(g if g.dtype == tf.float32 else tf.cast(g, tf.float32)))
+            sums.hold(where[k], g if g.dtype == tf.float32 else tf.cast(g, tf.float32))
         grads_in = {}
         for k, g in zip(self._diff, result[n:]):
             t = self.input_ids[k]

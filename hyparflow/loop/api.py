@@ -83,7 +83,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
         num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
         tensor_mesh: Any = None, embedding_sharding: Any = None,
-        communication_dtype: Any = None) -> Any:
+        communication_dtype: Any = None, threads_per_rank: Optional[int] = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -203,6 +203,14 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             overflow), or per path: {"tables": ..., "replicas": ..., "stages": ...}.
             It leaves the exact contract: the weights drift from model.fit's by the
             rounding (docs/recommenders.md). None or "float32": as they are.
+        threads_per_rank: the intra-op threads each rank computes with. TensorFlow
+            fixes them when it starts (at `import hyparflow`), so they are set by
+            HYPARFLOW_THREADS_PER_RANK or `hyparflow run --threads-per-rank`; given
+            here, fit checks they are what TensorFlow started with. By default: the
+            cores the rank may use (affinity, cgroup quota, Slurm's
+            SLURM_CPUS_PER_TASK) divided among the ranks on its node; ranks the
+            launcher did not bind are pinned to cores of their own. Rank 0 prints
+            the choice first (with `verbose`).
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
@@ -224,7 +232,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         validation_steps=validation_steps, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep=keep, resume=resume, check_finite=check_finite,
         speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync,
-        embedding_sharding=embedding_sharding, communication_dtype=communication_dtype)
+        embedding_sharding=embedding_sharding, communication_dtype=communication_dtype,
+        threads_per_rank=threads_per_rank)
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,

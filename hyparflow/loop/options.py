@@ -42,4 +42,6 @@ class FitOptions:
     replica_sync: Any = None
     # Sharded embedding tables (kinds/tables).
     embedding_sharding: Any = None
+    # Checked against the threads TensorFlow started with (engine/node.py).
+    threads_per_rank: Optional[int] = None
     communication_dtype: Any = None

@@ -18,6 +18,7 @@ from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
 from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
 from ..engine.runtime import Runtime
+from ..engine import node as _node
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
 
@@ -70,6 +71,8 @@ def train(model, x, y, *, comm, layout, options):
             state["checkpointer"] = _ckpt.Checkpointer(
                 options.checkpoint_dir, options.checkpoint_every, options.keep)
         state["verbose"] = resolve_verbose(options.verbose)
+        if options.threads_per_rank is not None:
+            check_positive(threads_per_rank=options.threads_per_rank)
         refuse_steps(model, ("train_step", "test_step") if (
             validation_data is not None or options.validation_split) else ("train_step",))
         state["batch_size"] = options.batch_size
@@ -109,6 +112,11 @@ def train(model, x, y, *, comm, layout, options):
         error = exc
     agree_on_error(comm, error)
     try:
+        # The node's ranks and threads (collective; a threads_per_rank TensorFlow did
+        # not start with is refused after it, on every rank alike).
+        _, line = _node.settle(comm, options.threads_per_rank)
+        if state["verbose"] and comm.rank == 0:
+            print(line, flush=True)
         # Collective (profiling, calibration): every rank reaches it, or none does.
         cut = _costs.resolve(graph, model, comm, cut, layout, speeds=options.speeds,
                              memory_limit=options.memory_limit,

@@ -14,6 +14,7 @@ import sys
 from types import TracebackType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
+from .._env import derive_threads
 from .costmodel import Compute, Network, Row
 from ..schedules import PLANNED
 from .planner import as_layout, search
@@ -395,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{'yes' if p['fits'] else 'no'}")
     print(f"\nscaling efficiency of the best plan: "
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
+    on_node = ranks if args.nodes == 1 else (args.ranks_per_node or 1)
+    print(f"threads per rank: {derive_threads(args.cores, args.cores, on_node)} "
+          f"({args.cores} cores // {on_node} ranks per node, as every plan above runs)")
     tables = None
     if args.embedding_sharding:
         tables, plans = _tables(args, model, graph, network, ranks, limit, plans)
