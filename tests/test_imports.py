@@ -73,7 +73,8 @@ LAYERS = {
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
-        "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire")},
+        "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire",
+        "clipping")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
               "kinds.tables.part", "kinds.tables.cost", "kinds.tables.idle",

@@ -61,6 +61,7 @@ def fit_layouts(build, layouts, tol=1e-5, evaluate=False, **fit_kwargs):
     for layout in layouts:
         layout = dict(layout)
         env = layout.pop("env", {})
+        sharded = layout.pop("shards", True)
 
         def body(comm, layout=layout):
             model = build()
@@ -71,19 +72,26 @@ def fit_layouts(build, layouts, tol=1e-5, evaluate=False, **fit_kwargs):
             if evaluate:
                 loss = hyparflow.evaluate(model, x, y, batch_size=BATCH, comm=comm, verbose=0,
                                           num_stages=layout.get("num_stages", 1))
-            return model.get_weights(), loss
+            held = sum(int(np.prod(v.shape)) for v in model.optimizer.variables)
+            return model.get_weights(), loss, held
 
         ranks = (layout.get("num_stages", 1) * layout.get("num_replicas", 1)
                  * layout.get("num_tensor", 1))
         with _env(env):
             got = run_ranks(ranks, body, timeout=600)
-        diff = max(max_diff(w, want) for w, _ in got)
+        diff = max(max_diff(w, want) for w, _, _ in got)
         print(f"{layout} {env}: max weight difference {diff:.2e}")
         out[str(layout)] = diff
         assert diff <= tol, f"{layout} {env}: max weight difference {diff:g} > {tol:g}"
         if evaluate:
-            for _, loss in got:
+            for _, loss, _ in got:
                 assert loss == pytest.approx(want_loss, rel=1e-5), layout
+        if env.get("HYPARFLOW_ZERO") == "1" and sharded:
+            # Sharded: no rank holds the whole optimizer state (slots and averages).
+            model = build()
+            model.optimizer.build(model.trainable_variables)
+            whole = sum(int(np.prod(v.shape)) for v in model.optimizer.variables)
+            assert max(h for *_, h in got) < whole, (layout, [h for *_, h in got], whole)
     return out
 
 
@@ -156,7 +164,7 @@ def test_ema_with_replicas_stepping_on_their_own_is_refused():
 
     def body(comm):
         hyparflow.fit(build(), x, y, comm=comm, verbose=0, batch_size=BATCH, num_replicas=2,
-                      replica_sync="local_sgd")
+                      replica_sync=hyparflow.LocalSGD(every=2))
 
     with pytest.raises(NotImplementedError, match="use_ema=True with replica_sync"):
         run_ranks(2, body, timeout=300)
@@ -186,8 +194,39 @@ def test_global_clipnorm_with_tensor_ranks_tables_and_zero():
         dict(num_replicas=2, embedding_sharding={"table": "column"}),
         dict(num_stages=2, num_replicas=2, embedding_sharding={"table": "row"}),
         # ZeRO steps whole variables under global_clipnorm (`zero.why_not`).
-        dict(num_stages=2, num_replicas=2, env={"HYPARFLOW_ZERO": "1"}),
+        dict(num_stages=2, num_replicas=2, env={"HYPARFLOW_ZERO": "1"}, shards=False),
     ])
+
+
+def test_global_clipnorm_counts_a_tied_embedding_once():
+    # The GPT's token embedding is used on the first and the last stage: each holds
+    # the summed gradient, which counts once (on the stage that owns it).
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "examples"))
+    import gpt_text
+
+    def build():
+        model = gpt_text.build_model(context=16, dim=16, heads=2, blocks=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, global_clipnorm=0.2, use_ema=True),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = gpt_text.windows(gpt_text.encode(gpt_text.read_source(4000)), 16, 8)
+    x, y = x[:64], y[:64]
+    start, want, _ = reference(build, x, y, epochs=1, batch_size=32)
+
+    def body(comm):
+        model = build()
+        model.set_weights(start)
+        hyparflow.fit(model, x, y, comm=comm, verbose=0, batch_size=32, epochs=1,
+                      shuffle=False, num_stages=3, num_microbatches=2)
+        return model.get_weights()
+
+    diff = max(max_diff(w, want) for w in run_ranks(3, body, timeout=600))
+    print(f"tied GPT, S=3: max weight difference {diff:.2e}")
+    assert diff <= 1e-5
 
 
 def test_global_clipnorm_and_ema_together():
