@@ -23,21 +23,22 @@ scales its gradients as Keras does and steps the optimizer with its own clipping
 table the optimizer's own clipping already sees the whole summed gradient."""
 
 import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["Clip", "needed", "unclipped", "counted_positions"]
 
 
-def needed(optimizer, num_stages, num_tensor, tables):
+def needed(optimizer: Any, num_stages: int, num_tensor: int, tables: bool) -> bool:
     """Whether hyparflow takes the optimizer's `global_clipnorm` over (some rank
     holds only a part of the gradients)."""
     clip = getattr(optimizer, "global_clipnorm", None)
-    return bool(clip) and clip > 0 and (num_stages > 1 or num_tensor > 1 or tables)
+    return clip is not None and clip > 0 and (num_stages > 1 or num_tensor > 1 or tables)
 
 
 @contextlib.contextmanager
-def unclipped(optimizer):
+def unclipped(optimizer: Any) -> Iterator[Any]:
     """The optimizer with its `global_clipnorm` off (read when `apply` is traced, or
     at every eager call): hyparflow scaled the gradients already."""
     kept = optimizer.global_clipnorm
@@ -48,7 +49,7 @@ def unclipped(optimizer):
         optimizer.global_clipnorm = kept
 
 
-def _shared_copy(shard, original):
+def _shared_copy(shard: Any, original: Any) -> Optional[str]:
     """Whether `shard` (a split layer's part on this rank) keeps `original`'s part as
     other tensor ranks do: a 1D kind's variable kept whole, or a mesh part cut by
     columns only (every row of a column holds it). Those count on one rank."""
@@ -64,17 +65,19 @@ def _shared_copy(shard, original):
     return "whole"
 
 
-def counted_positions(stage, topo, rank, owner_stage, table_positions=()):
+def counted_positions(stage: Any, topo: Any, rank: int, owner_stage: Callable[[Any], int],
+                      table_positions: Sequence[int] = ()) -> Tuple[List[bool], List[bool]]:
     """(counted, shared): for each position of `stage.trainable`, whether this rank
     adds its gradient's squares, and whether it goes to the tables' slot (counted on
     every replica)."""
     s, t = topo.stage(rank), topo.tensor(rank)
     tables = set(table_positions)
-    owner_of = {}
+    owner_of: dict[int, Any] = {}
     for shard in stage.shards.values():
         for vid in getattr(shard, "replaces", {}):
             owner_of[vid] = shard
-    counted, shared = [], []
+    counted: List[bool] = []
+    shared: List[bool] = []
     for k, (original, var) in enumerate(zip(stage.originals, stage.trainable)):
         if k in tables:
             counted.append(True)
@@ -95,7 +98,7 @@ def counted_positions(stage, topo, rank, owner_stage, table_positions=()):
     return counted, shared
 
 
-def _squares(g):
+def _squares(g: Any) -> float:
     """Keras's `sum(square(g))` for one gradient: dense, `tf.IndexedSlices`, or
     (indices, values) pairs (the values' squares, one per lookup)."""
     if isinstance(g, tuple):
@@ -111,16 +114,18 @@ def _squares(g):
 class Clip:
     """One rank's part in the run's global norm (see the module's docstring)."""
 
-    def __init__(self, clip_norm, comm, counted, shared, replica, num_replicas, own=False):
+    def __init__(self, clip_norm: float, comm: Any, counted: Sequence[bool],
+                 shared: Sequence[bool], replica: int, num_replicas: int,
+                 own: bool = False) -> None:
         """`comm`: every rank of the run (its own communicator); `own`: replicas
         step on their own (each its own norm)."""
         self.clip_norm = float(clip_norm)
         self.comm = comm
         self.counted, self.shared = list(counted), list(shared)
         self.replica, self.num_replicas, self.own = replica, num_replicas, own
-        self.norm = None  # the last step's global norm (float32), for tests and logs
+        self.norm: Optional[float] = None  # the last step's global norm, for logs
 
-    def scale(self, grads):
+    def scale(self, grads: Sequence[Any]) -> float:
         """The factor every gradient of this step is multiplied by, from this rank's
         `grads` (per position: dense, IndexedSlices, pairs or None). Collective: every
         rank of the run calls it once per step."""
@@ -140,5 +145,6 @@ class Clip:
         clip = np.float32(self.clip_norm)
         with np.errstate(divide="ignore", invalid="ignore"):
             factor = clip * np.minimum(np.float32(1) / norm, np.float32(1) / clip) + (norm - norm)
-        self.norm = norm
-        return np.float32(factor)
+        self.norm = float(norm)
+        # A float32 value (exact as a Python float), as Keras's factor is.
+        return float(np.float32(factor))

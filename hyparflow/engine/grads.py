@@ -67,13 +67,16 @@ def compiled_step(optimizer, variables, sparse, eager=False, clipped=False):
     signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
                   if k in sparse else tf.TensorSpec(v.shape, v.dtype)
                   for k, v in enumerate(variables)]]
+    def plain(gs):
+        return optimizer.apply(gs, variables)
+
+    def clipping(gs, scale):
+        with _clipping.unclipped(optimizer):
+            return optimizer.apply(scaled(gs, scale), variables)
+
     if clipped:
-        def step(gs, scale):
-            with _clipping.unclipped(optimizer):
-                return optimizer.apply(scaled(gs, scale), variables)
         signature.append(tf.TensorSpec((), tf.float32))
-    else:
-        step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
+    step = clipping if clipped else plain
     return step if eager else tf.function(step, input_signature=signature)
 
 
