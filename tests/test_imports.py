@@ -76,7 +76,7 @@ LAYERS = {
         "stage", "executor", "runtime", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire", "shm",
-        "node", "order")},
+        "node", "order", "clipping")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.sparse", "kinds.zero",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
               "kinds.tables.part", "kinds.tables.cost", "kinds.tables.idle",

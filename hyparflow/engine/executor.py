@@ -436,7 +436,11 @@ class Executor:
             if mine:
                 exchanges.append(_sparse.Exchange(
                     comm, slices, {k: tuple(trainable[k].shape) for k in mine},
-                    dense_ok=_sparse.linear(self.optimizer), fixed=self.stage.grads.fixed or ()))
+                    # Not summed densely under a norm: Keras's squares are the pairs'.
+                    dense_ok=_sparse.linear(self.optimizer) and not (
+                        getattr(self.optimizer, "global_clipnorm", None)
+                        or getattr(self.optimizer, "clipnorm", None)),
+                    fixed=self.stage.grads.fixed or ()))
         for k, (indices, values) in slices.items():
             if not any(kinds.get(k) == _sparse.SPARSE for kinds in self._kinds):
                 self.stage.grads.densify(k, indices, values)

@@ -11,8 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..kinds import sparse as _sparse
+from . import clipping as _clipping
 
-__all__ = ["Gradients", "Packing", "aligned_empty", "as_tensor", "compiled_step"]
+__all__ = ["Gradients", "Packing", "aligned_empty", "as_tensor", "compiled_step", "scaled"]
 
 
 def aligned_empty(n):
@@ -51,13 +52,31 @@ class Packing:
         self.flags = self.flat[n:]
 
 
-def compiled_step(optimizer, variables, sparse, eager=False):
+def scaled(grads, scale):
+    """Keras's `clip_by_global_norm`'s last line: every gradient times `scale` (a
+    `tf.IndexedSlices` times a tensor is a dense tensor, as there)."""
+    return [g * tf.cast(scale, g.dtype) if g is not None else g for g in grads]
+
+
+def compiled_step(optimizer, variables, sparse, eager=False, clipped=False):
     """`optimizer.apply(grads, variables)` compiled once, as Keras's train function
-    compiles its step; the gradients at positions `sparse` come as `tf.IndexedSlices`."""
-    step = lambda gs: optimizer.apply(gs, variables)  # noqa: E731
+    compiles its step; the gradients at positions `sparse` come as `tf.IndexedSlices`.
+    `clipped`: the step takes a second argument, the global norm's factor
+    (`engine.clipping`), and applies the scaled gradients with the optimizer's own
+    clipping off."""
     signature = [[tf.IndexedSlicesSpec(tuple(v.shape), v.dtype, tf.int64, tf.int64)
                   if k in sparse else tf.TensorSpec(v.shape, v.dtype)
                   for k, v in enumerate(variables)]]
+    def plain(gs):
+        return optimizer.apply(gs, variables)
+
+    def clipping(gs, scale):
+        with _clipping.unclipped(optimizer):
+            return optimizer.apply(scaled(gs, scale), variables)
+
+    if clipped:
+        signature.append(tf.TensorSpec((), tf.float32))
+    step = clipping if clipped else plain
     return step if eager else tf.function(step, input_signature=signature)
 
 
@@ -81,6 +100,9 @@ class Gradients:
         # copy of the gradients at all (a 32 MB copy was 5% of the MLP's step).
         self.direct = False
         self._held = {}
+        # `engine.clipping.Clip` when hyparflow takes global_clipnorm over (the norm
+        # is summed over ranks); None: the optimizer clips, if it does.
+        self.clip = None
         self.set_buckets([])
 
     def keep(self, k, microbatch, indices, values):
@@ -250,16 +272,27 @@ class Gradients:
         call, as in Keras's own train function; otherwise the variables without one
         are skipped, as Keras skips them. Sparse gradients ((indices, values) pairs)
         go in as `tf.IndexedSlices`, as Keras's own train step passes them."""
+        # The run's global norm (a collective: before anything a rank may skip).
+        scale = self.clip.scale(grads) if self.clip is not None else None
         grads = [self.slices_of(k, g) if isinstance(g, tuple) else g
                  for k, g in enumerate(grads)]
         if grads and all(g is not None for g in grads):
             sparse = tuple(k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
-            key = ("direct", sparse)
+            key = ("direct", sparse, scale is not None)
             if key not in self._steps:
-                self._steps[key] = compiled_step(optimizer, self.variables, sparse, self.eager)
-            self._steps[key]([g if isinstance(g, tf.IndexedSlices) else tf.cast(g, v.dtype)
-                              for g, v in zip(grads, self.variables)])
+                self._steps[key] = compiled_step(optimizer, self.variables, sparse, self.eager,
+                                                 clipped=scale is not None)
+            args = [[g if isinstance(g, tf.IndexedSlices) else tf.cast(g, v.dtype)
+                     for g, v in zip(grads, self.variables)]]
+            if scale is not None:
+                args.append(tf.constant(scale, tf.float32))
+            self._steps[key](*args)
             return
         pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
-        if pairs:
+        if pairs and scale is not None:
+            gs = scaled([tf.cast(g, v.dtype) if not isinstance(g, tf.IndexedSlices) else g
+                         for g, v in pairs], tf.constant(scale, tf.float32))
+            with _clipping.unclipped(optimizer):
+                optimizer.apply_gradients(list(zip(gs, [v for _, v in pairs])))
+        elif pairs:
             optimizer.apply_gradients(pairs)

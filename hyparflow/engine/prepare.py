@@ -13,7 +13,8 @@ from .. import graph as _graph
 from . import errors as errors_
 
 __all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
-           "build_like_fit", "check_model", "check_optimizer", "check_parted", "check_agreement",
+           "build_like_fit", "check_model", "check_optimizer", "loss_scale_refusal",
+           "check_parted", "check_agreement",
            "build_compiled", "target_specs", "input_specs", "weight_specs"]
 
 
@@ -117,34 +118,45 @@ def read_graph(model, num_stages, x, batch_size=None):
     return graph
 
 
-def check_optimizer(optimizer, num_stages, num_tensor=1):
+def check_optimizer(optimizer, num_stages, num_tensor=1, num_replicas=1):
     """Optimizer features that would silently train differently when each stage steps
     its own variables (or each tensor rank its part of a layer's) are refused with
-    the reason."""
+    the reason. `global_clipnorm` is not among them: the norm is summed over the
+    ranks (`engine.clipping`)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise NotImplementedError(
-            "A LossScaleOptimizer (mixed_float16) is not supported: its dynamic loss scale "
-            "would have to be agreed by every stage each step. Use the 'mixed_bfloat16' "
-            "policy, which needs no loss scaling.")
-    if num_stages > 1 and getattr(optimizer, "global_clipnorm", None):
-        raise NotImplementedError(
-            f"global_clipnorm={optimizer.global_clipnorm} needs the norm of all gradients, "
-            f"which {num_stages} stages each see a part of. Use clipnorm (per variable) or "
-            "clipvalue, or num_stages=1.")
+        raise NotImplementedError(loss_scale_refusal(num_stages, num_tensor, num_replicas))
     if num_tensor > 1:
         check_parted(optimizer, f"num_tensor={num_tensor} ranks each hold a part of a "
                      "split layer's variables", "num_tensor=1")
 
 
+def loss_scale_refusal(num_stages, num_tensor=1, num_replicas=1):
+    """Why a LossScaleOptimizer (mixed_float16) is refused, said for the layout."""
+    holders = [f"{n} {what}" for n, what in ((num_stages, "stages"),
+                                              (num_tensor, "tensor ranks"),
+                                              (num_replicas, "replicas")) if n > 1]
+    layout = (f"num_stages={num_stages}, num_tensor={num_tensor}, "
+              f"num_replicas={num_replicas}")
+    why = ("hyparflow runs the backward itself, microbatch by microbatch, without "
+           "multiplying the loss by the optimizer's loss scale as Keras's train_step does")
+    if holders:
+        why += (", and the dynamic loss scale (with the skip of a step whose gradients "
+                f"overflow) would have to be agreed each step by the {' and '.join(holders)} "
+                "of this layout")
+    return (f"A LossScaleOptimizer (mixed_float16) is not supported ({layout}): {why}. Use "
+            "the 'mixed_bfloat16' policy, which needs no loss scaling.")
+
+
 def check_parted(optimizer, holders, fix):
     """Refuse what needs whole variables when `holders` (who holds the parts, a
-    phrase) step their parts apart: clipnorm / global_clipnorm (a whole gradient's
-    norm), Adafactor and Muon (matrix-wise updates). `fix`: the option that avoids it.
+    phrase) step their parts apart: clipnorm (a whole variable's gradient's norm;
+    global_clipnorm's one norm is summed over the ranks, `engine.clipping`), Adafactor and Muon (matrix-wise updates). `fix`: the option that avoids it.
     One list for every kind that parts a variable (tensor splits, sharded tables)."""
-    if getattr(optimizer, "global_clipnorm", None) or getattr(optimizer, "clipnorm", None):
+    if getattr(optimizer, "clipnorm", None):
         raise NotImplementedError(
-            f"clipnorm / global_clipnorm need the norm of whole gradients, but {holders}. "
-            f"Use clipvalue, or {fix}.")
+            f"clipnorm={optimizer.clipnorm} clips each variable's gradient by its own norm, "
+            f"but {holders}. Use global_clipnorm (one norm summed over the ranks) or "
+            f"clipvalue, or {fix}.")
     name = type(optimizer).__name__
     if name in ("Adafactor", "Muon"):
         raise NotImplementedError(

@@ -5,6 +5,7 @@ built) is `prepare`'s."""
 
 
 from .. import _compat
+from . import clipping as _clipping
 from . import customised as _customised
 from . import errors as errors_
 from .. import graph as _graph
@@ -21,6 +22,7 @@ from ..kinds import tensor as _tensor
 from . import weights
 from . import wire as _wire
 from ..kinds import zero as _zero
+from .comm import timeout_seconds
 from .executor import Executor, split_batch
 from ..kinds.replicas import Replicas
 from .stage import Stage
@@ -87,7 +89,8 @@ class Runtime:
             raise ValueError(f"The layout {layout.describe()} needs {layout.ranks} ranks, but "
                              f"{comm.size} were launched.")
         if training:
-            _prepare.check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor)
+            _prepare.check_optimizer(model.optimizer, layout.num_stages, layout.num_tensor,
+                                     layout.num_replicas)
         self.model, self.comm, self.layout = model, comm, layout
         self.graph = graph
         # Replicas on their own only where there are several (one replica: allreduce).
@@ -327,6 +330,17 @@ class Runtime:
             early = (overlap.enabled(default=len(set(hosts)) > 1)
                      and self.layout.num_chunks == 1 and not local)
             self.executor.set_groups(shared, early=early, zero=self.zero, wire=wire)
+            if _clipping.needed(optimizer, topo.num_stages, topo.num_tensor,
+                                self.tables is not None):
+                # global_clipnorm: one norm over the ranks' parts (engine.clipping);
+                # ZeRO steps whole variables then (`zero.why_not`).
+                counted, mine = _clipping.counted_positions(
+                    self.stage, topo, rank, self.owner_stage,
+                    self.tables.positions if self.tables is not None else ())
+                self.clip_comm = self.comm.split(0, rank)
+                self.stage.grads.clip = _clipping.Clip(
+                    optimizer.global_clipnorm, self.clip_comm, counted, mine,
+                    topo.replica(rank), topo.num_replicas, own=local)
             if self.tables is not None:
                 self.executor.keep_local(self.tables.positions)
             self.stage_comm = groups.get((self.topo.stage(self.comm.rank),), (None, []))[0]
@@ -378,6 +392,8 @@ class Runtime:
         comms.append(getattr(getattr(self, "collectives", None), "comm", None))
         if self.tables is not None:
             comms.append(self.tables.router.comm)
+        comms.append(getattr(self, "clip_comm", None))
+        self.clip_comm = None
         norm = getattr(self.executor, "normaliser", None)
         if norm is not None:
             comms.append(norm.comm)
@@ -480,11 +496,27 @@ class Runtime:
         for shard in self.stage.shards.values():
             shard.gather()
 
-    def sync_weights(self):
-        """Average the state, then give every rank every variable from the stage that
-        owns it (replica 0, tensor rank 0)."""
+    def finalize_optimizer(self):
+        """What `model.fit` does after its last epoch, `optimizer.finalize_variable_values`:
+        with `use_ema`, the variables take their moving averages. Each rank's optimizer
+        keeps the averages of what it steps (its stage's variables, its parts of split
+        layers and tables, its ZeRO rows), so each overwrites those, and the parts go
+        back into the model's variables as at an epoch's end (collective)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if not getattr(optimizer, "use_ema", False) or not optimizer.built:
+            return
+        optimizer.finalize_variable_values(optimizer._trainable_variables)
+        if getattr(self, "zero", None):
+            # Each owner's rows to every replica of its group, into the variables.
+            self.zero.gather(lambda reqs: self.executor._wait(reqs, timeout_seconds()))
+        self.sync_weights(state=False)
+
+    def sync_weights(self, state=True):
+        """Average the state (`state`), then give every rank every variable from the
+        stage that owns it (replica 0, tensor rank 0)."""
         self.gather_shards()
-        self.average_state()
+        if state:
+            self.average_state()
         # Sharded tables whose whole copy is dropped while fit trains stay so.
         dropped = self.tables.emptied() if self.tables is not None else set()
         kept = [(v, o) for v, o in zip(self.model.weights, self.owners) if id(v) not in dropped]

@@ -26,8 +26,9 @@ the iteration counter, which every rank advances once per step. A sparse
 (Embedding) gradient's (row, value) pairs are filtered to the owner's rows,
 keeping their order, so Adam & co. see the same pairs per row as in `model.fit`.
 Features that need a whole variable or all of them (clipnorm, global_clipnorm,
-constraints, EMA, gradient accumulation) fall back to the unsharded step
-(`why_not`). Parts of layers split by tensor parallelism are stepped whole
+constraints, gradient accumulation) fall back to the unsharded step (`why_not`).
+`use_ema` is element-wise too: each owner keeps the averages of its rows, and the
+end of `fit` (`Runtime.finalize_optimizer`) sends them out as a step's new values. Parts of layers split by tensor parallelism are stepped whole
 (they are already 1/T of the layer).
 """
 
@@ -103,8 +104,6 @@ def why_not(optimizer, variables):
     for name in ("clipnorm", "global_clipnorm"):
         if getattr(optimizer, name, None):
             return f"{name} needs the norm of whole gradients"
-    if getattr(optimizer, "use_ema", False):
-        return "use_ema keeps averages of whole variables"
     if getattr(optimizer, "gradient_accumulation_steps", None):
         return "gradient_accumulation_steps keeps whole gradients"
     for v in variables:

@@ -189,7 +189,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             the other layers stay data-parallel (and may be pipelined): "auto" (each
             table's kind and ranks chosen by its estimated cost per step, the owners'
             load from the first batches' ids, under `memory_limit`; printed on rank
-            0) or
+            0), one kind ("row", "table", "column", "table-row") for every table
+            that can take it (the others "data"; rank 0 prints which), or
             {layer name: "table" | "row" | "column" | "data" | "table-row"} (whole
             on one rank, rows cut over every rank, columns cut over every rank,
             replicated, rows cut over the ranks of one host; unnamed tables stay

@@ -65,6 +65,14 @@ def train(model, x, y, *, comm, layout, options):
             options.embedding_sharding, layout.plan))
         replica_sync = _sync.resolve(options.replica_sync)
         _sync.check(replica_sync, layout.num_replicas)
+        if replica_sync is not None and layout.num_replicas > 1 and getattr(
+                model.optimizer, "use_ema", False):
+            raise NotImplementedError(
+                f"use_ema=True with replica_sync={options.replica_sync!r}: each replica "
+                "would keep the moving average of its own weights, and model.fit has no "
+                "model to say which average the end of training should install. Use "
+                "replica_sync=None (the replicas' gradients summed every step), or "
+                "use_ema=False.")
         if options.resume and not options.checkpoint_dir:
             raise ValueError("`resume=True` needs `checkpoint_dir` (where the checkpoints are).")
         if options.checkpoint_dir:
@@ -323,6 +331,10 @@ def _loop(model, runtime, source, state, epochs, callbacks):
             break
         if whole and epoch + 1 < epochs:
             runtime.tables.empty()
+    if epochs > 0:
+        # As model.fit after its last epoch (before on_train_end): use_ema's averages
+        # become the weights (`optimizer.finalize_variable_values`) on every rank.
+        runtime.finalize_optimizer()
     if runtime.tables is not None:
         runtime.tables.fill()  # whole again, from their owners, for the model fit returns
     cbs.on_train_end(epoch_logs)

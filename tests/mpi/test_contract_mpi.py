@@ -271,3 +271,41 @@ def test_variable_lengths_and_sparse_gradients_over_mpi():
         if hf.is_main():
             print(f"\nvariable lengths (S,R,M)={(s, r, m)} max weight difference {diff:.3g}")
         assert diff <= 1e-4, f"(S,R,M)={(s, r, m)}: {diff}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ema_and_global_clipnorm_over_stages():
+    """Adam(use_ema=True, global_clipnorm) at S=2 (and replicas at 4 ranks): one norm
+    summed over the stages' ranks by MPI (an Embedding's pairs counted per lookup),
+    and the averages installed at the end of fit, which evaluate then sees."""
+    def build():
+        keras.utils.set_random_seed(4)
+        ids = keras.Input((6,), dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(40, 8)(ids))
+        h = keras.layers.Dense(32, activation="tanh")(h)
+        h = keras.layers.Dense(16, activation="tanh")(h)
+        model = keras.Model(ids, keras.layers.Dense(3)(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.05, global_clipnorm=0.05, use_ema=True,
+                                                      ema_momentum=0.9), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 40, (64, 6)).astype("int32")
+    x[:, :3] = rng.integers(0, 4, (64, 3))
+    y = rng.normal(size=(64, 3)).astype("float32")
+    reference = build()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = reference.get_weights()
+    expected_loss = reference.evaluate(x, y, batch_size=16, verbose=0)
+    s, r, m = {2: (2, 1, 2), 4: (2, 2, 2)}.get(SIZE, (1, SIZE, 1))
+    model = build()
+    model.set_weights(start)
+    hf.fit(model, x, y, batch_size=16, epochs=2, num_stages=s, num_replicas=r,
+           num_microbatches=m, shuffle=False, verbose=0)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+    if hf.is_main():
+        print(f"\nEMA + global_clipnorm (S,R,M)={(s, r, m)} max weight difference {diff:.3g}")
+    assert diff <= 1e-5, f"(S,R,M)={(s, r, m)}: {diff}"
+    loss = hf.evaluate(model, x, y, batch_size=16, num_stages=s)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)

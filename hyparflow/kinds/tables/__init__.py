@@ -140,6 +140,9 @@ def placements_for(model: Any, graph: Any, sharding: Any, ranks: int,
         reason = _why_not(graph, i, op)
         if reason is not None:
             refused[op.name] = reason
+    if isinstance(sharding, str) and sharding != "auto":
+        # One kind for every table that can take it (over this stage's ranks).
+        sharding, _ = _plan.expand(sharding, tables, ranks, refused)
     costed: Dict[str, Any] = {}
     if sharding == "auto":
         costed = dict(ids=ids, wire_bytes=wire_bytes, link=link, lookups=None if not batch_size
@@ -196,6 +199,17 @@ def _stage_ranks(topo, stage):
                   for t in range(topo.num_tensor))
 
 
+def applied(kind, placements):
+    """`embedding_sharding=kind`'s tables, said once: those it applied to, and those
+    kept whole on every rank ("data") with why."""
+    took = [p.table.name for p in placements if p.kind == kind]
+    kept = [p.table.name for p in placements if p.kind != kind]
+    text = f"hyparflow: embedding_sharding={kind!r} applies to {', '.join(map(repr, took)) or 'no table'}"
+    if kept:
+        text += f"; kept whole on every rank ('data'): {', '.join(map(repr, kept))}"
+    return text + "."
+
+
 class Tables:
     """This rank's sharded tables: placements (of every stage's tables), parts (of
     this rank's stage's), and the router."""
@@ -215,6 +229,7 @@ class Tables:
         self.pipelined = False  # whether `describe` names the stages
         self.nodes = set()
         self.costs = None  # the placements' `cost.Cost`s, when the batch is known
+        self.note = ""  # embedding_sharding="row" (one kind): which tables it applied to
 
     @classmethod
     def make(cls, model, graph, layout, sharding, rank, *, memory_limit=None, sync=None,
@@ -284,6 +299,8 @@ class Tables:
             shards[i] = _rs.LayerTables(graph.nodes[i].op, held)
         self = cls(placements, parts, [], len(_stage_ranks(topo, s)), where, s, shards)
         self.pipelined = layout.num_stages > 1
+        if isinstance(sharding, str) and sharding != "auto":
+            self.note = applied(sharding, placements)
         self.router = router
         # The Embedding calls sharded in any stage: no tensor split takes them.
         self.nodes = {i for (i, _), p in zip(found, placements) if p.kind != "data"}
@@ -311,7 +328,13 @@ class Tables:
 
     def describe(self):
         """The plan, one block per pipeline stage holding tables; with one stage,
-        its estimate per step too (when fit gave the batch)."""
+        its estimate per step too (when fit gave the batch); first, for one kind
+        named for every table, the tables it applied to."""
+        if self.note:
+            return self.note + "\n" + self._describe()
+        return self._describe()
+
+    def _describe(self):
         if not self.pipelined:
             text = _plan.describe(self.placements, self.ranks)
             if not self.costs:

@@ -5,7 +5,8 @@ contiguous ranges, one per rank), "column"-wise (its embedding dimension cut int
 contiguous slices, one per rank: every rank holds every row's slice) or "data" (every
 rank holds it whole: hyparflow's replicated path, its gradient pairs gathered over
 the replicas). `place` turns the
-user's `embedding_sharding` ("auto" or {layer name: kind}) into one `Placement` per
+user's `embedding_sharding` ("auto", {layer name: kind}, or one kind for every table
+that can take it: `expand`) into one `Placement` per
 table: the rows each rank owns. "auto" chooses each table's kind and ranks by cost
 (`auto.choose`, as TorchRec's planner does); `by_bytes` is the first rule, by bytes
 alone (biggest table first, row-wise when it is larger than one rank's share of all
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["Table", "Placement", "KINDS", "place", "by_bytes", "host_groups", "describe",
+__all__ = ["Table", "Placement", "KINDS", "place", "expand", "by_bytes", "host_groups", "describe",
            "storage_factor", "dense_update"]
 
 KINDS = ("table", "row", "column", "data", "table-row")
@@ -140,6 +141,33 @@ def by_bytes(tables: Sequence[Table], ranks: int, memory_limit: Optional[float] 
             "row" if t.bytes > cap and t.rows >= ranks else "table" for t in tables}
 
 
+def expand(kind: str, tables: Sequence[Table], ranks: int,
+           refused: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """`embedding_sharding=kind` (one kind name) as {layer name: kind}: the kind for
+    every table that can take it, "data" for the others; and {name: why} of those
+    others (a table that cannot be sharded, or has fewer rows or columns than the
+    kind cuts it into)."""
+    if kind not in KINDS or kind == "data":
+        raise ValueError(
+            f"embedding_sharding={kind!r} is not a sharding kind. Use 'auto', one of "
+            f"{[k for k in KINDS if k != 'data']} for every table, or a dict {{layer name: "
+            f"kind}}; leave embedding_sharding out to shard nothing.")
+    refused = refused or {}
+    wanted, kept = {}, {}
+    for t in tables:
+        if t.name in refused:
+            kept[t.name] = refused[t.name]
+        elif kind in ("row", "table-row") and t.rows < ranks:
+            kept[t.name] = f"{t.rows} rows, fewer than {ranks} ranks"
+        elif kind == "column" and t.dim < ranks:
+            kept[t.name] = f"{t.dim} columns, fewer than {ranks} ranks"
+        else:
+            wanted[t.name] = kind
+            continue
+        wanted[t.name] = "data"
+    return wanted, kept
+
+
 def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: int,
           memory_limit: Optional[float] = None, refused: Optional[Dict[str, str]] = None,
           hosts: Optional[Sequence[str]] = None, **costed: Any) -> List[Placement]:
@@ -173,7 +201,8 @@ def place(tables: Sequence[Table], sharding: Union[str, Dict[str, str]], ranks: 
         wanted = dict(sharding)
     else:
         raise ValueError(
-            f"embedding_sharding must be 'auto' or a dict {{layer name: 'table' | 'row' | "
+            f"embedding_sharding must be 'auto', one kind for every table ('table', 'row', "
+            f"'column' or 'table-row') or a dict {{layer name: 'table' | 'row' | "
             f"'column' | 'data' | 'table-row'}}. Received: embedding_sharding={sharding!r}")
     load = [0] * ranks
     chosen: Dict[str, Placement] = {}
