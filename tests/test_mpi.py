@@ -10,7 +10,25 @@ import time
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+from hyparflow.cluster import dialect, launch  # noqa: E402
+
+# The launcher of the MPI this Python's mpi4py is built with (MPICH's wheel, or a site's
+# Open MPI), and its flags: every run here starts through `launch_argv`.
+MPIEXEC = launch.find_mpiexec()
+DIALECT = dialect.Dialect(dialect.of_mpiexec(MPIEXEC) if MPIEXEC else dialect.UNKNOWN)
+
+
+def launch_argv(n, *command):
+    """mpiexec starting `command` on `n` ranks on this machine, in its MPI's words (Open
+    MPI: more ranks than cores allowed, no binding)."""
+    return DIALECT.argv(MPIEXEC, n, list(command))
+
+
+def launcher_words():
+    """The launcher and its flags, before `-n` (for a shell script to add `-n N cmd`)."""
+    argv = launch_argv(1, "true")
+    return " ".join(argv[:argv.index("-n")])
+
 
 pytestmark = [pytest.mark.mpiexec,
               pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH or beside python")]
@@ -42,7 +60,7 @@ exec {mpiexec} -n "$n" "$@"
 def mpiexec(n, *args, timeout=600):
     env = dict(os.environ, HYPARFLOW_TIMEOUT="120", PYTHONUNBUFFERED="1")
     start = time.monotonic()
-    out = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], capture_output=True,
+    out = subprocess.run(launch_argv(n, sys.executable, *args), capture_output=True,
                          text=True, timeout=timeout, env=env, cwd=HERE)
     return out, time.monotonic() - start
 
@@ -86,12 +104,12 @@ def test_a_script_choosing_its_stages_runs_however_launched(how, tmp_path):
     a replica count it derived for another number of stages."""
     script = os.path.join(HERE, "mpi", "own_layout_script.py")
     srun = tmp_path / "srun"
-    srun.write_text(FAKE_SRUN.format(mpiexec=MPIEXEC))
+    srun.write_text(FAKE_SRUN.format(mpiexec=launcher_words()))
     srun.chmod(0o755)
     slurm = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
              "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
     if how == "mpiexec":
-        argv, env = [MPIEXEC, "-n", "2", sys.executable, script], clean_environment()
+        argv, env = launch_argv(2, sys.executable, script), clean_environment()
     elif how == "hyparflow run":
         argv = [sys.executable, "-m", "hyparflow", "run", "-n", "2", script]
         env = clean_environment()
@@ -209,7 +227,7 @@ def test_progress_on_rank_0_bar_on_a_terminal_one_line_otherwise(tmp_path):
     assert len(re.findall(r"^4/4 - \d+s - ", out.stdout, re.M)) == 3, out.stdout
     # mpiexec writing to a terminal: its ranks write to pipes, yet rank 0 draws Keras's bar.
     log = tmp_path / "terminal.log"
-    command = " ".join([MPIEXEC, "-n", "2", sys.executable, script])
+    command = " ".join(launch_argv(2, sys.executable, script))
     run = subprocess.run(["script", "-qec", command, str(log)], capture_output=True,
                          text=True, timeout=180, env=clean_environment(), cwd=HERE)
     text = log.read_text(errors="replace")
@@ -244,7 +262,7 @@ def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
     marker = str(tmp_path / "epoch")
     env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_PEER_TIMEOUT="4",
                HYPARFLOW_HEARTBEAT_SECONDS="0.5", HYPARFLOW_NUM_STAGES="2", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, HOSTS_SCRIPT, "long", marker],
+    proc = subprocess.Popen(launch_argv(2, sys.executable, HOSTS_SCRIPT, "long", marker),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=HERE, start_new_session=True)
     pid = None
@@ -283,7 +301,7 @@ def test_a_busy_rank_is_not_lost_a_frozen_one_is(tmp_path):
                HYPARFLOW_HEARTBEAT_SECONDS="0.5", HYPARFLOW_NUM_STAGES="2",
                HYPARFLOW_THREADS="1", PYTHONUNBUFFERED="1")
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
-    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, HOSTS_SCRIPT, "busy", marker],
+    proc = subprocess.Popen(launch_argv(4, sys.executable, HOSTS_SCRIPT, "busy", marker),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=HERE, start_new_session=True)
     pid, seconds = None, None
@@ -340,7 +358,7 @@ def test_heartbeat_neighbours_name_a_lost_host_on_every_rank(tmp_path):
     script = os.path.join(HERE, "mpi", "heartbeat_script.py")
     env = dict(os.environ, HYPARFLOW_PEER_TIMEOUT="2", HYPARFLOW_HEARTBEAT_SECONDS="0.3",
                PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([MPIEXEC, "-n", "8", sys.executable, script, str(tmp_path)],
+    proc = subprocess.Popen(launch_argv(8, sys.executable, script, str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     frozen = []

@@ -44,12 +44,13 @@ def in_slurm_allocation(environ: Optional[Mapping[str, str]] = None) -> bool:
     return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun", path=environ.get("PATH")) is not None
 
 
-def find_mpiexec(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def find_mpiexec(environ: Optional[Mapping[str, str]] = None,
+                 python: Optional[str] = None) -> Optional[str]:
     """The launcher of the MPI mpi4py was built with: beside this Python (the `mpich`
     wheel's), else on PATH (`dialect.find_mpiexec`)."""
     from . import dialect
 
-    return dialect.find_mpiexec(environ)
+    return dialect.find_mpiexec(environ, python)
 
 
 def usable_cores() -> int:
@@ -290,7 +291,7 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
             argv = [srun, f"--mpi={mpi}", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
             ranks_on_node = None  # srun may spread the ranks over several nodes
     if launcher == "mpiexec":
-        mpiexec = find_mpiexec(environ)
+        mpiexec = find_mpiexec(environ, python)
         if mpiexec is None:
             fix = ("mpi4py is built with Open MPI: put its bin directory on PATH (load its "
                    "module)" if family == dialect.OPENMPI else

@@ -56,7 +56,7 @@ if text.startswith("Open MPI"):
     except OSError:
         info = ""
     for kind in ("pml", "btl", "mtl"):
-        found = sorted(set(re.findall(r"^mca:%s:([\w-]+):" % kind, info, re.M)))
+        found = sorted(set(re.findall(r"^mca:%s:([A-Za-z0-9_-]+):" % kind, info, re.M)))
         if found:
             print("MPI %s\t%s" % (kind, " ".join(found)))
 print("MPI standard\t%d.%d" % MPI.Get_version())

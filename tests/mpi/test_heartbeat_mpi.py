@@ -36,6 +36,12 @@ def test_no_message_is_left_on_a_freed_heartbeat():
         time.sleep(0.2 if comm.rank == 0 else 0.0)
         beat.stop()
         assert beat.freed and beat.beats > 3, (beat.freed, beat.beats)
+        # Every message any rank sent this one was read here before the free.
+        sent = world.allgather(beat._sent.tolist())
+        got = world.allgather(beat._got.tolist())
+        pairs = [(i, j, sent[i][j], got[j][i]) for i in range(comm.size)
+                 for j in range(comm.size) if sent[i][j] != got[j][i]]
+        assert not pairs, f"(from, to, sent, read): {pairs}"
         time.sleep(0.2)
         comm.free()
         later = [world.Dup() for _ in range(4)]   # the contexts just freed, among them
