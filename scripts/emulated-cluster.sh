@@ -20,7 +20,8 @@
 # MPICH's mpiexec (hydra) launches into the hosts with `-launcher ssh -launcher-exec
 # $DIR/enter-host` (that script stands in for ssh) and `-iface hfbr0`; `env` prints the
 # HYDRA_* variables that do the same without flags, and HYPARFLOW_EMULATED_HOSTS (the host
-# list, which the tests look for). $HYPARFLOW_EMU_RATE (e.g. 1gbit) limits each host's link
+# list, which the tests look for); Open MPI's mpiexec the same through OMPI_MCA_plm_rsh_agent
+# and OMPI_MCA_*_tcp_if_include. $HYPARFLOW_EMU_RATE (e.g. 1gbit) limits each host's link
 # both ways with `tc ... tbf` (this kernel has no netem), with a bucket of
 # $HYPARFLOW_EMU_BURST (default 32kb): a larger bucket lets every message up to its size
 # through at the bridge's speed once the link has been idle (256kb made 256 KB messages
@@ -310,6 +311,11 @@ print_env() {
     echo "export MPIR_CVAR_CH4_NETMOD=ofi"
     echo "export FI_PROVIDER=tcp"
     echo "export FI_TCP_IFACE=eth0"
+    # Open MPI's mpiexec: the same stand-in for ssh (its rsh launcher), and its daemons'
+    # and ranks' TCP on the bridge's network (each host's eth0, this machine's bridge).
+    echo "export OMPI_MCA_plm_rsh_agent=$DIR/enter-host"
+    echo "export OMPI_MCA_oob_tcp_if_include=$NET.0/24"
+    echo "export OMPI_MCA_btl_tcp_if_include=$NET.0/24"
     if [ -f "$PIDS" ] && live_pid slurmctld >/dev/null; then echo "export SLURM_CONF=$CONF"; fi
 }
 

@@ -163,6 +163,16 @@ def test_info_has_the_fields(capsys):
     import tensorflow as tf
     assert f"tensorflow:           {tf.__version__}" in out
     assert f"keras:                {keras.__version__}" in out
+    # The MPI named as the family it is, and the launcher found is the same MPI's.
+    library = re.search(r"^MPI library: +(.*)$", out, re.M).group(1)
+    family = dialect.of_text(library)
+    assert family != dialect.UNKNOWN, library
+    if family == dialect.OPENMPI:
+        assert re.search(r"^MPI btl: +.*\bself\b", out, re.M), out
+    else:
+        assert re.search(r"^MPI device: +\S", out, re.M), out
+    if MPIEXEC is not None:
+        assert f"mpiexec:              {MPIEXEC} ({dialect.NAMES[family]}, mpi4py's)" in out
 
 
 @pytest.mark.timeout(120)

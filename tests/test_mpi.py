@@ -287,6 +287,36 @@ def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
     assert seconds < 15, f"took {seconds:.1f} s"
 
 
+def test_a_killed_rank_ends_the_run(tmp_path):
+    """One machine, 2 stages: rank 1 killed (SIGKILL, as the OOM killer does) mid-training.
+    The launcher ends the other rank and the run fails within seconds, not after the
+    120 s watchdog, whichever MPI (MPICH's hydra or Open MPI's mpiexec)."""
+    import signal
+
+    marker = str(tmp_path / "epoch")
+    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_NUM_STAGES="2",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(launch_argv(2, sys.executable, HOSTS_SCRIPT, "long", marker),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=HERE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(marker + ".0") and os.path.exists(marker + ".1")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(0.2)
+        pid = int(open(marker + ".1").read().split()[1])
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        _end(proc, [])
+    print(f"killed rank: the run ended {seconds:.1f} s after SIGKILL\n{out[-1500:]}")
+    assert proc.returncode != 0
+    assert seconds < 20, f"took {seconds:.1f} s"
+
+
 def test_a_busy_rank_is_not_lost_a_frozen_one_is(tmp_path):
     """4 ranks (2 stages x 2 replicas) on 2 cores beside 4 spinning processes (4x
     oversubscribed); the first step's tracing holds the GIL for 8 s on the ranks that
