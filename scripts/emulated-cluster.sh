@@ -54,7 +54,7 @@ address() { awk -v h="$1" '$1 == h {print $2}' "$HOSTS_FILE"; }
 veth() { echo "${BRIDGE}v${1#"$PREFIX"}"; }   # a host's link, on the bridge side
 known() { [ -f "$HOSTS_FILE" ] && [ -n "$(address "$1")" ] || die "no host $1 (hosts: $(hosts | xargs))"; }
 
-# The stand-in for ssh that hydra calls: `enter-host [ssh options] HOST COMMAND...`.
+# The stand-in for ssh that hydra (and Open MPI) call: `enter-host [ssh options] HOST COMMAND...`.
 write_launcher() {
     cat > "$DIR/enter-host" <<'EOF'
 #!/bin/sh
@@ -69,7 +69,12 @@ while [ $# -gt 0 ]; do
 done
 host="$1"; shift
 [ -e "/run/netns/$host" ] || { echo "enter-host: no host $host" >&2; exit 255; }
-exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && exec $*"
+case "$*" in
+    # Settings before the command (Open MPI's `PATH=...; export PATH; ... orted ...` with
+    # -x PATH), or quoted semicolons: run the line as ssh's remote shell would.
+    *";"*) exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && $*" ;;
+    *) exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && exec $*" ;;
+esac
 EOF
     chmod 755 "$DIR/enter-host"
 }
@@ -100,6 +105,7 @@ net_up() {
     if [ -f "$HOSTS_FILE" ] && [ "$(hosts | wc -l)" -eq "$n" ] \
             && ip link show "$BRIDGE" >/dev/null 2>&1 && reachable; then
         say "network already up: $(hosts | xargs)"
+        write_launcher   # this checkout's
         # The rate asked for now, not the one of the first `up` (which would go unsaid).
         if [ -n "$RATE" ]; then set_rate "$RATE"; fi
         return 0
