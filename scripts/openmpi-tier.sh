@@ -13,18 +13,24 @@
 # Cases (each under a time limit; every one runs, and the tier fails if any fails):
 #   cli        hyparflow info and the launcher's dialect (tests/test_cli.py)
 #   mpi-n2     tests/mpi under mpiexec -n 2 (tests/test_mpi.py::test_contract_under_mpiexec)
-#   mpi-n4     the same at -n 4 (on 2 cores: --oversubscribe, which the launcher adds)
+#   mpi-n4     at -n 4 (on 2 cores: --oversubscribe), the tests that need 4 ranks or
+#              whose layouts change with them: 2x2 meshes, pipelined tables, independent
+#              split branches, chunks' replicas, bfloat16 boundaries, the contract's cases,
+#              the heartbeat's stop
 #   faults     a raising rank, a killed rank, a frozen rank, a collective on one rank only
 #   hosts      hyparflow run --hosts on 2 emulated hosts (needs root; the cluster of
 #              scripts/emulated-cluster.sh, started here when CI has not)
-#   two-fits   two hf.fit and an hf.evaluate in one process, against model.fit, 20 runs
+#   two-fits   two hf.fit and an hf.evaluate in one process, against model.fit, 20 times
+#              in a row (4 processes of 5 rounds: every round stops and starts heartbeats
+#              and side channels, every process ends through MPI_Finalize)
 # A line per case with its result and seconds, then the tier's total, end the output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 START=$(date +%s)
 VENV="${HYPARFLOW_OMPI_VENV:-$(mktemp -d)/venv-ompi}"
-RUNS="${HYPARFLOW_OMPI_TWO_FITS:-20}"
+RUNS="${HYPARFLOW_OMPI_TWO_FITS_RUNS:-4}"       # processes, each of
+ROUNDS="${HYPARFLOW_OMPI_TWO_FITS_ROUNDS:-5}"   # rounds of two fits and an evaluate
 
 say() { echo "openmpi-tier: $*" >&2; }
 
@@ -82,7 +88,12 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 case_ cli 600 "${PYTEST[@]}" tests/test_cli.py -k \
     "info or dry_run or dialect or restart_probes or hosts or exit_code"
 case_ mpi-n2 1500 "${PYTEST[@]}" -s tests/test_mpi.py -k "test_contract_under_mpiexec and 2"
-case_ mpi-n4 2400 "${PYTEST[@]}" -s tests/test_mpi.py -k "test_contract_under_mpiexec and 4"
+# At -n 4 only what 4 ranks add (every file at -n 2 above; all of them at -n 4 take as
+# long again): tests/test_mpi.py's runner with the selection in HYPARFLOW_MPI_SELECT.
+N4="test_same_weights_as_one_process or mesh or pipelined_tables or independent_split"
+N4="$N4 or replicas_sum_every_chunk or bfloat16 or heartbeat"
+case_ mpi-n4 1500 env HYPARFLOW_MPI_SELECT="$N4" "${PYTEST[@]}" -s tests/test_mpi.py -k \
+    "test_contract_under_mpiexec and 4"
 case_ faults 900 "${PYTEST[@]}" -s tests/test_mpi.py -k \
     "failure_on_one_rank or killed_rank or frozen_rank or collective_call_on_some_ranks"
 
@@ -109,7 +120,7 @@ two_fits() {
     mpiexec=$("$PY" -c 'from hyparflow.cluster import launch; print(launch.find_mpiexec())')
     for k in $(seq "$RUNS"); do
         timeout 300 "$mpiexec" --oversubscribe --bind-to none -n 2 "$PY" \
-            tests/mpi/two_fits_script.py > /tmp/openmpi-tier-two-fits.log 2>&1 || {
+            tests/mpi/two_fits_script.py "$ROUNDS" > /tmp/openmpi-tier-two-fits.log 2>&1 || {
             say "two fits: run $k of $RUNS failed:"; tail -n 30 /tmp/openmpi-tier-two-fits.log >&2
             return 1; }
         grep -h "^two fits:" /tmp/openmpi-tier-two-fits.log | sed "s/^/run $k: /"
