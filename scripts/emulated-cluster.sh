@@ -20,7 +20,8 @@
 # MPICH's mpiexec (hydra) launches into the hosts with `-launcher ssh -launcher-exec
 # $DIR/enter-host` (that script stands in for ssh) and `-iface hfbr0`; `env` prints the
 # HYDRA_* variables that do the same without flags, and HYPARFLOW_EMULATED_HOSTS (the host
-# list, which the tests look for). $HYPARFLOW_EMU_RATE (e.g. 1gbit) limits each host's link
+# list, which the tests look for); Open MPI's mpiexec the same through OMPI_MCA_plm_rsh_agent
+# and OMPI_MCA_*_tcp_if_include. $HYPARFLOW_EMU_RATE (e.g. 1gbit) limits each host's link
 # both ways with `tc ... tbf` (this kernel has no netem), with a bucket of
 # $HYPARFLOW_EMU_BURST (default 32kb): a larger bucket lets every message up to its size
 # through at the bridge's speed once the link has been idle (256kb made 256 KB messages
@@ -53,7 +54,7 @@ address() { awk -v h="$1" '$1 == h {print $2}' "$HOSTS_FILE"; }
 veth() { echo "${BRIDGE}v${1#"$PREFIX"}"; }   # a host's link, on the bridge side
 known() { [ -f "$HOSTS_FILE" ] && [ -n "$(address "$1")" ] || die "no host $1 (hosts: $(hosts | xargs))"; }
 
-# The stand-in for ssh that hydra calls: `enter-host [ssh options] HOST COMMAND...`.
+# The stand-in for ssh that hydra (and Open MPI) call: `enter-host [ssh options] HOST COMMAND...`.
 write_launcher() {
     cat > "$DIR/enter-host" <<'EOF'
 #!/bin/sh
@@ -68,7 +69,12 @@ while [ $# -gt 0 ]; do
 done
 host="$1"; shift
 [ -e "/run/netns/$host" ] || { echo "enter-host: no host $host" >&2; exit 255; }
-exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && exec $*"
+case "$*" in
+    # Settings before the command (Open MPI's `PATH=...; export PATH; ... orted ...` with
+    # -x PATH), or quoted semicolons: run the line as ssh's remote shell would.
+    *";"*) exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && $*" ;;
+    *) exec nsenter --net="/run/netns/$host" unshare --uts sh -c "hostname $host && exec $*" ;;
+esac
 EOF
     chmod 755 "$DIR/enter-host"
 }
@@ -99,6 +105,7 @@ net_up() {
     if [ -f "$HOSTS_FILE" ] && [ "$(hosts | wc -l)" -eq "$n" ] \
             && ip link show "$BRIDGE" >/dev/null 2>&1 && reachable; then
         say "network already up: $(hosts | xargs)"
+        write_launcher   # this checkout's
         # The rate asked for now, not the one of the first `up` (which would go unsaid).
         if [ -n "$RATE" ]; then set_rate "$RATE"; fi
         return 0
@@ -310,6 +317,11 @@ print_env() {
     echo "export MPIR_CVAR_CH4_NETMOD=ofi"
     echo "export FI_PROVIDER=tcp"
     echo "export FI_TCP_IFACE=eth0"
+    # Open MPI's mpiexec: the same stand-in for ssh (its rsh launcher), and its daemons'
+    # and ranks' TCP on the bridge's network (each host's eth0, this machine's bridge).
+    echo "export OMPI_MCA_plm_rsh_agent=$DIR/enter-host"
+    echo "export OMPI_MCA_oob_tcp_if_include=$NET.0/24"
+    echo "export OMPI_MCA_btl_tcp_if_include=$NET.0/24"
     if [ -f "$PIDS" ] && live_pid slurmctld >/dev/null; then echo "export SLURM_CONF=$CONF"; fi
 }
 

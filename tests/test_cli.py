@@ -10,11 +10,13 @@ import sys
 import pytest
 
 from hyparflow import cli
-from hyparflow.cluster import launch, slurm
+from hyparflow.cluster import dialect, launch, slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "digits_resnet.py")
 MPIEXEC = launch.find_mpiexec()
+OPENMPI = MPIEXEC is not None and dialect.of_mpiexec(MPIEXEC) == dialect.OPENMPI
+HOSTS_FLAG = "--host" if OPENMPI else "-hosts"   # Open MPI's word, or MPICH's (hydra)
 
 
 @pytest.fixture
@@ -80,7 +82,8 @@ def test_run_dry_run_threads_and_defaults(clean_env, capsys):
 
 def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     fake = tmp_path / "srun"
-    fake.write_text("#!/bin/sh\nexit 0\n")
+    # `srun --mpi=list` names PMIx, which Open MPI's ranks start through.
+    fake.write_text("#!/bin/sh\necho 'MPI plugin types are...'; echo pmi2; echo pmix\n")
     fake.chmod(0o755)
     clean_env.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     clean_env.setenv("SLURM_JOB_ID", "1234")
@@ -88,11 +91,12 @@ def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     clean_env.setenv("SLURM_CPUS_PER_TASK", "3")
     exports, command, out = dry_run(capsys, "--stages", "2", EXAMPLE)   # -n from SLURM_NTASKS
     assert "# launcher: srun (inside Slurm job 1234)" in out
-    assert command.startswith(f"{fake} --mpi=pmi2 -n 4 ")
+    mpi = "pmix" if dialect.library() == dialect.OPENMPI else "pmi2"
+    assert command.startswith(f"{fake} --mpi={mpi} -n 4 ")
     assert exports["HYPARFLOW_THREADS_PER_RANK"] == "3"
     assert exports["HYPARFLOW_NUM_STAGES"] == "2" and "HYPARFLOW_NUM_REPLICAS" not in exports
     exports, command, _ = dry_run(capsys, "-n", "2", "--launcher", "mpiexec", EXAMPLE)
-    assert command.split()[:3] == [MPIEXEC, "-n", "2"]
+    assert command.split()[0] == MPIEXEC and " -n 2 " in command
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -159,6 +163,16 @@ def test_info_has_the_fields(capsys):
     import tensorflow as tf
     assert f"tensorflow:           {tf.__version__}" in out
     assert f"keras:                {keras.__version__}" in out
+    # The MPI named as the family it is, and the launcher found is the same MPI's.
+    library = re.search(r"^MPI library: +(.*)$", out, re.M).group(1)
+    family = dialect.of_text(library)
+    assert family != dialect.UNKNOWN, library
+    if family == dialect.OPENMPI:
+        assert re.search(r"^MPI btl: +.*\bself\b", out, re.M), out
+    else:
+        assert re.search(r"^MPI device: +\S", out, re.M), out
+    if MPIEXEC is not None:
+        assert f"mpiexec:              {MPIEXEC} ({dialect.NAMES[family]}, mpi4py's)" in out
 
 
 @pytest.mark.timeout(120)
@@ -390,7 +404,7 @@ def test_run_hosts_places_pipelines_within_hosts(clean_env, capsys, tmp_path):
     exports, command, out = dry_run(capsys, "--hosts", "node1:2,node2:2", "--stages", "2",
                                     EXAMPLE)
     assert "# launcher: mpiexec (--hosts/--hostfile)" in out
-    assert command.startswith(f"{MPIEXEC} -hosts node1:2,node2:2 -n 4 ")
+    assert command.startswith(f"{MPIEXEC} {HOSTS_FLAG} node1:2,node2:2 ") and " -n 4 " in command
     assert re.findall(r"^# (rank \d+: .*)$", out, re.M) == [
         "rank 0: node1 (stage 0, replica 0)", "rank 1: node1 (stage 1, replica 0)",
         "rank 2: node2 (stage 0, replica 1)", "rank 3: node2 (stage 1, replica 1)"]
@@ -404,9 +418,70 @@ def test_run_hosts_places_pipelines_within_hosts(clean_env, capsys, tmp_path):
     hostfile.write_text("# two hosts\nnode1 slots=3\n\nnode2:3  # comment\n")
     _, command, out = dry_run(capsys, "--hostfile", str(hostfile), "-n", "4", "--stages", "2",
                               "--tensor", "1", EXAMPLE)
-    assert f"{MPIEXEC} -hosts node1:3,node2:3 -n 4 " in command
+    assert f"{MPIEXEC} {HOSTS_FLAG} node1:3,node2:3 " in command and " -n 4 " in command
     assert "# rank 3: node2 (stage 1, replica 1)" in out
     assert "note: replica 1's pipeline spans hosts node1, node2" in out
+
+
+def _fake(path, text):
+    """An executable that prints `text` whatever it is asked."""
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+HYDRA = "HYDRA build details:\n    Version: 4.3.0"
+ORTE = "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/"
+
+
+def test_the_launcher_speaks_its_mpis_dialect(tmp_path):
+    """mpi4py built with Open MPI: its mpiexec is chosen over MPICH's beside Python, and
+    spoken to in its words: --host, -x for what the ranks need on other hosts, no
+    binding, --oversubscribe on this machine. Built with MPICH: hydra's -hosts, nothing
+    else. A launcher of another MPI than mpi4py's is refused (each rank would run alone);
+    a missing one says what to do for that MPI."""
+    python = _fake(tmp_path / "venv" / "python", "Open MPI v4.1.4, package: Debian OpenMPI")
+    _fake(tmp_path / "venv" / "mpiexec", HYDRA)
+    ompi = _fake(tmp_path / "ompi" / "mpiexec", ORTE)
+    environ = {"PATH": str(tmp_path / "ompi"), "HYPARFLOW_TIMEOUT": "60",
+               "PYTHONPATH": "/src", "HOME": "/root"}
+    line = launch.command_line(EXAMPLE, ranks=4, stages=2, python=python, environ=environ,
+                               hosts=[("h1", 2), ("h2", 2)])
+    assert line.argv[:5] == [ompi, "--host", "h1:2,h2:2", "--map-by", "slot"]
+    forwarded = [line.argv[k + 1] for k, word in enumerate(line.argv) if word == "-x"]
+    assert {"HYPARFLOW_NUM_STAGES", "HYPARFLOW_TIMEOUT", "PYTHONPATH", "PATH",
+            "PYTHONUNBUFFERED"} <= set(forwarded) and "HOME" not in forwarded
+    assert line.argv[-6:] == ["--bind-to", "none", "-n", "4", python, EXAMPLE]
+    local = launch.command_line(EXAMPLE, ranks=4, python=python, environ=environ)
+    assert local.argv == [ompi, "--oversubscribe", "--bind-to", "none", "-n", "4", python,
+                          EXAMPLE]
+    # MPICH's mpi4py: the hydra beside Python, which forwards the whole environment.
+    mpich = _fake(tmp_path / "mpich" / "python", "MPICH Version: 4.3.0")
+    hydra = _fake(tmp_path / "mpich" / "mpiexec", HYDRA)
+    line = launch.command_line(EXAMPLE, ranks=4, python=mpich, environ=environ,
+                               hosts=[("h1", 2), ("h2", 2)])
+    assert line.argv == [hydra, "-hosts", "h1:2,h2:2", "-n", "4", mpich, EXAMPLE]
+    # Open MPI's mpi4py with only hydra to start it.
+    with pytest.raises(launch.LaunchError, match="is MPICH's but mpi4py is built with Open MPI"):
+        launch.command_line(EXAMPLE, ranks=2, python=python, environ={"PATH": str(tmp_path)})
+    lone = _fake(tmp_path / "lone" / "python", "Open MPI v4.1.4")
+    with pytest.raises(launch.LaunchError, match="built with Open MPI: put its bin directory"):
+        launch.command_line(EXAMPLE, ranks=2, python=lone, environ={"PATH": str(tmp_path)})
+
+
+def test_restart_probes_a_host_in_its_launchers_words(tmp_path):
+    """--restarts probes each host with a one-rank run of `true`: hydra's -hosts, or
+    Open MPI's --host (the fake launchers write how they were called)."""
+    from hyparflow.cluster import restart
+
+    for version, flag in ((HYDRA, "-hosts"), (ORTE, "--host")):
+        fake = tmp_path / f"mpiexec-{flag}"
+        fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then cat <<'EOF'\n{version}\n"
+                        f"EOF\nexit 0; fi\necho \"$@\" >> {tmp_path}/calls; exit 0\n")
+        fake.chmod(0o755)
+        assert restart.probe(["h1"], str(fake), seconds=20) == {"h1": True}
+        assert (tmp_path / "calls").read_text().splitlines()[-1].startswith(f"{flag} h1:1 ")
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -33,6 +33,7 @@ RULES = {
     "hyparflow.engine.shm": ["tensorflow", "keras"],
     "hyparflow.engine.node": ["tensorflow", "keras"],
     "hyparflow.cluster.restart": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.cluster.dialect": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.engine.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
 
@@ -67,7 +68,7 @@ LAYERS = {
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
              "loop.logs", "loop.costs", "loop.options"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
-                "cluster.heartbeat", "cluster.restart", "cluster.report"},
+                "cluster.heartbeat", "cluster.restart", "cluster.report", "cluster.dialect"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command",
                  "planning.schedule_csv", "planning.strategy_command", "planning.search",

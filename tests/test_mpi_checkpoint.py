@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from test_mpi import MPIEXEC, mpiexec
+from test_mpi import MPIEXEC, launch_argv, mpiexec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mpi", "resumable_script.py")
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.mpiexec,
 def start(tmp, tag, *extra):
     env = dict(os.environ, HYPARFLOW_TIMEOUT="60", PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [MPIEXEC, "-n", "4", sys.executable, SCRIPT, str(tmp / "ckpt"), str(tmp / f"{tag}.npz"),
-         str(tmp / f"progress-{tag}"), *extra],
+        launch_argv(4, sys.executable, SCRIPT, str(tmp / "ckpt"), str(tmp / f"{tag}.npz"),
+                    str(tmp / f"progress-{tag}"), *extra),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -52,15 +52,16 @@ __all__ = ["Heartbeat", "interval_seconds", "peer_timeout_seconds", "EXIT_CODE",
 
 EXIT_CODE = 75  # EX_TEMPFAIL: a peer was lost; a restart on the hosts left may succeed
 
-_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER = 1, 2, 3, 4, 5   # kinds of the heartbeat's messages
-# Ranks stop at different moments, so a goodbye or a beat can reach a rank that has
-# already freed the heartbeat's communicator; MPI then gives that communicator's
-# context to the next one made (the next call's, whose stage boundaries receive on
-# small tags) and the message left unread would match there. So each heartbeat's tags
-# lie high up, apart from every other message's, and differ from one heartbeat to the
-# next (`_GENERATIONS` of them): what an earlier one left matches nothing later.
-_GENERATIONS = 1024
-_next_generation = 0                      # the generation of this process's next heartbeat
+_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER = 1, 2, 3, 4, 5   # kinds (tags) of the heartbeat's messages
+# Stopping is correct under the MPI standard alone, on any implementation: no message may
+# be left unread when a communicator is freed, and none may be sent to a rank that has
+# freed it (MPICH then handed the context to the next communicator, whose receives the
+# stale message matched; Open MPI hung in the next `Idup` and corrupted its heap at
+# MPI_Finalize). So every rank counts the messages it sends to each rank; `stop` says
+# goodbye, sends no more, and the ranks exchange their counts (an `Ialltoall` on the
+# heartbeat's communicator); each then reads until it has every message sent to it, waits
+# for its own sends, cancels its standing receives and only then frees the communicator
+# (`_goodbye`, `_drained`). Every wait there is bounded by HYPARFLOW_TIMEOUT.
 _ALIVE, _LOST = 1, 0                     # a probe's answer
 
 
@@ -173,7 +174,6 @@ class Heartbeat:
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank: int = new.Get_rank()
         self.size: int = new.Get_size()
-        top: int = self.comm.Get_attr(MPI.TAG_UB) or 32767
         self.hosts = list(hosts)
         self.interval = interval or interval_seconds()
         # `start` makes none when the timeout is off (None).
@@ -183,17 +183,17 @@ class Heartbeat:
         self.describe = describe        # what this rank was doing, for the message
         self.peers = neighbours(self.rank, self.size)   # beaten to and watched
         # Every rank's machine and process (`machine`), for probes.
-        global _next_generation
-        mine = np.array(machine() + [_next_generation], np.int64)
+        mine = np.array(machine(), np.int64)
         gathered = np.zeros((self.size, len(mine)), np.int64)
         req = new.Iallgather(mine, gathered)
         poll(req.Test, timeout_seconds(), "the other ranks to start the heartbeat")
-        self.machines: npt.NDArray[np.int64] = gathered[:, :-1]
-        # One generation for all: the ranks may have started different numbers before.
-        generation = int(gathered[:, -1].max())
-        _next_generation = generation + 1
-        base = top // 2 + 8 * (generation % _GENERATIONS)
-        self.tags = {kind: base + kind for kind in (_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER)}
+        self.machines: npt.NDArray[np.int64] = gathered
+        # Its own communicator: the tags need only tell the kinds apart.
+        self.tags = {kind: kind for kind in (_BEAT, _VERDICT, _BYE, _PROBE, _ANSWER)}
+        # Messages sent to and read from each rank, for `stop` (see the tags above).
+        self._sent = np.zeros(self.size, np.int64)
+        self._got = np.zeros(self.size, np.int64)
+        self._out: List[Tuple[Any, Any]] = []   # sends in flight, with their buffers
         now = time.monotonic()
         self.heard = {r: now for r in self.peers}
         self.gone: Set[int] = set()     # peers that said goodbye
@@ -210,16 +210,19 @@ class Heartbeat:
         self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, self.tags[_BYE])
         self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, self.tags[_PROBE])
         self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, self.tags[_ANSWER])
-        self._stop = threading.Event()
+        self._stop = threading.Event()      # set by `stop`: say goodbye, drain, free
+        self._stopping = False              # the goodbyes are sent: no new messages
+        # While stopping: (the Ialltoall of the counts, the counts sent here, this rank's).
+        self._counts: Optional[Tuple[Any, npt.NDArray[np.int64], npt.NDArray[np.int64]]] = None
+        self._stop_limit: Optional[float] = None   # HYPARFLOW_TIMEOUT, once stopping
+        self._stop_by: Optional[float] = None   # when `_drained` gives up
+        self.stopped = threading.Event()    # the thread is done (freed, or gave up)
+        self.freed = False                  # the communicator was freed (drained first)
         self.beats = 0
         self.lost: Set[int] = set()     # ranks found lost, here or by a verdict
         self.finders: Set[Optional[int]] = set()   # who found them (None: this rank)
         self._reason: Optional[str] = None
         self._deadline: Optional[float] = None   # when to report and end, once a loss is known
-        self._sending: List[Any] = []   # verdicts in flight (requests)
-        self._masks: List[npt.NDArray[np.uint8]] = []   # their buffers
-        # Probes and answers in flight, with their buffers.
-        self._small: List[Tuple[Any, npt.NDArray[np.int64]]] = []
         self._thread = threading.Thread(target=self._run, name="hyparflow-heartbeat",
                                         daemon=True)
         self._thread.start()
@@ -228,11 +231,15 @@ class Heartbeat:
     def _run(self) -> None:
         MPI = self._MPI
         next_beat = 0.0
-        while not self._stop.is_set():
+        while True:
             try:
                 now = time.monotonic()
+                if self._stop.is_set() and not self._stopping:
+                    self._goodbye(now)
                 self._receive(now)
-                if now >= next_beat:
+                if self._stopping and self._drained(now):
+                    break
+                if not self._stopping and now >= next_beat:
                     self._beat()
                     next_beat = now + self.interval
                 silent = [r for r in self.peers if r not in self.gone and r not in self.lost
@@ -254,7 +261,9 @@ class Heartbeat:
                     self._deadline = self._deadline or now
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._end()
-            self._stop.wait(min(0.25, self.interval / 4))
+            # Stopping, the ranks wait for each other: look often, the call's end waits.
+            time.sleep(0.002) if self._stopping else self._stop.wait(min(0.25, self.interval / 4))
+        self.stopped.set()
 
     def _same_machine(self, r: int) -> bool:
         return bool((self.machines[r][:3] == self.machines[self.rank][:3]).all())
@@ -273,17 +282,29 @@ class Heartbeat:
                  and (self.machines[m][:3] == self.machines[r][:3]).all()]
         if not mates:
             return True
+        if self._stopping:
+            # No new message once the goodbyes are out (the counts are given): a silent
+            # peer elsewhere is left to its machine's ranks and to HYPARFLOW_TIMEOUT.
+            self.heard[r] = now - self.limit + self.interval
+            return False
         self.asked[r] = now + self.probe_seconds
         self.why[r] = f"no rank on its host answered for it within {self.probe_seconds:g} s"
         for m in mates:
             self._send(np.array([r], np.int64), m, self.tags[_PROBE])
         return False
 
+    def _isend(self, data: npt.NDArray[Any], to: int, tag: int) -> Any:
+        """Every message goes here: counted (for `stop`), its buffer kept until sent."""
+        self._out = [(q, b) for q, b in self._out if not q.Test()]
+        req = self.comm.Isend(data, to, tag)
+        self._out.append((req, data))
+        self._sent[to] += 1
+        return req
+
     def _send(self, data: npt.NDArray[np.int64], to: int, tag: int) -> None:
-        """A small message that must not be waited for (its buffer kept until sent)."""
+        """A small message that must not be waited for."""
         try:
-            self._small = [(q, b) for q, b in self._small if not q.Test()]
-            self._small.append((self.comm.Isend(data, to, tag), data))
+            self._isend(data, to, tag)
         except self._MPI.Exception:
             pass
 
@@ -305,30 +326,38 @@ class Heartbeat:
         name the lost ranks); a moment for it to leave, never a wait on a dead link."""
         mask = np.zeros(self.size, np.uint8)
         mask[lost] = 1
-        reqs: List[Any] = []
         for r in range(self.size):
             if r != self.rank and r not in self.lost and r not in self.gone:
                 try:
-                    reqs.append(self.comm.Isend(mask, r, self.tags[_VERDICT]))
+                    self._isend(mask, r, self.tags[_VERDICT])
                 except self._MPI.Exception:
                     pass
-        self._sending += reqs
-        self._masks.append(mask)        # alive until sent
 
     def _receive(self, now: float) -> None:
         MPI = self._MPI
         status = MPI.Status()
+
+        def got() -> int:
+            source: int = status.Get_source()
+            self._got[source] += 1
+            return source
+
         while self._recv.Test(status):
-            self.heard[status.Get_source()] = now
-            self.asked.pop(status.Get_source(), None)
+            source = got()
+            self.heard[source] = now
+            self.asked.pop(source, None)
             self._recv = self.comm.Irecv(self._beat_in, MPI.ANY_SOURCE, self.tags[_BEAT])
         while self._recv_probe.Test(status):
-            # Another rank asks about a silent rank on this machine: look it up here.
+            # Another rank asks about a silent rank on this machine: look it up here
+            # (not once stopping: the counts of this rank's messages are given).
+            source = got()
             r = int(self._probe_in[0])
             self._recv_probe = self.comm.Irecv(self._probe_in, MPI.ANY_SOURCE, self.tags[_PROBE])
-            self._send(np.array([r, _probe_machine(self.machines[r])], np.int64),
-                       status.Get_source(), self.tags[_ANSWER])
+            if not self._stopping:
+                self._send(np.array([r, _probe_machine(self.machines[r])], np.int64),
+                           source, self.tags[_ANSWER])
         while self._recv_answer.Test(status):
+            source = got()
             r, state = (int(v) for v in self._answer_in)
             self._recv_answer = self.comm.Irecv(self._answer_in, MPI.ANY_SOURCE, self.tags[_ANSWER])
             if r in self.asked and state == _ALIVE:
@@ -336,15 +365,16 @@ class Heartbeat:
                 self.why.pop(r, None)
                 self.heard[r] = now - self.limit + self.interval   # busy: ask again soon
             elif r in self.asked:
-                self.why[r] = f"its process is stopped or gone, seen by rank {status.Get_source()}"
+                self.why[r] = f"its process is stopped or gone, seen by rank {source}"
                 self._found([r], None)
         while self._recv_bye.Test(status):
-            self.gone.add(status.Get_source())
+            self.gone.add(got())
             self._recv_bye = self.comm.Irecv(self._beat_in[:0], MPI.ANY_SOURCE, self.tags[_BYE])
         while self._recv_verdict.Test(status):
+            source = got()
             lost = [r for r in range(self.size) if self._verdict_in[r]]
             self._recv_verdict = self.comm.Irecv(self._verdict_in, MPI.ANY_SOURCE, self.tags[_VERDICT])
-            self._found(lost, status.Get_source())
+            self._found(lost, source)
 
     def _beat(self) -> None:
         for r in self.peers:
@@ -353,8 +383,49 @@ class Heartbeat:
             req = self._sends.get(r)
             # One beat in flight per peer: a peer that stopped reading gets no pile-up.
             if req is None or req.Test():
-                self._sends[r] = self.comm.Isend(self._one, r, self.tags[_BEAT])
+                self._sends[r] = self._isend(self._one, r, self.tags[_BEAT])
         self.beats += 1
+
+    def _goodbye(self, now: float) -> None:
+        """`stop` was called: goodbyes to the peers (this rank's silence from now on is no
+        loss), then no new message; every rank learns how many each sent it."""
+        for r in self.peers:
+            if r not in self.gone:
+                self._isend(self._one[:0], r, self.tags[_BYE])
+        self._stopping = True
+        expected = np.zeros(self.size, np.int64)
+        sent = self._sent.copy()
+        self._counts = (self.comm.Ialltoall(sent, expected), expected, sent)
+        from ..engine.comm import timeout_seconds
+
+        self._stop_limit = timeout_seconds()
+        self._stop_by = None if self._stop_limit is None else now + self._stop_limit
+
+    def _drained(self, now: float) -> bool:
+        """While stopping: True once every message sent to this rank is read and its own
+        are sent, then its standing receives are cancelled and the communicator freed;
+        or once HYPARFLOW_TIMEOUT has passed (the communicator is then left as it is:
+        freeing it could lose a message still coming)."""
+        assert self._counts is not None
+        req, expected, _ = self._counts
+        if req.Test() and (self._got >= expected).all():
+            self._out = [(q, b) for q, b in self._out if not q.Test()]
+            if not self._out:
+                for recv in (self._recv, self._recv_verdict, self._recv_bye, self._recv_probe,
+                             self._recv_answer):
+                    recv.Cancel()
+                    recv.Wait()
+                self.comm.Free()
+                self.freed = True
+                return True
+        if self._stop_by is not None and now > self._stop_by:
+            sys.stderr.write(
+                f"hyparflow: rank {self.rank}: the heartbeat's ranks did not all stop within "
+                f"HYPARFLOW_TIMEOUT ({self._stop_limit:g} s); its communicator is left "
+                f"unfreed.\n")
+            _ABANDONED.append(self)   # its buffers stay alive: MPI may still write them
+            return True
+        return False
 
     def _end(self) -> None:
         """Report the lost peers (the union of the verdicts), end the process."""
@@ -378,7 +449,7 @@ class Heartbeat:
         # A moment for the verdicts to leave (never a wait on a dead link), and for the
         # other ranks, whose reports fall due within milliseconds of this one, to print
         # theirs: the launcher ends every rank once one has exited non-zero.
-        reqs = self._sending + [q for q, _ in self._small]
+        reqs = [q for q, _ in self._out]
         linger = time.monotonic() + max(0.5, min(1.0, self.interval))
         while time.monotonic() < linger:
             try:
@@ -390,39 +461,16 @@ class Heartbeat:
 
     # -- the main thread
     def stop(self) -> None:
-        """End the thread and say goodbye (this rank's silence from now on is no loss)."""
+        """Say goodbye (this rank's silence from now on is no loss), and once every rank
+        has, free the heartbeat's communicator with no message left in flight (see the
+        tags). Collective over the heartbeat's ranks; waits at most HYPARFLOW_TIMEOUT."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()
-        MPI = self._MPI
-        byes: List[Any] = []
-        for r in self.peers:
-            if r not in self.gone:
-                try:
-                    byes.append(self.comm.Isend(self._one[:0], r, self.tags[_BYE]))
-                except MPI.Exception:
-                    pass
-        deadline = time.monotonic() + 2.0
-        try:
-            while byes and time.monotonic() < deadline:
-                byes = [q for q in byes if not q.Test()]
-                time.sleep(0.001)
-            for req in (self._recv, self._recv_verdict, self._recv_bye, self._recv_probe,
-                        self._recv_answer):
-                if not req.Test():
-                    req.Cancel()
-                    req.Wait()
-            # Read what has come meanwhile (beats and goodbyes crossing this one), so
-            # that little is left unread when the context passes on (see the tags).
-            status = MPI.Status()
-            while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                sink = np.empty(max(1, status.Get_count(MPI.BYTE)), np.uint8)
-                self.comm.Recv([sink, status.Get_count(MPI.BYTE), MPI.BYTE],
-                               status.Get_source(), status.Get_tag())
-            self.comm.Free()
-        except MPI.Exception:
-            pass
+
+
+_ABANDONED: List[Heartbeat] = []   # heartbeats whose ranks did not all stop: never freed
 
 
 def start(comm: object, hosts: Sequence[str],

@@ -44,13 +44,13 @@ def in_slurm_allocation(environ: Optional[Mapping[str, str]] = None) -> bool:
     return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun", path=environ.get("PATH")) is not None
 
 
-def find_mpiexec(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The mpiexec beside this Python (the venv's, from the mpich wheel), else on PATH."""
-    environ = os.environ if environ is None else environ
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("mpiexec", path=environ.get("PATH"))
+def find_mpiexec(environ: Optional[Mapping[str, str]] = None,
+                 python: Optional[str] = None) -> Optional[str]:
+    """The launcher of the MPI mpi4py was built with: beside this Python (the `mpich`
+    wheel's), else on PATH (`dialect.find_mpiexec`)."""
+    from . import dialect
+
+    return dialect.find_mpiexec(environ, python)
 
 
 def usable_cores() -> int:
@@ -273,28 +273,52 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
     else:
         reason = "--launcher"
     command = [python, script, *script_args]
+    from . import dialect
+
+    family = dialect.library(python)
     if launcher == "srun":
         srun = shutil.which("srun", path=environ.get("PATH"))
         if srun is None:
             raise LaunchError("srun not found on PATH.")
-        argv = [srun, "--mpi=pmi2", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
-        ranks_on_node = None  # srun may spread the ranks over several nodes
-    elif launcher == "mpiexec":
-        mpiexec = find_mpiexec(environ)
-        if mpiexec is None:
-            raise LaunchError("mpiexec not found beside Python or on PATH; install the `mpich` "
-                              "wheel (pip install mpich) or load your cluster's MPI.")
-        if hosts is not None:
-            # Filled in order (hydra's default); each rank counts the ranks on its own host
-            # (MPI_LOCALNRANKS) to choose its threads, since hosts may differ.
-            argv = [mpiexec, "-hosts", ",".join(f"{h}:{s}" for h, s in hosts), "-n", str(ranks),
-                    *command]
-            ranks_on_node = None
+        mpi = dialect.srun_mpi(family, srun)
+        if mpi is None and reason == "--launcher":
+            raise LaunchError("mpi4py is built with Open MPI, which srun starts through PMIx, "
+                              "and this Slurm has none (`srun --mpi=list`); use "
+                              "`--launcher mpiexec` (Open MPI's mpiexec reads the allocation).")
+        if mpi is None:
+            launcher = "mpiexec"
+            reason += "; Open MPI and no PMIx in this Slurm: its mpiexec, in the allocation"
         else:
-            argv = [mpiexec, "-n", str(ranks), *command]
-            # Outside Slurm, mpiexec starts every rank here; inside, hydra may use other nodes.
-            ranks_on_node = ranks if not environ.get("SLURM_JOB_ID") else None
-    else:
+            argv = [srun, f"--mpi={mpi}", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
+            ranks_on_node = None  # srun may spread the ranks over several nodes
+    if launcher == "mpiexec":
+        mpiexec = find_mpiexec(environ, python)
+        if mpiexec is None:
+            fix = ("mpi4py is built with Open MPI: put its bin directory on PATH (load its "
+                   "module)" if family == dialect.OPENMPI else
+                   "install the `mpich` wheel (pip install mpich) or load your cluster's MPI "
+                   "(docs/cluster-mpi.md)")
+            raise LaunchError(f"mpiexec not found beside Python or on PATH; {fix}.")
+        speaks = dialect.of_mpiexec(mpiexec)
+        if dialect.UNKNOWN not in (family, speaks) and family != speaks:
+            raise LaunchError(
+                f"{mpiexec} is {dialect.NAMES[speaks]}'s but mpi4py is built with "
+                f"{dialect.NAMES[family]}: each rank would run alone. Put the launcher of "
+                f"mpi4py's MPI first on PATH, or rebuild mpi4py against this one "
+                f"(docs/cluster-mpi.md).")
+        # Outside Slurm, mpiexec starts every rank here; inside, it may use other nodes.
+        local = hosts is None and not environ.get("SLURM_JOB_ID")
+        # With hosts, each rank counts the ranks on its own host (MPI_LOCALNRANKS, Open
+        # MPI's OMPI_COMM_WORLD_LOCAL_SIZE) to choose its threads, since hosts may differ.
+        ranks_on_node = ranks if local else None
+        env = run_environment(flags.get("stages"), flags.get("replicas"),
+                              flags.get("microbatches"), threads, ranks_on_node, environ,
+                              flags.get("tensor"), mesh)
+        argv = dialect.Dialect(speaks).argv(mpiexec, ranks, command, hosts, environ, env,
+                                            local=local)
+        return CommandLine(launcher, argv, env, reason, describe_layout(ranks, given),
+                           placement, supervise=hosts is not None)
+    if launcher != "srun":
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
                           threads, ranks_on_node, environ, flags.get("tensor"), mesh)

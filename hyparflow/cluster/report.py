@@ -42,9 +42,22 @@ mpi4py.rc.initialize = False   # the library version needs no MPI_Init
 mpi4py.rc.finalize = False
 from mpi4py import MPI
 print("MPI library\t" + " ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
-for line in MPI.Get_library_version().splitlines()[1:]:
+text = MPI.Get_library_version()
+for line in text.splitlines()[1:]:
     if line.startswith("MPICH Device"):
         print("MPI device\t" + line.split(":", 1)[1].strip())
+if text.startswith("Open MPI"):
+    # Open MPI chooses its transports per run; the components built in are what it can.
+    import re, subprocess
+    try:
+        info = subprocess.run(["ompi_info", "--parsable"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except OSError:
+        info = ""
+    for kind in ("pml", "btl", "mtl"):
+        found = sorted(set(re.findall(r"^mca:%s:([A-Za-z0-9_-]+):" % kind, info, re.M)))
+        if found:
+            print("MPI %s\t%s" % (kind, " ".join(found)))
 print("MPI standard\t%d.%d" % MPI.Get_version())
 print("mpi4py\t%s (%s)" % (mpi4py.__version__, os.path.dirname(mpi4py.__file__)))
 """
@@ -65,6 +78,20 @@ def _mpi_facts() -> List[Tuple[str, str]]:
         return [("MPI library", f"unavailable ({last})"), ("mpi4py", _version("mpi4py"))]
     return [(key, value) for key, value in
             (line.split("\t", 1) for line in out.stdout.splitlines() if "\t" in line)]
+
+
+def _launcher(environ: Mapping[str, str]) -> str:
+    """The mpiexec `hyparflow run` would use, its MPI, and whether it is mpi4py's."""
+    from . import dialect
+
+    path = find_mpiexec(environ)
+    if path is None:
+        return "not found"
+    speaks, built = dialect.of_mpiexec(path), dialect.library()
+    note = ("mpi4py's" if speaks == built else
+            f"NOT mpi4py's ({dialect.NAMES[built]}): ranks would each run alone"
+            if dialect.UNKNOWN not in (speaks, built) else "")
+    return f"{path} ({dialect.NAMES[speaks]}{', ' + note if note else ''})"
 
 
 def report(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -97,7 +124,7 @@ def report(environ: Optional[Mapping[str, str]] = None) -> str:
     add("tensorflow", tf.__version__)
     add("keras", keras.__version__)
     add("numpy", numpy.__version__)
-    add("mpiexec", find_mpiexec(environ) or "not found")
+    add("mpiexec", _launcher(environ))
     add("cores", f"{os.cpu_count()} on this machine, {usable_cores()} usable by this process")
     add("ranks per node", f"{_env.local_ranks()} (from the launcher's environment; 1 outside a launch)")
     add("threads per rank", f"{_env.threads_per_rank()} ({_env.threads_source()})")

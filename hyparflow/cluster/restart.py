@@ -1,7 +1,7 @@
 """Restart a failed run on the hosts that still answer: `hyparflow run --restarts K`.
 
 When a run fails, each host of the run is probed through the launcher (a one-rank
-`mpiexec -hosts HOST:1 -n 1 true` with a time limit: what the run itself needs of a host,
+`mpiexec -hosts HOST:1 -n 1 true` (Open MPI: `--host`) with a time limit: what the run itself needs of a host,
 its launcher reaching it and its proxy reaching back). The layout is re-shaped to the
 slots of the hosts that answered (`reshape`: fewer replicas first, then fewer stages,
 then fewer tensor ranks) and the same command starts again; the script, with
@@ -119,7 +119,10 @@ def probe(hosts: Sequence[str], mpiexec: str, environ: Optional[Mapping[str, str
     with an error: both count as lost."""
     env = dict(os.environ if environ is None else environ)
     seconds = probe_seconds(env) if seconds is None else seconds
-    procs = {h: subprocess.Popen([mpiexec, "-hosts", f"{h}:1", "-n", "1", "true"], env=env,
+    from .dialect import Dialect, of_mpiexec
+
+    speaks = Dialect(of_mpiexec(mpiexec))   # -hosts for MPICH, --host for Open MPI
+    procs = {h: subprocess.Popen(speaks.argv(mpiexec, 1, ["true"], [(h, 1)]), env=env,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True)
              for h in hosts}

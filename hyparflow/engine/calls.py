@@ -168,21 +168,40 @@ class Calls:
 
     # -- the ending process
     def _finish(self) -> None:
-        """Tell every other rank this process is ending, and after how many calls."""
+        """Tell every other rank this process is ending, and after how many calls; then
+        read every other rank's word and free the channel. The MPI standard wants every
+        message received and every send complete before MPI_Finalize (Open MPI's
+        corrupted its heap over one left in flight), so this waits for the other ranks
+        to end too (their MPI_Finalize would wait for them anyway), at most
+        HYPARFLOW_TIMEOUT, after which the channel and its buffers are left as they are."""
         try:
             channel = self._channel()
             if channel is None:
                 return
             data = np.frombuffer(pickle.dumps((self.count, self.last)), np.uint8)
             reqs = [channel.Isend(data, r, _FINISHED) for r in range(self.size) if r != self.rank]
-            deadline = time.monotonic() + 1.0    # small messages leave at once
-            while reqs and time.monotonic() < deadline:
-                reqs = [q for q in reqs if not q.Test()]
+
+            def done() -> bool:
+                self._read()
+                reqs[:] = [q for q in reqs if not q.Test()]
+                return not reqs and len(self.finished) == self.size - 1
+
+            from .. import settings
+
+            limit = settings.timeout()
+            until = None if limit is None else time.monotonic() + limit
+            while not done():
+                if until is not None and time.monotonic() > until:
+                    _LEFT.append((channel, reqs, data))   # MPI may still read `data`
+                    return
                 time.sleep(0.001)
+            channel.Free()
+            self.channel = None
         except Exception:  # noqa: BLE001 - an ending process reports what it can
             pass
 
 
+_LEFT: List[Any] = []   # side channels whose ranks did not all end in time: never freed
 _CALLS: Dict[int, Calls] = {}   # the parent communicator's Fortran handle -> its Calls
 
 
