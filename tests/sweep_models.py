@@ -91,6 +91,87 @@ def transformer_data(n=48):
     return rng.integers(0, 20, (n, 8)).astype("int32"), rng.integers(0, 20, n)
 
 
+def vgg(config):
+    """A VGG-style stack: two Conv2D straight after each other (no pooling or
+    normalization between), pooling, two more (one valid, two input channels), a
+    global pooling and a classifier."""
+    keras.utils.set_random_seed(config["seed"])
+    inp = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv2D(6, 3, padding="same")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Conv2D(8, 2, padding="valid", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return _compile(keras.Model(inp, keras.layers.Dense(3)(h)), config)
+
+
+def separable(config):
+    """Depthwise and separable convolutions between ordinary ones (a depth multiplier,
+    strides, a dilation)."""
+    keras.utils.set_random_seed(config["seed"])
+    inp = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inp)
+    h = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same",
+                                     activation="relu")(h)
+    h = keras.layers.SeparableConv2D(6, 3, strides=2, padding="same")(h)
+    h = keras.layers.SeparableConv2D(6, 3, dilation_rate=2, padding="same",
+                                     depth_multiplier=2, activation="relu")(h)
+    h = keras.layers.Conv2D(5, 1)(h)
+    h = keras.layers.Flatten()(h)
+    return _compile(keras.Model(inp, keras.layers.Dense(3)(h)), config)
+
+
+def conv1d(config):
+    """A Conv1D stack: causal, dilated, strided and valid convolutions straight after
+    each other, a depthwise and a separable one, pooling."""
+    keras.utils.set_random_seed(config["seed"])
+    inp = keras.Input((16, 3))
+    h = keras.layers.Conv1D(6, 3, padding="causal", activation="relu")(inp)
+    h = keras.layers.Conv1D(6, 3, padding="causal", dilation_rate=2)(h)
+    h = keras.layers.Conv1D(8, 3, strides=2, padding="same", activation="relu")(h)
+    h = keras.layers.DepthwiseConv1D(3, padding="same")(h)
+    h = keras.layers.SeparableConv1D(8, 3, padding="valid", activation="relu")(h)
+    h = keras.layers.Conv1D(4, 2)(h)
+    h = keras.layers.GlobalMaxPooling1D()(h)
+    return _compile(keras.Model(inp, keras.layers.Dense(3)(h)), config)
+
+
+def conv3d(config):
+    """Two Conv3D straight after each other."""
+    keras.utils.set_random_seed(config["seed"])
+    inp = keras.Input((4, 4, 4, 1))
+    h = keras.layers.Conv3D(3, 2, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv3D(4, 2)(h)
+    h = keras.layers.Flatten()(h)
+    return _compile(keras.Model(inp, keras.layers.Dense(3)(h)), config)
+
+
+def images_data(n=32, shape=(8, 8, 2), seed=3):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n,) + shape).astype("float32"), rng.integers(0, 3, n)
+
+
+CONV_CONFIGS = [
+    dict(seed=1, lr=0.01, optimizer="adam"),
+    dict(seed=2, lr=0.003, optimizer="adam", beta_1=0.8),
+    dict(seed=3, lr=0.005, optimizer="adam", amsgrad=True),
+    dict(seed=4, lr=0.02, optimizer="adam", beta_2=0.99),
+]
+CONV_SGD_CONFIGS = [
+    dict(seed=1, lr=0.05),
+    dict(seed=2, lr=0.1, momentum=0.9),
+    dict(seed=3, lr=0.02, momentum=0.5, nesterov=True),
+    dict(seed=4, lr=0.08),
+]
+CONV_CASES = {
+    "vgg": (vgg, lambda: images_data()),
+    "separable": (separable, lambda: images_data()),
+    "conv1d": (conv1d, lambda: images_data(shape=(16, 3))),
+    "conv3d": (conv3d, lambda: images_data(shape=(4, 4, 4, 1))),
+}
+
+
 # Eight members each: learning rates, momenta, optimizer arguments, dropout rates, seeds.
 MLP_CONFIGS = [
     dict(seed=1, lr=0.05),

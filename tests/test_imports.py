@@ -64,7 +64,8 @@ def test_stage_does_not_import_mpi():
 LAYERS = {
     "top": {"", "__main__", "cli", "layers", "sweeps", "sweeps.run", "sweeps.fuse",
             "sweeps.kinds", "sweeps.variables", "sweeps.optimizers", "sweeps.steps",
-            "sweeps.members", "sweeps.table", "sweeps.attention", "sweeps.registry"},
+            "sweeps.members", "sweeps.table", "sweeps.attention", "sweeps.registry",
+            "sweeps.conv"},
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
              "loop.logs", "loop.costs", "loop.options"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",

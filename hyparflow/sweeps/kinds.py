@@ -9,8 +9,8 @@ Keras's own ops where they take the stacked operands, so that every member train
 the weights its own `model.fit` gives:
 
 - Dense / EinsumDense: one batched product over the [N, in, out] kernel;
-- Conv1D / Conv2D / Conv3D: one grouped convolution (the members' channels side by
-  side, N x groups groups);
+- Conv1D / Conv2D / Conv3D: one grouped convolution where the runtime trains one,
+  else each member's own (sweeps/conv.py);
 - Embedding: one gather from the [N x V, D] table (gradients stay row pairs);
 - BatchNormalization / LayerNormalization: statistics per member, momentum and epsilon
   per member;
@@ -190,53 +190,6 @@ class EinsumDense(Kind):
             # Keras adds the bias by broadcasting against the output's trailing axes.
             pad = len(y.shape) - 1 - (len(bias.shape) - 1)
             bias = tf.reshape(bias, [self.n] + [1] * pad + list(bias.shape[1:]))
-            y = ops.add(y, bias)
-        return self._activate(y)
-
-
-class Conv(Kind):
-    """Conv1D/2D/3D (channels last): the members' input channels side by side, their
-    filters side by side, one convolution with N x groups groups."""
-
-    classes = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-    varying = frozenset({"activation"})
-
-    @classmethod
-    def accepts(cls, layer, calls):
-        return (super().accepts(layer, calls) and _plain(layer)
-                and layer.data_format == "channels_last")
-
-    def call(self, args, kwargs, training, ctx):
-        x = args[0]                                              # [N, b, *space, C]
-        layer = self.layers[0]
-        rank = layer.rank
-        padding = layer.padding
-        if padding == "causal":                                  # Conv1D: Keras pads first
-            left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
-            x = ops.pad(x, [[0, 0], [0, 0], [left, 0], [0, 0]])
-            padding = "valid"
-        kernel = self.weight(layer.kernel)                       # [N, *k, C/g, F]
-        filters = kernel.shape[-1]
-        # [N, b, *space, C] -> [b, *space, N * C]
-        perm = list(range(1, rank + 2)) + [0, rank + 2]
-        shape = tf.shape(x)
-        grouped = tf.reshape(tf.transpose(x, perm),
-                             tf.concat([shape[1:rank + 2], [-1]], 0))
-        # [N, *k, C/g, F] -> [*k, C/g, N * F]
-        kperm = list(range(1, rank + 2)) + [0, rank + 2]
-        k = tf.reshape(tf.transpose(kernel, kperm), list(kernel.shape[1:-1]) + [-1])
-        # TensorFlow's own grouped convolution, not keras.ops.conv: Keras compiles a grouped
-        # one with XLA on CPUs, which made a step of 16 digits CNNs take 200 ms here, against
-        # 24 ms with 16 separate convolutions and 7 ms grouped without XLA (the same
-        # values as each member's own convolution, forward and backward).
-        y = tf.nn.convolution(grouped, k, strides=list(layer.strides), padding=padding.upper(),
-                              dilations=list(layer.dilation_rate))
-        # [b, *space', N * F] -> [N, b, *space', F]
-        out = tf.shape(y)
-        y = tf.reshape(y, tf.concat([out[:-1], [self.n, filters]], 0))
-        y = tf.transpose(y, [rank + 1] + list(range(rank + 1)) + [rank + 2])
-        if layer.use_bias:
-            bias = tf.reshape(self.weight(layer.bias), [self.n] + [1] * (rank + 1) + [filters])
             y = ops.add(y, bias)
         return self._activate(y)
 

@@ -4,7 +4,8 @@ fuses one layer of the members (or `Loop`, with why)."""
 import keras
 
 from .attention import MultiHeadAttention
-from .kinds import (BatchNormalization, Conv, Dense, Dropout, EinsumDense, Embedding, Fold,
+from .conv import Conv
+from .kinds import (BatchNormalization, Dense, Dropout, EinsumDense, Embedding, Fold,
                     LayerNormalization, Loop, _FOLD_LAYERS, config_differences)
 
 __all__ = ["KINDS", "choose"]
