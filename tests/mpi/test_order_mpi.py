@@ -173,3 +173,34 @@ def test_two_towers_in_any_order():
     DELAYED[0] = True
     for layout in layouts[SIZE]:
         check(towers, tower_data, TOWERS, **layout)
+
+
+def hub_encoder_decoder():
+    """BART's blocks: Keras Hub's TransformerEncoder on the source and TransformerDecoder
+    (causal self-attention and cross-attention to the encoder) on the target, padding
+    masked, an LM head (SGD: the blocks' attention has key biases, whose gradient is
+    zero but for round-off, which Adam would turn into whole steps)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(7)
+    src = keras.Input((SEQ,), dtype="int32")
+    tgt = keras.Input((SEQ,), dtype="int32")
+    e = Delay(**delays(0))(L.Embedding(VOCAB, D)(src))
+    d = Delay(**delays(1))(L.Embedding(VOCAB, D)(tgt))
+    enc = keras_hub.layers.TransformerEncoder(32, 2, name="enc_block")(
+        e, padding_mask=keras.ops.not_equal(src, 0))
+    y = keras_hub.layers.TransformerDecoder(32, 2, name="dec_block")(
+        d, enc, decoder_padding_mask=keras.ops.not_equal(tgt, 0),
+        encoder_padding_mask=keras.ops.not_equal(src, 0))
+    model = keras.Model([src, tgt], L.Dense(VOCAB, name="head")(y))
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keras_hub_encoder_decoder_blocks_in_any_order():
+    pytest.importorskip("keras_hub")
+    DELAYED[0] = True
+    layouts = {2: dict(num_tensor=2), 4: dict(num_tensor=4)}
+    check(hub_encoder_decoder, sequences, ["enc_block", "dec_block"], **layouts[SIZE])
