@@ -431,3 +431,18 @@ def test_heartbeat_neighbours_name_a_lost_host_on_every_rank(tmp_path):
     assert "found by rank" in out      # 0 and 5 watch neither: they heard the verdict
     assert "still running" not in out
     assert seconds < 15, f"took {seconds:.1f} s"
+
+
+def test_split_attention_in_two_branches_meets_with_one_inter_op_thread():
+    """The encoder-decoder whose encoder and decoder self-attention are split: with one
+    inter-op thread per rank, the ranks ran the two branches' backward sums in different
+    orders and both waited until the watchdog (tests/mpi/branches_script.py). Now one
+    order by construction (hyparflow.engine.order), model.fit's weights."""
+    env = dict(os.environ, HYPARFLOW_TIMEOUT="60", PYTHONUNBUFFERED="1",
+               HYPARFLOW_INTER_OP_THREADS="1")
+    out = subprocess.run(launch_argv(2, sys.executable, os.path.join(HERE, "mpi",
+                                                                     "branches_script.py")),
+                         capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    diff = float(re.search(r"branches: max weight difference (\S+)", out.stdout).group(1))
+    assert diff <= 1e-5, diff
