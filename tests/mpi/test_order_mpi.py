@@ -202,5 +202,5 @@ def hub_encoder_decoder():
 def test_keras_hub_encoder_decoder_blocks_in_any_order():
     pytest.importorskip("keras_hub")
     DELAYED[0] = True
-    layouts = {2: dict(num_tensor=2), 4: dict(num_tensor=4)}
+    layouts = {2: dict(num_tensor=2), 4: dict(num_stages=2, num_tensor=2, num_microbatches=2)}
     check(hub_encoder_decoder, sequences, ["enc_block", "dec_block"], **layouts[SIZE])
