@@ -267,16 +267,10 @@ def _end(proc, frozen):
         proc.wait()
 
 
-def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
-    """One machine, 2 stages: rank 1 frozen (SIGSTOP) mid-training. Rank 0's heartbeat
-    finds it silent after HYPARFLOW_PEER_TIMEOUT (4 s here) and ends with exit code 75,
-    naming rank 1 and its host, long before the 120 s watchdog."""
-    import signal
-    import socket
-
+def _signal_rank_one(tmp_path, env, sig):
+    """Train HOSTS_SCRIPT's long run on 2 ranks and send `sig` to rank 1 once both train:
+    (return code, output, seconds from the signal to the run's end)."""
     marker = str(tmp_path / "epoch")
-    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_PEER_TIMEOUT="4",
-               HYPARFLOW_HEARTBEAT_SECONDS="0.5", HYPARFLOW_NUM_STAGES="2", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(launch_argv(2, sys.executable, HOSTS_SCRIPT, "long", marker),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=HERE, start_new_session=True)
@@ -289,13 +283,26 @@ def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
         time.sleep(0.2)
         pid = int(open(marker + ".1").read().split()[1])
         start = time.monotonic()
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, sig)
         out, _ = proc.communicate(timeout=60)
         seconds = time.monotonic() - start
     finally:
         _end(proc, [pid] if pid is not None else [])
+    return proc.returncode, out, seconds
+
+
+def test_a_frozen_rank_is_named_and_the_others_end(tmp_path):
+    """One machine, 2 stages: rank 1 frozen (SIGSTOP) mid-training. Rank 0's heartbeat
+    finds it silent after HYPARFLOW_PEER_TIMEOUT (4 s here) and ends with exit code 75,
+    naming rank 1 and its host, long before the 120 s watchdog."""
+    import signal
+    import socket
+
+    env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_PEER_TIMEOUT="4",
+               HYPARFLOW_HEARTBEAT_SECONDS="0.5", HYPARFLOW_NUM_STAGES="2", PYTHONUNBUFFERED="1")
+    returncode, out, seconds = _signal_rank_one(tmp_path, env, signal.SIGSTOP)
     print(f"frozen rank: the run ended {seconds:.1f} s after SIGSTOP\n{out[-2000:]}")
-    assert proc.returncode != 0
+    assert returncode != 0
     assert f"hyparflow: rank 0 on host {socket.gethostname()}: lost rank 1 on host " \
            f"{socket.gethostname()}" in out, out[-3000:]
     assert "exit code 75" in out
@@ -308,27 +315,11 @@ def test_a_killed_rank_ends_the_run(tmp_path):
     120 s watchdog, whichever MPI (MPICH's hydra or Open MPI's mpiexec)."""
     import signal
 
-    marker = str(tmp_path / "epoch")
     env = dict(os.environ, HYPARFLOW_TIMEOUT="120", HYPARFLOW_NUM_STAGES="2",
                PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(launch_argv(2, sys.executable, HOSTS_SCRIPT, "long", marker),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=HERE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (os.path.exists(marker + ".0") and os.path.exists(marker + ".1")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        time.sleep(0.2)
-        pid = int(open(marker + ".1").read().split()[1])
-        start = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        seconds = time.monotonic() - start
-    finally:
-        _end(proc, [])
+    returncode, out, seconds = _signal_rank_one(tmp_path, env, signal.SIGKILL)
     print(f"killed rank: the run ended {seconds:.1f} s after SIGKILL\n{out[-1500:]}")
-    assert proc.returncode != 0
+    assert returncode != 0
     assert seconds < 20, f"took {seconds:.1f} s"
 
 
