@@ -11,12 +11,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import hyparflow as hf  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hyparflow.engine import comm as _comm, shm  # noqa: E402
+from test_zero_mpi import wide_adam  # noqa: E402  (kernels far past the window's threshold)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -103,18 +103,6 @@ def test_by_default_a_window_where_a_node_holds_more_than_two(monkeypatch):
                                     "messages ("), comm.sums
     finally:
         comm.free()
-
-
-def wide_adam():
-    """Kernels of 256 x 512 floats: buckets far past the window's threshold."""
-    keras.utils.set_random_seed(11)
-    inp = keras.Input((32,))
-    h = keras.layers.Dense(256, activation="relu")(inp)
-    h = keras.layers.Dense(512, activation="relu")(h)
-    h = keras.layers.Dense(256, activation="relu")(h)
-    model = keras.Model(inp, keras.layers.Dense(4)(h))
-    model.compile(optimizer=keras.optimizers.Adam(0.001), loss="mse")
-    return model
 
 
 def layouts():
