@@ -1,5 +1,6 @@
 """Shared helpers: models, data and a way to run hyparflow ranks as threads."""
 
+import contextlib
 import os
 
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
@@ -11,6 +12,7 @@ os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "16")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -59,6 +61,32 @@ def _take_turns():
 
 
 _take_turns()
+
+
+@contextlib.contextmanager
+def float64():
+    """Layers built inside take float64 weights. Keras keeps the dtype policy it
+    first makes from floatx (after a `clear_session`, at the next layer built), so
+    both are set and both restored: restoring floatx alone left every later test's
+    models float64."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True)
+def _float32_after():
+    """A test that leaves float64 behind fails here, not in an unrelated test later."""
+    yield
+    policy = keras.config.dtype_policy().name
+    if keras.config.floatx() != "float32" or policy != "float32":
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+        pytest.fail(f"the test left floatx/dtype policy at {policy}; use conftest.float64()")
 
 
 def max_diff(a, b):

@@ -15,7 +15,7 @@ import tensorflow as tf
 import hyparflow as hf
 import models
 import zoo
-from conftest import max_diff
+from conftest import float64, max_diff
 from hyparflow import graph as G
 from hyparflow.engine.local import run_ranks
 from test_masks import VALID, attention_beside_dense, attention_then_add, tokens
@@ -117,11 +117,8 @@ def test_keras_applications_cnn_at_a_spread_of_cuts():
     # A Keras Hub model built earlier in the process left global state that moved these
     # float64 weights 1e-5 on this machine (the same on the previous main); start clean.
     keras.backend.clear_session()
-    keras.config.set_floatx("float64")
-    try:
+    with float64():
         models = [mobilenet_v3() for _ in range(3)]
-    finally:
-        keras.config.set_floatx("float32")
 
     def again(model):
         """The same model with a new optimizer (each cut builds it on its stage's

@@ -21,7 +21,8 @@ from .kinds import Kind, _plain
 
 __all__ = ["Conv", "grouped_trains"]
 
-_TRIED = {}   # (rank, kernel, strides, dilations, padding, channels, filters, groups) -> bool
+# (rank, kernel, strides, dilations, padding, channels, filters, groups) -> whether it trains
+_TRIED: dict[tuple, bool] = {}
 
 
 def grouped_trains(rank, kernel_size, strides, dilations, padding, channels, filters, groups):

@@ -26,15 +26,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from conftest import float64, max_diff  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 SIZE = COMM.Get_size()
 BATCH = 8
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
 
 
 def trained(model):
@@ -127,16 +124,11 @@ def cnn(application, **kwargs):
     Dense(10) head and its Dropout rates 0, in float64; SGD(0.01)."""
 
     def build():
-        keras.config.set_floatx("float64")
-        keras.config.set_dtype_policy("float64")
-        try:
+        with float64():
             keras.utils.set_random_seed(1)
             base = application(include_top=False, weights=None, input_shape=(32, 32, 3),
                                pooling="avg", **kwargs)
             model = keras.Model(base.input, keras.layers.Dense(10)(base.output))
-        finally:   # Keras keeps the policy made from floatx at the first layer: both
-            keras.config.set_floatx("float32")
-            keras.config.set_dtype_policy("float32")
         for layer in model.layers:
             if isinstance(layer, keras.layers.Dropout):
                 layer.rate = 0.0
