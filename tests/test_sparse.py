@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import max_diff, train_ranks
-from hyparflow.kinds import sparse
+from hyparflow.engine import sparse
 
 VOCAB, SEQ = 50, 6
 

@@ -167,7 +167,8 @@ SPLIT = [{"name": n, "stage": 0, "split": k} for n, k in (
                                                    (SPLIT, [1, 2, 1], [False])])
 def test_a_per_layer_strategy_trains_to_keras_weights(tmp_path, monkeypatch, layers, shape,
                                                      recompute):
-    from hyparflow.engine import runtime, stage
+    from hyparflow.engine import stage
+    from hyparflow.loop import runtime
 
     seen = {"recompute": set(), "split": set()}
     made, chose = stage.Stage.__init__, runtime.Runtime._choose_splits

@@ -108,10 +108,12 @@ def report(environ: Optional[Mapping[str, str]] = None) -> str:
     def add(key: str, value: object) -> None:
         lines.append(f"{key + ':':<22}{value}")
 
-    import hyparflow  # first: TensorFlow starts quietly, with hyparflow's threads
+    from importlib import metadata
+
     from .. import _env
 
-    add("hyparflow", f"{hyparflow.__version__} ({os.path.dirname(hyparflow.__file__)})")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    add("hyparflow", f"{metadata.version('hyparflow')} ({package})")
     add("python", f"{platform.python_version()} ({sys.executable})")
     add("platform", platform.platform())
     for key, value in _mpi_facts():

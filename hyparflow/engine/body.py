@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _compat
-from ..kinds import sparse as _sparse
+from . import sparse as _sparse
 from . import customised as _customised
 from . import kernels
 from . import masks as _masks

@@ -13,19 +13,16 @@ import numpy as np
 
 from . import overlap
 from .. import schedules as sched
-from ..kinds import sparse as _sparse
+from . import sparse as _sparse
 from .boundary import Boundary
-from .comm import CommTimeout, poll, timeout_seconds, wait_all
+from .comm import CommTimeout, timeout_seconds, wait_all
+from .fill import Fill
 
 __all__ = ["Executor", "split_batch", "AUTO"]
 
 # What schedule="auto" tries, each for two steps (the first traces), before keeping
 # the fastest by the slowest rank's time of its second step.
 AUTO = sched.AUTO  # what schedule="auto" tries, in order (the schedule table says)
-FILL_AT = 2  # microbatches a W filling a wait takes at least (`Executor._fill`)
-# A wait is filled with W only if its message has not come after this share of the
-# W's expected time (`Executor._fill`).
-FILL_GRACE = 0.25
 
 
 def split_batch(indices, num_replicas, num_microbatches):
@@ -40,7 +37,7 @@ def split_batch(indices, num_replicas, num_microbatches):
     return out
 
 
-class Executor:
+class Executor(Fill):
     """One rank: stage `stage` of replica `replica`, driven step by step by the trainer."""
 
     def __init__(self, comm, topology, partition, graph, stage, optimizer, *,
@@ -170,20 +167,6 @@ class Executor:
         if self._trials:
             self._try(time.perf_counter() - start)
         return contribution
-
-    def _choose_transposed(self, rows, microbatches):
-        """Before the first training step (a collective): which Dense layers keep `W^T`
-        (`kernels`). Each rank measures its own; the lowest rank holding a node decides
-        for every rank that holds it, so replicas and tensor ranks run one product."""
-        mine = {}
-        if rows:
-            for stage in self.stages:
-                mine.update(stage.transposed_choices(rows, microbatches))
-        agreed = {}
-        for report in (self.comm.allgather_obj(mine) if self.comm.size > 1 else [mine]):
-            for node, keep in report.items():
-                agreed.setdefault(node, keep)
-        self.adopt({"transposed": agreed})
 
     def choices(self):
         """What this run chose by timing and that changes round-off (the schedule
@@ -380,51 +363,6 @@ class Executor:
         self._wait(sends, timeout)
         self._record("send wait", "wait", start)
         return total if training else (total, predictions)
-
-    def _refresh_transposed(self):
-        """The step's W^T copies (`Stage.begin_step`), where the rank would wait for a
-        message anyway or, with no such wait, before its first backward: on a first
-        stage they were on the pipeline's critical path before its first forward.
-        Returns whether it copied any."""
-        start = time.perf_counter()
-        copies = sum(stage.refresh_transposed() for stage in self.stages)
-        if copies:
-            self._record("W^T copies", "transpose", start, layers=copies)
-        return bool(copies)
-
-    def _fill(self, reqs):
-        """Where the schedule fills waits with batched W (the schedule table's `fills`): before
-        waiting for a message that has not come, compute the weights of the
-        microbatches waiting for them (at least `FILL_AT`, for products of at least
-        that many microbatches' rows). The static schedule places W by unit times;
-        this puts it where this run's stages actually wait, once the message has not
-        come within `FILL_GRACE` of the W's expected time. Which microbatches go
-        into one call then varies with timing, so sums differ by round-off only.
-        Any wait also takes the step's W^T copies first (`_refresh_transposed`).
-        Returns whether it computed anything."""
-        if all(r is None or r.test() for r in reqs):
-            return False  # it has come: no wait to fill
-        filled = self._refresh_transposed()
-        stage = self.stage
-        if (not sched.TABLE[self.schedule].fills or not stage.splitting
-                or len(stage.waiting) < FILL_AT):
-            return filled
-        ids = sorted(stage.waiting)
-        # A message about to come is waited for: a W that outlasts the wait by far
-        # delays this rank's next action, and with it the peer's (measured: a 13 ms
-        # W filling a wait of 0.3 ms cost the MLP's S=2 pipeline 10 % a step).
-        # (Polled as any wait is: spinning only where the rank has a core of its own.)
-        deadline = time.perf_counter() + FILL_GRACE * stage.weight_seconds(ids)
-        come = lambda: all(r is None or r.test() for r in reqs)  # noqa: E731
-        poll(lambda: time.perf_counter() >= deadline or come(), None, "a message",
-             self.comm.spin)
-        if come():
-            return filled
-        start = time.perf_counter()
-        stage.weight_grads(ids)
-        self._record(f"W{ids[0]}-{ids[-1]}", "weight", start, microbatch=ids[0], count=len(ids),
-                     layers=len(stage.deferred), filled=True)
-        return True
 
     def _sparse_exchanges(self, slices, held):
         """Start gathering each group's sparse pairs; pairs of a variable its group

@@ -3,14 +3,14 @@
 Dense gradients are summed, as each microbatch's backward returns them, into one
 persistent float32 buffer per allreduce bucket (`set_buckets`), each variable's part on
 a 64-byte boundary so TensorFlow takes it back without a copy; an Embedding's gradients
-are kept as (row, value) pairs per microbatch (`hyparflow.kinds.sparse`). A `Stage`
+are kept as (row, value) pairs per microbatch (`hyparflow.engine.sparse`). A `Stage`
 holds one (`Stage.grads`); model chunks sum into their accumulator's; ZeRO uses the
 buffers (`view`, `slices_of`) and the helpers here."""
 
 import numpy as np
 import tensorflow as tf
 
-from ..kinds import sparse as _sparse
+from . import sparse as _sparse
 from . import clipping as _clipping
 
 __all__ = ["Gradients", "Packing", "aligned_empty", "as_tensor", "compiled_step", "scaled"]

@@ -10,7 +10,7 @@ from ..engine.customised import refuse_steps
 from .logs import GlobalLogs
 from .progress import callback_list, resolve_verbose
 from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
-from ..engine.runtime import Runtime
+from .runtime import Runtime
 
 __all__ = ["run_evaluation", "evaluate", "predict"]
 

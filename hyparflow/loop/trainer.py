@@ -17,7 +17,7 @@ from .inference import run_evaluation
 from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
 from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
-from ..engine.runtime import Runtime
+from .runtime import Runtime
 from ..engine import node as _node
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]

@@ -5,68 +5,33 @@ built) is `prepare`'s."""
 
 
 from .. import _compat
-from . import clipping as _clipping
-from . import customised as _customised
-from . import errors as errors_
+from ..engine import clipping as _clipping
+from ..engine import customised as _customised
+from ..engine import errors as errors_
 from .. import graph as _graph
 from .. import strategy as _strategy
 from ..cluster import heartbeat as _heartbeat
-from . import normaliser as _normaliser
-from . import overlap
-from . import partition as _partition
-from . import prepare as _prepare
+from ..engine import normaliser as _normaliser
+from ..engine import overlap
+from ..engine import partition as _partition
+from ..engine import prepare as _prepare
 from ..kinds import mesh as _mesh
 from ..kinds import tables as _tables
 from ..kinds.tables.idle import Idle
 from ..kinds import tensor as _tensor
-from . import weights
-from . import wire as _wire
+from ..engine import weights
+from ..engine import wire as _wire
 from ..kinds import zero as _zero
-from .comm import timeout_seconds
-from .executor import Executor, split_batch
+from ..engine.comm import timeout_seconds
+from ..engine.checkpoint import slot_names
+from ..engine.executor import Executor, split_batch
+from ..engine.groups import make_groups
 from ..kinds.replicas import Replicas
-from .stage import Stage
-from .timeline import Timeline
+from ..engine.stage import Stage
+from ..engine.timeline import Timeline
 from ..topology import Topology
 
 __all__ = ["Runtime"]
-
-
-def _make_groups(comm, topo, part, stage, model_variables, per_replica=False):
-    """One communicator per set of stages sharing variables (normally one stage):
-    every rank joins each split, in the same sorted order. Returns
-    {stage set: (communicator or None, positions in stage.trainable)}. With model
-    chunks (`part` cut into more stages than the pipeline has ranks), the sets are
-    of pipeline positions: virtual stage j is on position j % S. `per_replica`:
-    replicas that step on their own (`hyparflow.replicas`) sum a tied variable's
-    gradient over their own stages only."""
-    s, t = topo.stage(comm.rank), topo.tensor(comm.rank)
-    r = topo.replica(comm.rank)
-    S = topo.num_stages
-    users = {vid: tuple(sorted({u % S for u in us})) for vid, us in part.users.items()}
-    index_of = {id(v): k for k, v in enumerate(stage.originals)}
-    # Pack variables in the model's order, which every stage of a group shares.
-    order = {id(v): k for k, v in enumerate(model_variables)}
-    groups = {}
-    for key in sorted(set(users.values())):
-        # Tensor rank t of each stage sums with tensor rank t of the others only:
-        # its split layers' parts are its own, and its unsplit weights' gradients
-        # are the same on every tensor rank.
-        color = (r * topo.num_tensor + t if per_replica else t) if s in key else None
-        sub = comm.split(color, comm.rank) if topo.size > 1 else None
-        if color is None:
-            continue
-        positions = sorted((index_of[vid] for vid, who in users.items()
-                            if who == key and vid in index_of),
-                           key=lambda k: order[id(stage.originals[k])])
-        groups[key] = (sub, positions)
-    return groups
-
-
-def _slot_names(model):
-    from .checkpoint import slot_names
-
-    return slot_names(model.optimizer, model)
 
 
 class Runtime:
@@ -301,7 +266,7 @@ class Runtime:
         if self.training:
             optimizer = self.model.optimizer
             local = self.sync is not None
-            groups = _make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
+            groups = make_groups(self.comm, self.topo, self.part, self.stage, self.model.weights,
                                   per_replica=local)
             if self.tables is not None:
                 # A sharded table's pairs stay with its owner: no sum over replicas.
@@ -475,7 +440,7 @@ class Runtime:
         out = {id(slot): (lambda value, shard=shard, axis=axis: shard.sliced(value, axis))
                for shard, slot, axis in self._part_slots()}
         if getattr(self, "zero", None):
-            out.update(self.zero.slicers(_slot_names(self.model)))
+            out.update(self.zero.slicers(slot_names(self.model.optimizer, self.model)))
         return out
 
     def zero_slots(self):
@@ -483,7 +448,7 @@ class Runtime:
         (collective over the replicas; empty without sharding)."""
         if not getattr(self, "zero", None):
             return {}
-        return self.zero.whole_slots(_slot_names(self.model))
+        return self.zero.whole_slots(slot_names(self.model.optimizer, self.model))
 
     def load_shards(self):
         for shard in self.stage.shards.values():
