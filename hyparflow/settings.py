@@ -3,7 +3,7 @@
 Values are read when asked for, not at import: a launcher sets them for its ranks, and
 tests change them between runs. A malformed value is an error naming the variable and
 what it takes, never silently a default. `VARIABLES` is the list the docs table shows
-(tests/test_docs.py checks the two agree).
+(tests/house/test_docs.py checks the two agree).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ __all__ = ["FORMAT", "VERSION", "AXES", "SPLITS", "StrategyError", "validate", "
 
 FORMAT, VERSION = "hyparflow-strategy", 1
 AXES = ("stage", "tensor", "replica")
-# The 1D split kinds' names (kinds/tensor/registry.py; tests/test_strategy.py checks
+# The 1D split kinds' names (kinds/tensor/registry.py; tests/planning/test_strategy.py checks
 # this list against the registry, so the two cannot drift apart), and the words above.
 KINDS = ("column", "row", "filters", "rows", "heads", "decoder", "query_groups",
          "einsum_column", "einsum_row", "inner")

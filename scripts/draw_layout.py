@@ -3,7 +3,7 @@ R replicas and M microbatches (the figure of docs/concepts.md).
 
     python scripts/draw_layout.py [--output docs/img/layout.svg]
 
-The SVG is reproducible (no date, fixed ids), so tests/test_docs.py can check that the
+The SVG is reproducible (no date, fixed ids), so tests/house/test_docs.py can check that the
 checked-in file is what this script draws.
 """
 

@@ -11,8 +11,8 @@
 # holds an Open MPI mpi4py; default: a new one under a temporary directory).
 #
 # Cases (each under a time limit; every one runs, and the tier fails if any fails):
-#   cli        hyparflow info and the launcher's dialect (tests/test_cli.py)
-#   mpi-n2     tests/mpi under mpiexec -n 2 (tests/test_mpi.py::test_contract_under_mpiexec)
+#   cli        hyparflow info and the launcher's dialect (tests/cluster/test_cli.py)
+#   mpi-n2     tests/mpi under mpiexec -n 2 (tests/cluster/test_mpi.py::test_contract_under_mpiexec)
 #   mpi-n4     at -n 4 (on 2 cores: --oversubscribe), the tests that need 4 ranks or
 #              whose layouts change with them: 2x2 meshes, pipelined tables, independent
 #              split branches, chunks' replicas, bfloat16 boundaries, the contract's cases,
@@ -89,16 +89,16 @@ case_() {   # name limit command...: run, time, record
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 
-case_ cli 600 "${PYTEST[@]}" tests/test_cli.py -k \
+case_ cli 600 "${PYTEST[@]}" tests/cluster/test_cli.py -k \
     "info or dry_run or dialect or restart_probes or hosts or exit_code"
-case_ mpi-n2 1500 "${PYTEST[@]}" -s tests/test_mpi.py -k "test_contract_under_mpiexec and 2"
+case_ mpi-n2 1500 "${PYTEST[@]}" -s tests/cluster/test_mpi.py -k "test_contract_under_mpiexec and 2"
 # At -n 4 only what 4 ranks add (every file at -n 2 above; all of them at -n 4 take as
-# long again): tests/test_mpi.py's runner with the selection in HYPARFLOW_MPI_SELECT.
+# long again): tests/cluster/test_mpi.py's runner with the selection in HYPARFLOW_MPI_SELECT.
 N4="test_same_weights_as_one_process or mesh or pipelined_tables or independent_split"
 N4="$N4 or replicas_sum_every_chunk or bfloat16 or heartbeat"
-case_ mpi-n4 1500 env HYPARFLOW_MPI_SELECT="$N4" "${PYTEST[@]}" -s tests/test_mpi.py -k \
+case_ mpi-n4 1500 env HYPARFLOW_MPI_SELECT="$N4" "${PYTEST[@]}" -s tests/cluster/test_mpi.py -k \
     "test_contract_under_mpiexec and 4"
-case_ faults 900 "${PYTEST[@]}" -s tests/test_mpi.py -k \
+case_ faults 900 "${PYTEST[@]}" -s tests/cluster/test_mpi.py -k \
     "failure_on_one_rank or killed_rank or frozen_rank or collective_call_on_some_ranks"
 
 # Hosts: CI's emulated cluster when it is up, else one of this tier's own (own names,
@@ -113,7 +113,7 @@ if [ "$(id -u)" -eq 0 ]; then
         fi
     fi
     trap '[ $OWN_CLUSTER -eq 1 ] && bash scripts/emulated-cluster.sh down >/dev/null 2>&1' EXIT
-    case_ hosts 900 "${PYTEST[@]}" -s tests/test_hosts_emulated.py -k \
+    case_ hosts 900 "${PYTEST[@]}" -s tests/hosts/test_hosts_emulated.py -k \
         "stages_across_hosts or replicas_across_hosts"
 else
     RESULTS+=("$(printf '%-9s %-16s %5d s' hosts "skipped (not root)" 0)")

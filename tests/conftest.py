@@ -2,13 +2,24 @@
 
 import contextlib
 import os
+import sys
+
+# The wings (engine, kinds, loop, planning, cluster, sweeps, mpi, hosts, house) mirror
+# the package. The builders every wing shares are here and in models.py, zoo.py and
+# sweep_models.py; a file may also import another's builders by the file's name (the
+# mpiexec files in mpi/ train the models of the files they check), so every wing is
+# on the path, after this directory (test file names are unique across wings).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [TESTS] if TESTS not in sys.path else []
+sys.path += [os.path.join(TESTS, d) for d in sorted(os.listdir(TESTS))
+             if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith(("_", "."))]
 
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 # Thread-ranks wait for each other inside compiled functions (tensor parallelism):
 # each needs an inter-op thread of its own (9: the 3x3 mesh's ranks; with 8, the ninth
 # rank's exchange never ran and the others timed out waiting for it), and a mesh
 # rank's backward can have two independent exchanges waiting at once (8 threads
-# for 8 mesh ranks ran out under S=2 x 2x2 with recompute: tests/test_mesh_compose.py).
+# for 8 mesh ranks ran out under S=2 x 2x2 with recompute: tests/kinds/test_mesh_compose.py).
 os.environ.setdefault("HYPARFLOW_INTER_OP_THREADS", "16")
 
 import hyparflow  # noqa: E402,F401  (quiet TensorFlow first)

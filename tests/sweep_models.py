@@ -1,4 +1,4 @@
-"""Small models built from a sweep config (tests/test_sweep.py, tests/mpi): each reads its
+"""Small models built from a sweep config (tests/sweeps/test_sweep.py, tests/mpi): each reads its
 seed and hyper-parameters from the config, deterministically."""
 
 import keras

@@ -1,6 +1,6 @@
 """The encoder-decoder that hung under mpiexec with one inter-op thread per rank: its
 encoder's and decoder's self-attention split over T=2 (nothing else split), Adam. Run by
-tests/test_mpi.py: `mpiexec -n 2 python branches_script.py`; prints the weights'
+tests/cluster/test_mpi.py: `mpiexec -n 2 python branches_script.py`; prints the weights'
 difference from model.fit."""
 
 import hyparflow as hf

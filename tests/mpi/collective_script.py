@@ -1,5 +1,5 @@
 """A collective call made on some ranks only: `python collective_script.py KIND` under
-`mpiexec -n 2`, started by tests/test_mpi.py.
+`mpiexec -n 2`, started by tests/cluster/test_mpi.py.
 
 KIND: main_only (hf.fit on every rank, then hf.evaluate on rank 0 only; rank 1's script
 ends), different (hf.fit, then rank 0 in hf.evaluate while rank 1 is in hf.predict)."""

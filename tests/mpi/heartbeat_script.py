@@ -1,4 +1,4 @@
-"""The heartbeat alone (no TensorFlow), for tests/test_mpi.py's neighbour test.
+"""The heartbeat alone (no TensorFlow), for tests/cluster/test_mpi.py's neighbour test.
 
     mpiexec -n N python heartbeat_script.py DIR
 

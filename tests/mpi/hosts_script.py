@@ -1,4 +1,4 @@
-"""A run across hosts, started by tests/test_hosts_emulated.py with `hyparflow run --hosts`.
+"""A run across hosts, started by tests/hosts/test_hosts_emulated.py with `hyparflow run --hosts`.
 
     python hosts_script.py contract OUTDIR   # fit (S, R, M from hyparflow run) against model.fit
     python hosts_script.py long MARKER       # train until stopped; MARKER.K once an epoch is done
@@ -18,6 +18,7 @@ import socket
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kinds"))
 
 import hyparflow as hf  # noqa: E402
 import keras  # noqa: E402

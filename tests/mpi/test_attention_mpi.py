@@ -1,4 +1,4 @@
-"""Attention split by heads over real MPI messages; run under mpiexec by tests/test_mpi.py
+"""Attention split by heads over real MPI messages; run under mpiexec by tests/cluster/test_mpi.py
 (with the rest of tests/mpi):
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_attention_mpi.py

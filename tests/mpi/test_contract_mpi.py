@@ -1,4 +1,4 @@
-"""The numerical contract over real MPI messages; run under mpiexec by tests/test_mpi.py.
+"""The numerical contract over real MPI messages; run under mpiexec by tests/cluster/test_mpi.py.
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi
     mpiexec -n 4 python -m pytest --with-mpi tests/mpi

@@ -3,7 +3,7 @@ CNNs and Keras Hub LLMs at two stages with two microbatches (2 ranks) and at two
 stages with two replicas (4 ranks), at the balance the planner picks, against
 model.fit, each beside a round-off control measured in the same test (a plain
 GradientTape step over the same microbatches against model.fit, on rank 0). Run
-under mpiexec by tests/test_mpi.py:
+under mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_gate_mpi.py
 

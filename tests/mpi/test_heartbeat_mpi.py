@@ -1,5 +1,5 @@
 """The heartbeat's messages never reach a later communicator; run under mpiexec by
-tests/test_mpi.py:
+tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_heartbeat_mpi.py
 """

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B over real MPI messages; run under mpiexec by tests/test_mpi.py:
+"""Interleaved 1F1B over real MPI messages; run under mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_interleaved_mpi.py
 """

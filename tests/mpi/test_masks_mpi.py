@@ -1,5 +1,5 @@
 """Keras masks and split layers over real MPI messages; run under mpiexec by
-tests/test_mpi.py (with the rest of tests/mpi):
+tests/cluster/test_mpi.py (with the rest of tests/mpi):
 
     mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_masks_mpi.py
 """

@@ -1,4 +1,4 @@
-"""The 2x2 tensor mesh over real MPI messages; run under mpiexec by tests/test_mpi.py
+"""The 2x2 tensor mesh over real MPI messages; run under mpiexec by tests/cluster/test_mpi.py
 (with the rest of tests/mpi):
 
     mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_mesh_mpi.py
@@ -58,7 +58,7 @@ def test_transformer_encoder_with_attention_on_a_2x2_mesh_under_mpiexec():
 
 @pytest.mark.mpi(min_size=8)
 def test_two_stages_of_2x2_meshes_under_mpiexec():
-    """S=2 x a 2x2 mesh each on 8 processes (tests/test_mpi.py runs this file alone at
+    """S=2 x a 2x2 mesh each on 8 processes (tests/cluster/test_mpi.py runs this file alone at
     n=8): the pipeline's boundary between two meshes (gathered on one, cut on the
     next), Adam, 2 microbatches: model.fit's weights."""
     from test_mesh import REGION, data, mlp

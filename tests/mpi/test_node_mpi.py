@@ -1,5 +1,5 @@
 """Threads per rank under a real launcher (hyparflow/_env.py, engine/node.py); run under
-mpiexec by tests/test_mpi.py:
+mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_node_mpi.py
 """

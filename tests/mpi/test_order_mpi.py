@@ -1,7 +1,7 @@
 """Split layers in independent branches, under real mpiexec with one inter-op thread per
 rank (production's setting): each rank is pushed into a different execution order (its
 own delays in the branches, forward and backward), and the collectives still meet, for
-20 steps, with model.fit's weights. Run by tests/test_mpi.py with the rest of tests/mpi:
+20 steps, with model.fit's weights. Run by tests/cluster/test_mpi.py with the rest of tests/mpi:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_order_mpi.py
 """

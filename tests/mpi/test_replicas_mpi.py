@@ -1,5 +1,5 @@
 """Replicas stepping on their own (hf.LocalSGD, hf.LeaderSGD) over real MPI messages;
-run under mpiexec by tests/test_mpi.py (n = 2 and 4)."""
+run under mpiexec by tests/cluster/test_mpi.py (n = 2 and 4)."""
 
 import os
 import sys

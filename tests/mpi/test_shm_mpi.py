@@ -1,5 +1,5 @@
 """In-node gradient sums through a shared-memory window (engine/shm.py) over real MPI
-processes; run under mpiexec by tests/test_mpi.py:
+processes; run under mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_shm_mpi.py
     mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_shm_mpi.py

@@ -1,6 +1,6 @@
 """hf.sweep over real MPI messages: the members shared out over groups of ranks, and each
 member data-parallel over a group's replicas; every rank returns every member as its own
-model.fit trains it. Run under mpiexec by tests/test_mpi.py (n = 2 and 4)."""
+model.fit trains it. Run under mpiexec by tests/cluster/test_mpi.py (n = 2 and 4)."""
 
 import os
 import sys

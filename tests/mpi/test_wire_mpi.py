@@ -3,7 +3,7 @@
 batch (the replicas' 16-bit sums with their loss scale, the tables' per-message scales,
 an idle replica serving lookups), and a pipeline's boundaries in bfloat16 with float16
 replicas; each within a drift bound of `model.fit` (the exact contract is left by
-design: tests/test_wire.py, tests/test_tables.py bound it in process).
+design: tests/engine/test_wire.py, tests/kinds/test_tables.py bound it in process).
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_wire_mpi.py
 """

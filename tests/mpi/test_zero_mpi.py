@@ -1,5 +1,5 @@
 """The optimizer step shared out over replicas (ZeRO-1) over real MPI messages; run
-under mpiexec by tests/test_mpi.py:
+under mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_zero_mpi.py
 """

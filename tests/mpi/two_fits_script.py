@@ -1,6 +1,6 @@
 """Two hf.fit calls in one process, each against plain model.fit (Adam), then an
 hf.evaluate, ROUNDS times (default 1): `mpiexec -n N python two_fits_script.py [ROUNDS]`,
-started by tests/test_mpi.py and by scripts/openmpi-tier.sh (20 rounds in all).
+started by tests/cluster/test_mpi.py and by scripts/openmpi-tier.sh (20 rounds in all).
 
 Each call starts and stops a heartbeat and frees its communicators; the next call's must
 not meet anything the last one left (Open MPI hung in the second call's heartbeat `Idup`

@@ -18,7 +18,7 @@ from conftest import sbatch_wait
 
 from hyparflow import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "digits_resnet.py")
 JOB_TIMEOUT = 270
 

@@ -89,7 +89,7 @@ def test_tensor_splits_are_refused():
         Layout(num_stages=2, num_microbatches=2, num_tensor=2, num_chunks=2, **IL)
 
 
-# -- training: the numerical contract (thread ranks, as tests/test_zero_bubble.py) ----
+# -- training: the numerical contract (thread ranks, as tests/engine/test_zero_bubble.py) ----
 
 def test_matches_model_fit_with_batchnorm():
     """S=2, v=2 (4 virtual stages: BatchNorm in chunk 0, a layer called twice, a

@@ -12,7 +12,7 @@ import pytest
 
 from test_mpi import MPIEXEC, launch_argv, mpiexec
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 SCRIPT = os.path.join(HERE, "mpi", "resumable_script.py")
 
 pytestmark = [pytest.mark.mpiexec,

@@ -162,8 +162,8 @@ def test_gpt_with_tied_embeddings_on_a_2x2_mesh():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), "examples"))
     import gpt_text
     from hyparflow.graph import from_model
     from hyparflow.kinds import mesh

@@ -1,7 +1,7 @@
 """`hyparflow run --restarts`: the re-shape rule (pure) and the restart loop on one machine.
 
 The restart across hosts after a lost host, with the weights checked against model.fit,
-is tests/test_hosts_emulated.py::test_restart_after_a_cut_link_finishes_on_the_host_left.
+is tests/hosts/test_hosts_emulated.py::test_restart_after_a_cut_link_finishes_on_the_host_left.
 """
 
 import os
@@ -15,7 +15,7 @@ from hyparflow.cluster.restart import (RestartError, describe_shape, host_slots,
                                       reshape, restartable)
 from hyparflow.layout import Layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def placed(stages, replicas, tensor, hosts, within):

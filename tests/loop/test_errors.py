@@ -198,7 +198,7 @@ def test_optimizers_that_would_train_differently_are_refused():
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    # One norm summed over the stages (engine.clipping; tests/test_optimizer_contract.py).
+    # One norm summed over the stages (engine.clipping; tests/loop/test_optimizer_contract.py).
     fit_on(2, clipped, x, y, num_stages=2)
     fit_on(1, clipped, x, y)
 

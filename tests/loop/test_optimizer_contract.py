@@ -203,8 +203,8 @@ def test_global_clipnorm_counts_a_tied_embedding_once():
     # the summed gradient, which counts once (on the stage that owns it).
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), "examples"))
     import gpt_text
 
     def build():

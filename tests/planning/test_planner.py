@@ -1,6 +1,7 @@
 """The planner: units, the cost model's shape, and `hyparflow plan` end to end."""
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -121,7 +122,8 @@ def test_stage_costs_are_measured_on_a_real_stage():
 @pytest.mark.mpiexec
 def test_compute_is_measured_with_every_rank_running(tmp_path):
     source = tmp_path / "model.py"
-    source.write_text(f"import sys\nsys.path.insert(0, {str(__import__('os').path.dirname(__file__))!r})\n"
+    tests = pathlib.Path(__file__).resolve().parents[1]   # models.py
+    source.write_text(f"import sys\nsys.path.insert(0, {str(tests)!r})\n"
                       "import models\n\ndef build_model():\n    return models.mlp()\n")
     times, optimizer = measure.compute(2, str(source), "build_model", (4, 16))
     assert sorted(times) == [1, 2] and all(sorted(row) == [4, 16] for row in times.values())

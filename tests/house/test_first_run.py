@@ -11,7 +11,7 @@ import hyparflow as hf
 import models
 from conftest import train_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _readme():
@@ -50,7 +50,7 @@ def test_the_readme_promises_no_run_times():
 
 
 def test_models_page_builds_a_sequential_without_an_input():
-    """A Sequential needs no Input (tests/test_keras_loop.py trains one unbuilt over 2
+    """A Sequential needs no Input (tests/loop/test_keras_loop.py trains one unbuilt over 2
     stages); docs/models.md says so."""
     with open(os.path.join(ROOT, "docs", "models.md")) as f:
         row = next(line for line in f if line.startswith("| Sequential |"))

@@ -256,7 +256,7 @@ def test_reasons_not_to_shard():
     assert zero.why_not(keras.optimizers.Adam(), []) is None
     assert "clipnorm" in zero.why_not(keras.optimizers.Adam(clipnorm=1.0), [])
     assert "Adafactor" in zero.why_not(keras.optimizers.Adafactor(), [])
-    # Element-wise: each owner keeps its rows' averages (tests/test_optimizer_contract.py).
+    # Element-wise: each owner keeps its rows' averages (tests/loop/test_optimizer_contract.py).
     assert zero.why_not(keras.optimizers.SGD(use_ema=True), []) is None
     v = keras.Variable(np.ones((2, 2)))
     v.constraint = keras.constraints.NonNeg()  # as Layer.add_weight sets it

@@ -18,7 +18,7 @@ from hyparflow import graph as G, plan as P, strategy as S
 from hyparflow.engine.local import run_ranks
 from hyparflow.layout import Layout
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "strategy.schema.json").read_text())
 
 

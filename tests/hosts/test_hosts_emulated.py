@@ -17,7 +17,7 @@ import pytest
 
 from conftest import sbatch_wait
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "mpi", "hosts_script.py")
 CLUSTER = os.path.join(ROOT, "scripts", "emulated-cluster.sh")
 DETECT_LIMIT = 30   # seconds from a host's loss until every surviving rank has ended

@@ -12,7 +12,7 @@ import pytest
 from hyparflow import cli
 from hyparflow.cluster import dialect, launch, slurm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "digits_resnet.py")
 MPIEXEC = launch.find_mpiexec()
 OPENMPI = MPIEXEC is not None and dialect.of_mpiexec(MPIEXEC) == dialect.OPENMPI

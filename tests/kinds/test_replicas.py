@@ -286,7 +286,7 @@ def test_benchmark_resnet_workload_builds():
     it; a class is the same pattern whatever the seed (the held-out set is the same task)."""
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "benchmarks", "replicas.py")
     spec = importlib.util.spec_from_file_location("replicas_benchmark", path)
     bench = importlib.util.module_from_spec(spec)

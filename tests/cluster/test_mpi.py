@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 from hyparflow.cluster import dialect, launch  # noqa: E402
 
 # The launcher of the MPI this Python's mpi4py is built with (MPICH's wheel, or a site's

@@ -105,7 +105,7 @@ def test_conv_stacks_without_onednn():
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          f"{__file__}::test_conv_stacks_train_as_their_own_fit", "-k", "vgg or conv1d"],
         capture_output=True, text=True, timeout=540, env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "4 passed" in out.stdout, out.stdout[-2000:]
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import max_diff, train_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
 import masked_segmentation as example  # noqa: E402
 

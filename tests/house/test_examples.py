@@ -11,7 +11,7 @@ import pytest
 
 from hyparflow.cluster import launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 # script -> (its shortest settings, a regex the last line of stdout must match)

@@ -8,7 +8,7 @@ import pytest
 from hyparflow import settings
 from hyparflow.layout import Layout, resolve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_docs_table_lists_every_variable_read():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hyparflow"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hyparflow"
 
 RULES = {
     "hyparflow.settings": ["tensorflow", "mpi4py", "keras"],
