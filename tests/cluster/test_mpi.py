@@ -74,8 +74,9 @@ def test_contract_under_mpiexec(n):
     # HYPARFLOW_MPI_SELECT: a -k selection of tests/mpi (the Open MPI tier's at n=4).
     select = os.environ.get("HYPARFLOW_MPI_SELECT")
     out, _ = mpiexec(n, "-m", "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
-                     os.path.join(HERE, "mpi"), *(["-k", select] if select else []))
-    print(out.stdout[-3000:])
+                     "--durations=12", os.path.join(HERE, "mpi"),
+                     *(["-k", select] if select else []))
+    print(out.stdout[-4000:])
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     assert " passed" in out.stdout
 
