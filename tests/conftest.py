@@ -74,6 +74,64 @@ def _take_turns():
 _take_turns()
 
 
+# The quick tier (`pytest -m quick`, README): each wing's contract in process, in a few
+# minutes on two cores. Node ids below the tests directory, a parametrisation's start
+# enough to pick it; every entry must pick a test.
+QUICK = [
+    "engine/test_equivalence.py::test_mlp[adam",
+    "engine/test_equivalence.py::test_two_inputs_two_outputs",
+    "engine/test_equivalence.py::test_sample_and_class_weight",
+    "engine/test_graph.py",
+    "engine/test_schedule.py",
+    "engine/test_masks.py::test_a_mask_read_by_attention_on_one_stage_and_later_layers_on_another",
+    "engine/test_sparse.py::test_embedding_with_stateful_optimizers[adam]",
+    "engine/test_checkpoint.py::test_resume_mid_epoch_equals_an_uninterrupted_run",
+    "engine/test_order.py::test_split_layers_collectives_form_one_chain_forward_and_backward",
+    "engine/test_zero_bubble.py::test_deferred_kernels_are_the_plain_dense_calls_read_once",
+    "engine/test_wire.py::test_sum_both_ways",
+    "kinds/test_tensor.py::test_dense_uneven_shares_adam",
+    "kinds/test_tensor.py::test_embedding_row_split_keeps_sparse_pairs_for_adam",
+    "kinds/test_mesh.py::test_mlp_on_a_2x2_mesh_trains_as_model_fit[adam]",
+    "kinds/test_zero.py::test_sharded_step_matches_model_fit[adam]",
+    "kinds/test_tables.py::test_bad_input_is_named",
+    "kinds/test_tables.py::test_table_row_placement",
+    "kinds/test_attention_split.py::test_encoder_uneven_heads_adam",
+    "loop/test_keras_loop.py::test_evaluate_and_predict_match_keras[config1]",
+    "loop/test_keras_loop.py::test_tf_data_input_equals_numpy_input",
+    "loop/test_loss_contract.py::test_masked_loss_over_microbatches_and_replicas",
+    "loop/test_optimizer_contract.py::test_global_clipnorm_over_stages_and_replicas",
+    "loop/test_errors.py::test_world_size_not_stages_times_replicas",
+    "loop/test_errors.py::test_a_mistyped_keyword_is_told_what_it_meant",
+    "planning/test_balance.py",
+    "planning/test_planner.py::test_cost_model_behaves_like_a_pipeline",
+    "planning/test_strategy.py::test_a_bad_file_is_named_field_by_field",
+    "cluster/test_cli.py::test_run_dry_run_local",
+    "cluster/test_cli.py::test_run_bad_counts",
+    "cluster/test_restart.py::test_reshape_drops_replicas_then_stages_then_tensor",
+    "cluster/test_restart.py::test_a_plan_file_follows_a_restart_on_fewer_ranks",
+    "sweeps/test_sweep.py::test_every_member_trains_as_its_own_fit[mlp-3]",
+    "house/test_imports.py::test_imports_point_down_the_wings",
+    "house/test_imports.py::test_every_module_is_under_500_lines",
+    "house/test_settings.py",
+]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    picked = {entry: 0 for entry in QUICK}
+    for item in items:
+        nodeid = item.nodeid.split("tests/", 1)[-1]
+        for entry in QUICK:
+            if nodeid.startswith(entry):
+                item.add_marker(pytest.mark.quick)
+                picked[entry] += 1
+    # Only a run over the whole directory sees every entry's file.
+    if config.getoption("markexpr") == "quick" and len({i.path.parent for i in items}) > 8:
+        missing = [entry for entry, n in picked.items() if not n]
+        if missing:
+            raise pytest.UsageError(f"tests/conftest.py QUICK picks no test: {missing}")
+
+
 @contextlib.contextmanager
 def float64():
     """Layers built inside take float64 weights. Keras keeps the dtype policy it

@@ -50,7 +50,9 @@ def encoder_data(n=16):
     return [ids, features], (ids[:, 0] % 3).astype("int32")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+# Adam only, the stricter check (its state shows each part's gradient); SGD on the mesh is
+# tests/kinds/test_mesh.py's. Each of these costs ~50 s of thread-ranks.
+@pytest.mark.parametrize("optimizer", ["adam"])
 def test_encoder_classifier_with_attention_on_a_2x2_mesh(optimizer):
     x, y = encoder_data()
     build = lambda: encoder_classifier(optimizer)  # noqa: E731
@@ -128,7 +130,7 @@ def lm_data(n=16):
     return [x, np.tile(np.arange(SEQ, dtype="int32"), (n, 1))], y
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["adam"])   # Adam: sparse rows stepped per occurrence
 def test_language_model_with_embeddings_on_a_2x2_mesh(optimizer, monkeypatch):
     """Repeated ids: Adam steps a row once per occurrence, as model.fit's sparse
     gradient does, so the pairs each rank's block gets must be model.fit's. The
