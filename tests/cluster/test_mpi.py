@@ -107,7 +107,7 @@ def test_two_meshes_on_eight_ranks_under_mpiexec():
 def test_two_fits_and_an_evaluate_in_one_process():
     """Each call starts and stops a heartbeat and frees its communicators: the next
     call must meet nothing the last one left (under Open MPI the second fit's heartbeat
-    used to hang, sometimes; scripts/openmpi-tier.sh repeats this 20 times)."""
+    used to hang, sometimes; scripts/openmpi-tier.sh repeats this 10 times)."""
     out, _ = mpiexec(2, os.path.join(HERE, "mpi", "two_fits_script.py"), "2", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert out.stdout.count("two fits: 2 ranks, round ") == 2, out.stdout

@@ -163,8 +163,9 @@ CNNS = {
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", sorted(CNNS))
 def test_keras_applications(name):
-    if name == "DenseNet121" and SIZE >= 4:
-        pytest.skip("DenseNet121 (427 layers, ~55 s at 2 ranks) runs at 2 ranks only")
+    if name == "DenseNet121" and (SIZE >= 4 or not os.environ.get("HYPARFLOW_GATE_DENSENET")):
+        # The suite's time: 427 layers, ~75 s at 2 ranks, the largest single case.
+        pytest.skip("DenseNet121 runs at 2 ranks with HYPARFLOW_GATE_DENSENET=1")
     gate(name, CNNS[name], *images(), accumulate=2, floor=1e-6)
 
 
