@@ -35,6 +35,13 @@ ROUNDS="${HYPARFLOW_OMPI_TWO_FITS_ROUNDS:-5}"   # rounds of two fits and an eval
 
 say() { echo "openmpi-tier: $*" >&2; }
 
+# The tier runs its venv's python by path. An activated venv (CI's: pip's mpich, with its
+# own mpicc and mpiexec) would put MPICH's tools first, so it leaves PATH.
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+    PATH=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vxF "$VIRTUAL_ENV/bin" | paste -sd: -)
+    unset VIRTUAL_ENV
+fi
+
 # --- Open MPI from the distribution
 if ! command -v mpicc >/dev/null || ! command -v ompi_info >/dev/null; then
     command -v apt-get >/dev/null || { say "no Open MPI and no apt-get"; exit 1; }
@@ -43,6 +50,10 @@ if ! command -v mpicc >/dev/null || ! command -v ompi_info >/dev/null; then
     { apt-get update -q && apt-get install -y -q openmpi-bin libopenmpi-dev; } >&2 \
         || { say "apt-get failed"; exit 1; }
 fi
+# Open MPI's own directory first: mpicc builds mpi4py, mpiexec launches every case.
+OMPI_BIN=$(ompi_info --path bindir 2>/dev/null | awk '{print $NF}')
+[ -x "$OMPI_BIN/mpiexec" ] || { say "no mpiexec in Open MPI's bindir '$OMPI_BIN'"; exit 1; }
+export PATH="$OMPI_BIN:$PATH"
 # CI runs as root, which Open MPI's mpiexec refuses unless told.
 if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -63,6 +74,9 @@ if ! "$PY" -c 'from mpi4py import MPI; assert MPI.Get_library_version().startswi
         "$PY" -m pip uninstall -y -q mpich
     } >&2 || { say "the Open MPI venv could not be built"; exit 1; }
     say "venv $VENV built in $(($(date +%s) - built)) s"
+elif [ "$("$PY" -I -c 'import hyparflow, os; print(os.path.dirname(os.path.dirname(hyparflow.__file__)))' 2>/dev/null)" != "$ROOT" ]; then
+    # A kept venv holds some other checkout's project: this one's is what is tested.
+    "$PY" -m pip install -q --no-deps -e "$ROOT" >&2 || { say "could not install $ROOT"; exit 1; }
 fi
 "$PY" -c 'from mpi4py import MPI; v = MPI.Get_library_version(); print("openmpi-tier: mpi4py on", v.splitlines()[0]); assert v.startswith("Open MPI")' \
     || { say "mpi4py in $VENV is not built against Open MPI"; exit 1; }
