@@ -152,7 +152,9 @@ def _run(tmp_path, *options, failures=1, how="SIGKILL", code=0):
     return out, int(marker.read_text())
 
 
-pytestmark_mpi = pytest.mark.skipif(launch.find_mpiexec() is None, reason="no mpiexec")
+def pytestmark_mpi(test):
+    return pytest.mark.mpiexec(pytest.mark.skipif(launch.find_mpiexec() is None,
+                                                  reason="no mpiexec")(test))
 
 
 @pytestmark_mpi

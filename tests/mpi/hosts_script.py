@@ -132,7 +132,8 @@ def resumable_model():
 
 def resumable():
     """Adam, checkpoints every 2 steps, resume=True, the layout from `hyparflow run`; slow
-    steps (OUTDIR/step-K: the rank's step) so that a host can be lost mid-run. Rank 0 of
+    steps (OUTDIR/step-K: the rank's step; OUTDIR/host-K: its host) so that a host can be
+    lost mid-run. Rank 0 of
     the run that finishes writes OUTDIR/result.json: its layout and host, the checkpoint
     it resumed from, and the largest difference of its weights from plain `model.fit`
     continued from that checkpoint (its weights and Adam's state) over the same batches."""
@@ -141,6 +142,8 @@ def resumable():
     from hyparflow.engine import checkpoint
 
     os.makedirs(TARGET, exist_ok=True)
+    with open(os.path.join(TARGET, f"host-{hf.rank()}"), "w") as f:
+        f.write(socket.gethostname())
     rng = np.random.default_rng(3)
     x = rng.normal(size=(256, 16)).astype("float32")
     y = rng.integers(0, 3, 256)
