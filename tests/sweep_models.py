@@ -158,12 +158,6 @@ CONV_CONFIGS = [
     dict(seed=3, lr=0.005, optimizer="adam", amsgrad=True),
     dict(seed=4, lr=0.02, optimizer="adam", beta_2=0.99),
 ]
-CONV_SGD_CONFIGS = [
-    dict(seed=1, lr=0.05),
-    dict(seed=2, lr=0.1, momentum=0.9),
-    dict(seed=3, lr=0.02, momentum=0.5, nesterov=True),
-    dict(seed=4, lr=0.08),
-]
 CONV_CASES = {
     "vgg": (vgg, lambda: images_data()),
     "separable": (separable, lambda: images_data()),

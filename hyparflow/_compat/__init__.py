@@ -256,6 +256,16 @@ def sublayers(layer):
     return list(layer._flatten_layers(include_self=False, recursive=True))
 
 
+def onednn():
+    """Whether TensorFlow runs its oneDNN CPU kernels (TF_ENABLE_ONEDNN_OPTS, read as
+    TensorFlow is imported)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return False
+    return bool(getattr(_pywrap_util_port, "IsMklEnabled", lambda: False)())
+
+
 def fit_shuffle_order(num_samples):
     """The order in which `model.fit(x, y, shuffle=True)` takes `num_samples` numpy
     samples in its next epoch: its array data adapter's own tf.data permutation (the

@@ -75,3 +75,24 @@ def test_two_stages_of_2x2_meshes_under_mpiexec():
     if hf.is_main():
         print(f"\ntwo stages of 2x2 meshes: max weight difference {diff:.3g}")
     assert diff <= 2e-5
+
+
+@pytest.mark.mpi(min_size=4)
+def test_padded_tagger_with_keras_masks_on_a_2x2_mesh_under_mpiexec():
+    """A `mask_zero` Embedding, attention taking the padding and a causal mask from the
+    Keras masks, a per-token loss over padded tokens (tests/kinds/test_mesh_masks.py) on
+    a 2x2 mesh, Adam, 2 microbatches: model.fit's weights."""
+    from test_mesh_masks import BLOCK, encoder, padded_ids
+
+    ids = padded_ids(16, 33)
+    tags = (ids % 5).astype("int32")
+    build = lambda: encoder(causal=True, per_token=True)  # noqa: E731
+    start, expected, _ = reference(build, ids, tags, batch_size=8, epochs=1)
+    model = build()
+    model.set_weights(start)
+    hf.fit(model, ids, tags, batch_size=8, epochs=1, num_tensor=4, tensor_mesh=(2, 2),
+           num_microbatches=2, tensor_layers=BLOCK + ["tags"], shuffle=False, verbose=0)
+    diff = max_diff(model.get_weights(), expected)
+    if hf.is_main():
+        print(f"\npadded tagger on a 2x2 mesh: max weight difference {diff:.3g}")
+    assert diff <= 2e-5

@@ -53,8 +53,6 @@ def why_not(graph, i, q):
     kind = _kind(node.op)
     if kind is None:
         return f"only {describe()} run on the mesh (element-wise layers between them too)"
-    if any(graph.tensors[t].mask is not None for t in node.inputs):
-        return "its input carries a Keras mask, which the mesh's blocks do not cut"
     return _tensor.why_not(graph, i, q, kind=kind)
 
 
@@ -99,13 +97,13 @@ def choose(graph, nodes, num_tensor, layers=None, min_params=MIN_PARAMS):
 
 def _carries(graph, node, region, producers, q):
     """Whether `node` carries the region on: a carrying kind's layer fed by the region,
-    its inputs alike in shape, floating, unmasked, and it can run there."""
+    its inputs alike in shape and floating, and it can run there."""
     kind = next((k for k in CARRY if k.claims(node.op)), None)
     tensors = [graph.tensors[t] for t in node.inputs]
     return (kind is not None and bool(tensors)
             and any(producers.get(t) in region for t in node.inputs)
             and len({tuple(t.shape) for t in tensors}) == 1
-            and all(t.floating and t.mask is None and len(t.shape) >= 2 for t in tensors)
+            and all(t.floating and len(t.shape) >= 2 for t in tensors)
             and (not node.op.weights or _tensor.why_not(graph, node.index, q, kind=kind) is None))
 
 

@@ -13,9 +13,10 @@ them with no exchange. Its output [batch/q, seq, heads/q, size] flattened is blo
 SUMMA takes, so the output projection follows with no gather in between.
 
 An attention mask given as a value (`attention_mask=`, whole on every rank, as the
-replicated layers before the mesh make it) is cut to the rank's batch rows; a causal
-mask is made for the rank's rows as Keras makes it. Keras masks on the inputs
-(`mask_zero`) are not carried by blocks: such a layer stays whole (registry)."""
+replicated layers before the mesh make it) and the Keras masks of the query, value and
+key (padding from a `mask_zero` Embedding; whole, as a block carries them: `grid`) are
+cut to the rank's batch rows; a causal mask is made for the rank's rows as Keras makes
+it."""
 
 import inspect
 from typing import Any, List, Optional, Tuple
@@ -114,11 +115,12 @@ class MeshHeads(MeshKind):
                 "Leave it out of tensor_layers, or leave tensor_mesh out.")
         query, value = given["query"], given["value"]
         key = given.get("key")
+        # The Keras masks as Keras's call takes them: the query's own (always), the value's
+        # and the key's unless given; whole, as masks stay (`grid`), cut to the rows below.
+        masks = {"query_mask": _compat.get_mask(query),
+                 "value_mask": _given_or(given, "value_mask", value),
+                 "key_mask": _given_or(given, "key_mask", key)}
         key = value if key is None else key
-        for name in ("query_mask", "value_mask", "key_mask"):
-            if given.get(name) is not None:
-                raise ValueError(f"Attention layer {op.name!r} on the tensor mesh was given "
-                                 f"{name}=, which the mesh does not cut; pass attention_mask=.")
         entered = {}
 
         def block(x: Any, k: int) -> Any:
@@ -132,30 +134,46 @@ class MeshHeads(MeshKind):
         batch, _ = whole_of(query)
         i, _ = mesh.coords
         mask = given.get("attention_mask")
-        if mask is not None:
-            if is_block(mask):
-                raise ValueError(f"Attention layer {op.name!r}: its attention_mask comes "
-                                 "from the tensor mesh as blocks; make the mask outside it.")
-            lo, hi = rows_of(tf.shape(mask)[0], mesh.q, i)
-            mask = mask[lo:hi]
+        for name, value_ in [("attention_mask", mask)] + list(masks.items()):
+            if value_ is not None and is_block(value_):
+                raise ValueError(f"Attention layer {op.name!r}: its {name} comes from the "
+                                 "tensor mesh as blocks; make the mask outside it.")
+
+        def rows(m: Any) -> Any:  # this rank's batch rows of a whole mask
+            if m is None:
+                return None
+            lo, hi = rows_of(tf.shape(m)[0], mesh.q, i)
+            return m[lo:hi]
+
+        mask = rows(mask)
+        masks = {name: rows(m) for name, m in masks.items()}
         causal = bool(given.get("use_causal_mask", False))
         weights = iter(weights_of(part))
         parts = _parts(op)
         projected = {}
         for name, x in (("query", query), ("key", key), ("value", value)):
             projected[name] = _project(part, parts[name], x, weights, _BASE[name])
-        causal_only = causal and mask is None and op._sliding_window is None
+        causal_only = (causal and mask is None and all(m is None for m in masks.values())
+                       and op._sliding_window is None)
         if causal_only:
             extra, mask = {"use_causal_mask": True}, None
         else:
             extra = {}
             mask = op._compute_attention_mask(query, value, attention_mask=mask,
-                                              use_causal_mask=causal)
+                                              use_causal_mask=causal, **masks)
         out, _ = op._compute_attention(projected["query"], projected["key"], projected["value"],
                                        mask, training, False, **extra)
         y = _project(part, parts["output"], out, weights, _BASE["output"], output=True)
         y = mark(y, batch, int(parts["output"].kernel.shape[-1]))
         return mesh.to_whole(y, part.what, part.tag(GATHER)) if part.split.gather else y
+
+
+def _given_or(given: dict, name: str, tensor: Any) -> Any:
+    """A mask argument as Keras's `Layer.__call__` fills it: the one given, else the
+    Keras mask of its tensor (None without one)."""
+    if given.get(name) is not None:
+        return given[name]
+    return None if tensor is None else _compat.get_mask(tensor)
 
 
 def _project(part: MeshPart, layer: Any, x: Any, weights: Any, base: int,

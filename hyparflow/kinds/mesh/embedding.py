@@ -12,7 +12,9 @@ column's ranks put their blocks of the output's gradient together over the batch
 all-gather in the column group), and each rank's lookup turns it into (row, value)
 pairs of its ids only, in the batch's order: the pairs `model.fit` gives, restricted to
 the rank's block, so Adam steps a repeated id once per occurrence as Keras does
-(docs/models.md, "Embeddings: sparse gradients")."""
+(docs/models.md, "Embeddings: sparse gradients"). With `mask_zero` its output carries
+the padding mask of the whole ids (`part.MeshPart`), as every mesh value's mask is
+whole."""
 
 from typing import Any, List, Optional, Tuple
 
@@ -51,9 +53,6 @@ class MeshEmbedding(MeshKind):
         reason = common_why_not(op, [op])
         if reason is not None:
             return reason
-        if op.mask_zero:
-            return ("it has mask_zero=True, and the mesh's blocks do not carry Keras masks "
-                    "(pass the padding mask to attention as attention_mask=)")
         if op.input_dim < q or op.output_dim < q:
             return (f"it has fewer rows ({op.input_dim}) or features ({op.output_dim}) than "
                     f"the mesh's {q} rows and columns")

@@ -7,6 +7,10 @@ reductions over features (a LayerNormalization's mean) go over the row group; it
 **column group** (the ranks (0..q-1, j)) holds the same feature block of the other
 rows, so reductions over the batch (a bias's gradient) go over the column group.
 
+A Keras mask (padding) is never cut: a block carries the whole value's mask, as every
+rank holds it (masks come from whole values: the inputs, an Embedding's whole ids), and
+a kind that reads it (attention) takes its rows.
+
 `Mesh` does the group collectives on numpy arrays (inside `tf.py_function`s: each
 layer's whole forward or backward exchange runs in one, in a fixed order, so no two
 ranks can pair different messages), and the TensorFlow operations with gradients
@@ -17,6 +21,7 @@ from typing import Any, List, Tuple
 import numpy as np
 import tensorflow as tf
 
+from ... import _compat
 from ...engine import order as _order
 from ...engine.comm import sum_in_order
 from ..tensor.collectives import Collectives, site_tag
@@ -170,7 +175,9 @@ class Mesh(Collectives):
 
             return self.slice_block(x, i, j), grad
 
-        return mark(op(x), tf.shape(x)[0], features)
+        block = mark(op(x), tf.shape(x)[0], features)
+        _compat.set_mask(block, _compat.get_mask(x))  # masks stay whole (`MeshPart`)
+        return block
 
     def to_whole(self, block, what, tag):
         """The whole value from every rank's block (each rank gets the same). Backward:

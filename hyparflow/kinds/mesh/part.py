@@ -11,10 +11,12 @@ treat both alike; what differs is how a variable is cut:
   before the last (an attention projection's kernel [in, heads, size] and bias
   [heads, size]: a rank's columns are whole heads)."""
 
+import inspect
 from typing import Any, Dict, List, Set, Tuple
 
 import numpy as np
 
+from ... import _compat
 from ..tensor.shard import part_variable
 from .grid import mesh_tag, sizes_of
 
@@ -91,7 +93,31 @@ class MeshPart:
         return float(self.kind.kept_per_row(self, args, seen))
 
     def __call__(self, args: Any, kwargs: Any, training: Any = None) -> Any:
-        return self.kind.run(self, args, kwargs, training)
+        return _masked(self.op, args, kwargs, self.kind.run(self, args, kwargs, training))
+
+
+def _masked(op: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """`out` with the Keras mask `Layer.__call__` gives the layer's output (its
+    `compute_mask` of the first argument and that argument's mask, or the `mask=` given),
+    whole as the inputs' masks are (`grid`): what the layers after it, the loss and the
+    next stage read, as in model.fit."""
+    if not getattr(op, "supports_masking", False):
+        return out
+    if args:
+        first = args[0]
+    else:
+        name = next(iter(inspect.signature(op.call).parameters))
+        first = kwargs[name]
+    previous = kwargs.get("mask")
+    if previous is None:
+        previous = _compat.tree.map_structure(_compat.get_mask, first)
+    masks = op.compute_mask(first, previous)
+    if masks is None:
+        return out
+    for value, mask in zip(_compat.tree.flatten(out), _compat.tree.flatten(masks)):
+        if mask is not None and _compat.get_mask(value) is None:
+            _compat.set_mask(value, mask)
+    return out
 
 
 def _take(value: Any, axis: int, sizes: List[int], k: int) -> Any:
