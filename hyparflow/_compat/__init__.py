@@ -93,7 +93,7 @@ def get_mask(value: Any) -> Any:
     return _backend.get_keras_mask(value)
 
 
-def set_mask(value, mask):
+def set_mask(value: Any, mask: Any) -> None:
     """Attach a Keras mask to a value, so the layers that take masks read it."""
     _backend.set_keras_mask(value, mask)
 
