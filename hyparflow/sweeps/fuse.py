@@ -64,7 +64,7 @@ def _check_model(model, p, describe):
                 "with the compiled loss and metrics only, so it would train differently from "
                 "model.fit. Train such models one by one (model.fit or hf.fit).")
     if _compat.onednn():
-        for layer in model._flatten_layers(include_self=False):
+        for layer in _compat.sublayers(model):
             if (isinstance(layer, (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D))
                     and any(s > 1 for s in layer.strides)):
                 # Measured, not understood: the members' own layers and ops, yet with
