@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from conftest import max_diff, reference, train_ranks
+from test_mesh_models import mesh_region
 
 L = keras.layers
 SEQ, DIM, HEADS, VOCAB = 6, 8, 4, 13
@@ -87,15 +88,8 @@ def test_the_masked_block_is_one_mesh_region():
     """With a Keras mask on every value, the block is still one region that gathers
     only before the pooling; the per-token head on a masked value keeps its logits
     whole (the vocabulary-split loss does not take masks)."""
-    from hyparflow.graph import from_model
-    from hyparflow.kinds import mesh
-
-    graph = from_model(encoder())
-    splits = mesh.choose(graph, range(len(graph.nodes)), 4, BLOCK)
-    names = {graph.nodes[i].op.name: (s.kind, s.gather) for i, s in splits.items()}
+    names = mesh_region(encoder(), BLOCK)
     assert names["tokens"] == ("mesh-embedding", False)
     assert names["attn"] == ("mesh-heads", False)
     assert [n for n, (_, gather) in names.items() if gather] == ["ln2"]
-    graph = from_model(encoder(per_token=True))
-    splits = mesh.choose(graph, range(len(graph.nodes)), 4, BLOCK + ["tags"])
-    assert {graph.nodes[i].op.name: s.kind for i, s in splits.items()}["tags"] == "mesh-dense"
+    assert mesh_region(encoder(per_token=True), BLOCK + ["tags"])["tags"][0] == "mesh-dense"

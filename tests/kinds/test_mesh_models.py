@@ -64,6 +64,17 @@ def test_encoder_classifier_with_attention_on_a_2x2_mesh(optimizer):
         assert max_diff(weights, want) < 2e-5
 
 
+def mesh_region(model, layers):
+    """{layer name: (its mesh kind, whether it gathers)} of the layers the 2x2 mesh
+    chooses in `model` with `tensor_layers=layers`."""
+    from hyparflow.graph import from_model
+    from hyparflow.kinds import mesh
+
+    graph = from_model(model)
+    splits = mesh.choose(graph, range(len(graph.nodes)), 4, layers)
+    return {graph.nodes[i].op.name: (s.kind, s.gather) for i, s in splits.items()}
+
+
 def test_the_encoder_block_is_one_mesh_region_and_attention_refusals_say_why():
     """Every layer of the block is on the mesh and only the last (before pooling)
     gathers: no activation is made whole between attention and the feed-forward pair.
@@ -71,9 +82,7 @@ def test_the_encoder_block_is_one_mesh_region_and_attention_refusals_say_why():
     from hyparflow.graph import from_model
     from hyparflow.kinds import mesh
 
-    graph = from_model(encoder_classifier())
-    splits = mesh.choose(graph, range(len(graph.nodes)), 4, ENCODER)
-    names = {graph.nodes[i].op.name: (s.kind, s.gather) for i, s in splits.items()}
+    names = mesh_region(encoder_classifier(), ENCODER)
     assert names["attn"] == ("mesh-heads", False)
     assert names["ffn_down"] == ("mesh-einsum", False)
     assert [n for n, (_, gather) in names.items() if gather] == ["ln2"]
@@ -195,13 +204,8 @@ def test_the_language_model_head_keeps_its_logits_in_vocabulary_blocks():
     """The LM's head is chosen as vocabulary-split logits (its cross-entropy taken on
     the blocks) when the compiled loss allows it; a loss or metric that reads whole
     logits keeps it a mesh Dense whose logits are gathered."""
-    from hyparflow.graph import from_model
-    from hyparflow.kinds import mesh
-
     def head_kind(model):
-        graph = from_model(model)
-        splits = mesh.choose(graph, range(len(graph.nodes)), 4, LM)
-        return next(s.kind for i, s in splits.items() if graph.nodes[i].op.name == "lm_head")
+        return mesh_region(model, LM)["lm_head"][0]
 
     model = small_lm()
     assert head_kind(model) == "mesh-logits"
