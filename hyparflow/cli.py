@@ -50,6 +50,11 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument("--threads-per-rank", "--threads", dest="threads", type=int,
                    help="intra-op threads per rank, exported as HYPARFLOW_THREADS_PER_RANK "
                         "(default: the cores each rank may use // the ranks on its node)")
+    p.add_argument("--plan", metavar="FILE",
+                   help="a plan file (`hyparflow plan --output`): its ranks (S x T x R) and "
+                        "threads per rank are the defaults of -n and --threads-per-rank, "
+                        "and it is exported as HYPARFLOW_PLAN, which the script's "
+                        "hf.fit uses when it passes no plan=")
     p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
                    help="default auto: srun inside a Slurm allocation, else mpiexec")
     where = p.add_mutually_exclusive_group()
@@ -74,6 +79,9 @@ def _add_run(sub: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     args.tensor, args.tensor_mesh = launch.mesh_flag(args.tensor_mesh, args.tensor)
+    if args.plan is not None:
+        args.ranks, args.threads, args.plan = launch.from_plan(args.plan, args.ranks,
+                                                               args.threads)
     hosts: Optional[HostSlots] = None
     if args.hosts is not None or args.hostfile is not None:
         from .cluster import hosts as _hosts
@@ -86,7 +94,8 @@ def _run(args: argparse.Namespace) -> int:
     line = launch.command_line(args.script, args.args, ranks=args.ranks, stages=args.stages,
                                replicas=args.replicas, microbatches=args.microbatches,
                                tensor=args.tensor, threads=args.threads,
-                               launcher=args.launcher, hosts=hosts, mesh=args.tensor_mesh)
+                               launcher=args.launcher, hosts=hosts, mesh=args.tensor_mesh,
+                               plan=args.plan)
     if args.restarts:
         return _run_restarting(args, line, hosts)
     if args.dry_run:
@@ -126,7 +135,7 @@ def _run_restarting(args: argparse.Namespace, first: CommandLine,
                                    stages=stages, replicas=replicas,
                                    microbatches=args.microbatches, tensor=tensor,
                                    threads=args.threads, launcher=args.launcher, hosts=on,
-                                   mesh=args.tensor_mesh)
+                                   mesh=args.tensor_mesh, plan=args.plan)
 
     if args.dry_run:
         print(launch.describe(first))

@@ -172,7 +172,8 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
             plan: Any = None, tensor_mesh: Any = None,
             environ: Optional[Mapping[str, str]] = None) -> Layout:
     """The layout for `world_size` ranks, from the arguments, then the plan file (a
-    path or an already read plan), then the environment, then the world size."""
+    path or an already read plan; else $HYPARFLOW_PLAN's), then the environment, then
+    the world size."""
     from . import plan as _plan
 
     given = {"num_stages": num_stages, "num_replicas": num_replicas,
@@ -184,9 +185,14 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
     for name, value in given.items():
         if value is not None:
             values[name], origin[name] = value, "this script's argument"
-    source = None
-    if plan is not None:
+    source: Optional[str] = None
+    if plan is None and settings.plan(environ) is not None:
+        plan = settings.plan(environ)
+        source = f"the plan {plan} ($HYPARFLOW_PLAN, from `hyparflow run --plan`)"
+    elif plan is not None:
         source = f"the plan {plan}" if isinstance(plan, str) else "the plan"
+    if plan is not None:
+        assert source is not None
         plan = _plan.read(plan) if isinstance(plan, str) else plan
         if balance is not None:
             raise ValueError(f"balance={balance!r} and plan= both say how to cut the layer "

@@ -52,13 +52,15 @@ def write(path: str, graph: Any, layout: Any,
           predicted: Optional[Mapping[str, float]] = None,
           splits: Optional[Mapping[str, str]] = None,
           recompute: Sequence[bool] = (),
-          tables: Optional[Mapping[str, str]] = None) -> "Plan":
+          tables: Optional[Mapping[str, str]] = None,
+          threads_per_rank: Optional[int] = None) -> "Plan":
     """Write `layout` (a hyparflow.layout.Layout whose `balance` is the layer-call count
     of each stage) as a strategy file for `graph`'s model. `splits`: {layer call: split
     kind} of the split layers (by default those of `layout.tensor_layers`, "split",
     or with none named "auto", the engine's default); `recompute`: per stage; `tables`:
     the Embedding tables' sharding kinds ({layer name: kind}), which `fit(plan=...)`
-    uses as its `embedding_sharding` (kinds/tables/cost.py)."""
+    uses as its `embedding_sharding` (kinds/tables/cost.py); `threads_per_rank`: the
+    intra-op threads each rank was planned with (`hyparflow run --plan` gives them)."""
     counts = list(layout.balance)
     chunks = getattr(layout, "num_chunks", 1)  # interleaved: S x chunks virtual stages
     if len(counts) != layout.num_stages * chunks or sum(counts) != len(graph.nodes):
@@ -75,7 +77,8 @@ def write(path: str, graph: Any, layout: Any,
     doc = _strategy.make(names, counts, stages=layout.num_stages, tensor=layout.num_tensor,
                          replicas=layout.num_replicas, microbatches=layout.num_microbatches,
                          schedule=layout.schedule, chunks=chunks, splits=splits,
-                         recompute=recompute, tensor_mesh=mesh, predicted=predicted)
+                         recompute=recompute, tensor_mesh=mesh, predicted=predicted,
+                         threads_per_rank=threads_per_rank)
     shares = getattr(layout, "tensor_shares", None)
     if isinstance(shares, tuple):
         doc["tensor_shares"] = list(shares)

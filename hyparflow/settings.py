@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, NamedTuple, Optional
 
-__all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "threads", "pin",
+__all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "threads", "pin",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
@@ -38,6 +38,9 @@ VARIABLES = (
     Variable("HYPARFLOW_TENSOR_MESH", "unset (a 1D split)",
              "`QxQ`: the T = Q * Q tensor ranks of a stage as a 2D mesh "
              "(`hyparflow run --tensor-mesh`)"),
+    Variable("HYPARFLOW_PLAN", "unset",
+             "a plan file (`hyparflow plan --output`) for `fit`, `evaluate` and `predict` "
+             "calls that pass no `plan=` (set by `hyparflow run --plan`)"),
     Variable("HYPARFLOW_THREADS_PER_RANK", "derived: the cores this rank may use "
              "(affinity, cgroup quota, SLURM_CPUS_PER_TASK) // ranks on its node",
              "intra-op threads per rank (`hyparflow run --threads-per-rank`)"),
@@ -153,6 +156,11 @@ def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict[str, int]
         if value is not None:
             out[key] = value
     return out
+
+
+def plan(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_PLAN, the path of a plan file, if set (checked where it is read)."""
+    return _raw("HYPARFLOW_PLAN", environ)
 
 
 def parse_mesh(text: str, name: str) -> tuple[int, int]:

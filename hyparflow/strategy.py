@@ -38,7 +38,7 @@ KINDS = ("column", "row", "filters", "rows", "heads", "decoder", "query_groups",
 SPLITS = ("whole", "split", "auto", "mesh") + KINDS
 TOP = {"format", "version", "mesh", "num_microbatches", "schedule", "num_chunks",
        "tensor_mesh", "tensor_shares", "stages", "layers", "predicted", "rank_mapping",
-       "tables"}
+       "tables", "threads_per_rank"}
 
 
 class StrategyError(ValueError):
@@ -101,6 +101,10 @@ def validate(doc: Any) -> List[str]:
             isinstance(k, str) and isinstance(v, str) for k, v in tables.items())):
         bad(f"tables: must map Embedding layer names to sharding kinds, as fit's "
             f"embedding_sharding (docs/recommenders.md). Received: {tables!r}"[:300])
+    threads = doc.get("threads_per_rank")
+    if threads is not None and not _int(threads):
+        bad(f"threads_per_rank: must be a whole number of threads, 1 or more (what "
+            f"`hyparflow run --plan` gives each rank). Received: {threads!r}")
     stages = _int(shape[0]) and shape[0] * chunks or 1
     _check_stages(doc.get("stages"), stages, bad)
     _check_layers(doc.get("layers"), stages, shape, tmesh, bad)
@@ -205,7 +209,7 @@ def to_plan(doc: Mapping[str, Any]) -> Dict[str, Any]:
         # "mesh" is whichever mesh kind claims the layer, as "split" is for 1D.
         plan["splits"] = {n: s for n, s in splits.items()
                           if s not in ("whole", "split", "auto", "mesh")}
-    for key in ("tensor_mesh", "tensor_shares", "predicted", "tables"):
+    for key in ("tensor_mesh", "tensor_shares", "predicted", "tables", "threads_per_rank"):
         if doc.get(key) is not None:
             plan[key] = doc[key]
     recompute = [bool(s.get("recompute", False)) for s in doc["stages"]]
@@ -256,7 +260,8 @@ def from_plan(plan: Mapping[str, Any]) -> Dict[str, Any]:
                                               plan.get("num_replicas")]},
         "num_microbatches": plan["num_microbatches"], "schedule": plan.get("schedule", "1f1b"),
         "stages": [{"recompute": False} for _ in plan["stages"]], "layers": layers}
-    for key in ("num_chunks", "tensor_mesh", "tensor_shares", "predicted", "tables"):
+    for key in ("num_chunks", "tensor_mesh", "tensor_shares", "predicted", "tables",
+                "threads_per_rank"):
         if plan.get(key) is not None:
             doc[key] = plan[key]
     return doc
@@ -265,8 +270,8 @@ def from_plan(plan: Mapping[str, Any]) -> Dict[str, Any]:
 def make(names: Sequence[str], counts: Sequence[int], *, stages: int, tensor: int,
          replicas: Optional[int], microbatches: int, schedule: str, chunks: int = 1,
          splits: Optional[Mapping[str, str]] = None, recompute: Sequence[bool] = (),
-         tensor_mesh: Any = None, predicted: Optional[Mapping[str, Any]] = None
-         ) -> Dict[str, Any]:
+         tensor_mesh: Any = None, predicted: Optional[Mapping[str, Any]] = None,
+         threads_per_rank: Optional[int] = None) -> Dict[str, Any]:
     """A strategy from a layout's cut (`counts` layer calls per stage, `names` in the
     model's order) and `splits` ({layer call: split kind}; None with tensor > 1:
     "auto", the engine's default choice)."""
@@ -292,6 +297,8 @@ def make(names: Sequence[str], counts: Sequence[int], *, stages: int, tensor: in
         doc["tensor_mesh"] = list(tensor_mesh)
     if predicted:
         doc["predicted"] = dict(predicted)
+    if threads_per_rank is not None:
+        doc["threads_per_rank"] = threads_per_rank
     return check(doc)
 
 

@@ -163,12 +163,31 @@ def requested(stages: Optional[Count] = None, replicas: Optional[Count] = None,
     return out
 
 
+def from_plan(path: str, ranks: Optional[int],
+              threads: Optional[int]) -> Tuple[Optional[int], Optional[int], str]:
+    """`hyparflow run --plan FILE`: (ranks, threads per rank, the file's absolute path),
+    the plan's where -n and --threads-per-rank were not given (its ranks: S x T x R,
+    unless it leaves R to the world size)."""
+    from .. import plan as _plan
+
+    try:
+        found = _plan.read(path)
+    except ValueError as error:
+        raise LaunchError(f"--plan: {error}") from None
+    if ranks is None and found.get("num_replicas") is not None:
+        ranks = (found["num_stages"] * found.get("num_tensor", 1)
+                 * found["num_replicas"])
+    if threads is None:
+        threads = found.get("threads_per_rank")
+    return ranks, threads, os.path.abspath(path)
+
+
 def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None,
                     microbatches: Optional[int] = None, threads: Optional[Count] = None,
                     ranks_on_node: Optional[int] = None,
                     environ: Optional[Mapping[str, str]] = None,
                     tensor: Optional[int] = None,
-                    mesh: Optional[str] = None) -> Dict[str, str]:
+                    mesh: Optional[str] = None, plan: Optional[str] = None) -> Dict[str, str]:
     """The variables a run sets: the S, R, M, T the user asked for (none else: a count
     that is only derived, like the replicas = ranks // S, must be derived again where the
     script's own S is known), threads per rank, quiet unbuffered Python.
@@ -186,6 +205,8 @@ def run_environment(stages: Optional[int] = None, replicas: Optional[int] = None
             env[f"HYPARFLOW_NUM_{name}"] = str(value)
     if mesh is not None:  # "QxQ" (`mesh_flag`)
         env["HYPARFLOW_TENSOR_MESH"] = mesh
+    if plan is not None:  # `--plan`: fit's plan= where the script passes none
+        env["HYPARFLOW_PLAN"] = plan
     env.update({
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
@@ -223,7 +244,7 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
                  launcher: str = "auto", environ: Optional[Mapping[str, str]] = None,
                  python: Optional[str] = None, tensor: Optional[Count] = None,
                  hosts: Optional[Sequence[Tuple[str, int]]] = None,
-                 mesh: Optional[str] = None) -> CommandLine:
+                 mesh: Optional[str] = None, plan: Optional[str] = None) -> CommandLine:
     """Everything `hyparflow run` needs, checked; raises LaunchError with the fix.
 
     `hosts`: [(name, slots)] (from --hosts or --hostfile) for mpiexec to start the ranks
@@ -313,7 +334,7 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
         ranks_on_node = ranks if local else None
         env = run_environment(flags.get("stages"), flags.get("replicas"),
                               flags.get("microbatches"), threads, ranks_on_node, environ,
-                              flags.get("tensor"), mesh)
+                              flags.get("tensor"), mesh, plan)
         argv = dialect.Dialect(speaks).argv(mpiexec, ranks, command, hosts, environ, env,
                                             local=local)
         return CommandLine(launcher, argv, env, reason, describe_layout(ranks, given),
@@ -321,7 +342,7 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
     if launcher != "srun":
         raise LaunchError(f"unknown launcher {launcher!r}; use auto, srun or mpiexec.")
     env = run_environment(flags.get("stages"), flags.get("replicas"), flags.get("microbatches"),
-                          threads, ranks_on_node, environ, flags.get("tensor"), mesh)
+                          threads, ranks_on_node, environ, flags.get("tensor"), mesh, plan)
     return CommandLine(launcher, argv, env, reason, describe_layout(ranks, given), placement,
                 supervise=hosts is not None)
 

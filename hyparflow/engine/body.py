@@ -42,11 +42,13 @@ class StageBody:
         stage allows it (no split layer's exchange, no length known only at run time)."""
         if self._eager:
             return fn
-        plain = tf.function(fn, input_signature=signature, reduce_retracing=True)
+        plain = tf.function(fn, input_signature=signature, reduce_retracing=True,
+                            autograph=False)
         if not self._jit or self.shards or any(
                 t.dynamic for t in (self.graph.tensors[i] for i in self.input_ids)):
             return plain
-        return XLAOrPlain(tf.function(fn, input_signature=signature, jit_compile=True), plain)
+        return XLAOrPlain(tf.function(fn, input_signature=signature, jit_compile=True,
+                                        autograph=False), plain)
 
     def _signature(self, with_y, with_sample_weight, split=False):
         """(inputs, targets, sample weights, share[, zeros of `deferred`]), batch
@@ -314,7 +316,7 @@ class StageBody:
         if fn is None:
             signature = self._signature(self.is_last, bool(self._sw_specs))
             fn = tf.function(lambda inputs, y, sw, share: self._body(inputs, y, sw, share),
-                             input_signature=signature)
+                             input_signature=signature, autograph=False)
         handles = {id(_compat.variable_handle(v)): k for k, v in enumerate(self.trainable)}
         found = _sparse.fixed_lookups(fn.get_concrete_function().graph, handles)
         self.grads.fixed = found

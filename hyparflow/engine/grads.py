@@ -77,7 +77,7 @@ def compiled_step(optimizer, variables, sparse, eager=False, clipped=False):
     if clipped:
         signature.append(tf.TensorSpec((), tf.float32))
     step = clipping if clipped else plain
-    return step if eager else tf.function(step, input_signature=signature)
+    return step if eager else tf.function(step, input_signature=signature, autograph=False)
 
 
 class Gradients:

@@ -378,7 +378,7 @@ class Zero:
 
         if name not in self._functions:
             self._functions[name] = body if self.eager else tf.function(
-                body, input_signature=signature)
+                body, input_signature=signature, autograph=False)
         return self._functions[name]
 
     def _read(self):

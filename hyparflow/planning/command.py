@@ -11,13 +11,13 @@ import json
 import os
 import re
 import sys
-from types import TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .._env import derive_threads
 from .costmodel import Compute, Network, Row
 from ..schedules import PLANNED
-from .planner import as_layout, search
+from .planner import as_layout
+from .shapes import (Candidate, Phase, Searcher, choose, measure_network, schedule_name,
+                     shapes, short, show, tensor_name)
 
 __all__ = ["main", "parse_bytes", "parse_seconds", "measure_network", "profile_batches",
            "split_kinds"]
@@ -42,30 +42,6 @@ def parse_seconds(text: object) -> float:
         raise ValueError(f"Cannot read {text!r} as a time (e.g. 2us, 0.5ms).")
     scale: Dict[Optional[str], float] = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}
     return float(match.group(1)) * scale[match.group(2)]
-
-
-def measure_network(ranks: Optional[int] = None) -> Network:
-    """alpha, beta from a ping-pong of two ranks under this venv's mpiexec; with
-    `ranks`, also each ring size's own alpha and beta (`measure.rings`)."""
-    from . import measure
-
-    alpha, beta = measure.ping_pong()
-    if not ranks or ranks < 2:
-        return Network(alpha, beta)
-    groups, exchanges, wait = measure.rings(ranks)
-    return Network(alpha, beta, groups=groups, exchanges=exchanges, wait=wait)
-
-
-def _schedule_name(plan: Mapping[str, Any]) -> str:
-    """"1f1b", or "interleaved:2" with its model chunks per rank."""
-    chunks: int = plan.get("chunks", 1)
-    return str(plan["schedule"]) + (f":{chunks}" if chunks > 1 else "")
-
-
-def _tensor_name(plan: Mapping[str, Any]) -> str:
-    """T, or the mesh as "2x2" (`tensor_mesh`)."""
-    mesh = plan.get("tensor_mesh")
-    return f"{mesh[0]}x{mesh[1]}" if mesh else str(plan["tensor"])
 
 
 def profile_batches(batch: int, ranks: int, microbatches: Sequence[int], most: int = 512,
@@ -111,7 +87,7 @@ def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
     model = dict(ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
                  cores=args.cores if args.nodes == 1 or args.hosts else None,
                  compute=compute, stage_costs=extra)
-    with _Phase(f"searching per-layer strategies (at most {args.search_seconds:g} s of "
+    with Phase(f"searching per-layer strategies (at most {args.search_seconds:g} s of "
                 "local moves)"):
         found, done = per_layer.layers(graph, rows, opt_per_byte, network, args.batch_size,
                                        ranks, limit, microbatches=args.microbatches,
@@ -131,7 +107,7 @@ def _per_layer(args: Any, graph: Any, rows: List[Row], opt_per_byte: float,
     for what, p in (("best global tuple", glob), ("best per layer", found)):
         split = ", ".join(p["tensor_layers"]) or "nothing"
         print(f"  {what:<17} S={p['stages']} T={p['tensor']} R={p['replicas']} "
-              f"M={p['microbatches']} {_schedule_name(p)}, cut {p['counts']}, splits "
+              f"M={p['microbatches']} {schedule_name(p)}, cut {p['counts']}, splits "
               f"{split}: step {p['step_s']:.4f} s, peak {max(p['memory_bytes']) / 2**20:.1f} "
               f"MB/rank{'' if p['fits'] else ' (over the memory limit)'}")
     if args.json:  # beside the ranked plans: both, as priced here
@@ -163,7 +139,7 @@ def _dataset(args: Any, graph: Any, plans: List[Plan], ranks: int) -> None:
     table = dataset.rows(plans, graph, dataset.model_fingerprint(graph, args.batch_size),
                          machine, ranks, strategy_of)
     if args.measure:
-        with _Phase(f"measuring {args.measure} of the {len(table)} candidates for real "
+        with Phase(f"measuring {args.measure} of the {len(table)} candidates for real "
                     f"(hf.fit under mpiexec, {args.measure_steps} steps each)"):
             dataset.measure(table, args.measure, ranks, args.model, args.function,
                             args.batch_size, args.measure_steps)
@@ -180,25 +156,18 @@ def _memory() -> Optional[int]:
         return None
 
 
-class _Phase:
-    """Say what is being measured, then how long it took (`hyparflow plan` runs for
-    minutes on a shared node; silence looked like a hang)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        import time
-
-        self.start = time.monotonic()
-        print(f"{self.what} ...", flush=True)
-
-    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
-                 traceback: Optional[TracebackType]) -> None:
-        import time
-
-        if kind is None:
-            print(f"  done in {time.monotonic() - self.start:.1f} s", flush=True)
+def _ranks(text: str) -> Any:
+    """--ranks: a count, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a number of ranks (1 or more) or auto. Received: "
+                                         f"{text!r}")
+    return value
 
 
 _DESCRIPTION = ("Profile a model, search (stages, tensor ranks, replicas, microbatches, "
@@ -223,7 +192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="plan from the layer profiles and a ping-pong only: no "
                              "contention sweep, no ring measurements, no stage timing")
     parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--ranks", type=int, help="ranks to plan for (default nodes x ranks-per-node)")
+    parser.add_argument("--ranks", type=_ranks, metavar="N|auto",
+                        help="ranks to plan for, or auto: choose the ranks on this node x "
+                             "threads per rank, each candidate measured (default: auto on "
+                             "one node measured here, else nodes x ranks-per-node)")
     parser.add_argument("--memory-per-rank", help="e.g. 4GB; plans over it are marked")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--ranks-per-node", type=int)
@@ -298,12 +270,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     model = profile.load_model(args.model, args.function)
     graph = G.from_model(model)
-    ranks = args.ranks or args.nodes * (args.ranks_per_node or 1)
+    here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
+    if args.ranks == "auto" and not (here and not hosts):
+        parser.error("--ranks auto measures this node (each candidate ranks x threads "
+                     "under mpiexec); it cannot with --quick, --bandwidth, --latency, "
+                     "--nodes or --hosts. Give --ranks N.")
+    auto = (args.ranks == "auto" or (args.ranks is None and here and not hosts)) and \
+        args.cores > 1
+    ranks = (max(shapes(args.cores)) if auto
+             else args.ranks or args.nodes * (args.ranks_per_node or 1))
     batches = profile_batches(args.batch_size, ranks, args.microbatches,
                               per_sample=4 * sum(G.numel(graph.tensors[t].shape) for n in graph.nodes
                                                  for t in n.outputs),
                               memory=_memory())
-    here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
+    network: Optional[Network] = None
     if hosts:
         # The per-link figures the placement needs: two ranks within the first host (its
         # shared memory), and one on each of the first two hosts (the network between).
@@ -321,22 +301,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             probe = measure_network()
             network = Network(parse_seconds(args.latency) if args.latency else probe.alpha,
                               1 / parse_bytes(args.bandwidth) if args.bandwidth else probe.beta)
-    else:
-        with _Phase("measuring the network: a ping-pong of 2 ranks under mpiexec"
-                    + ("" if args.quick or args.nodes != 1 else
-                       f", and rings of 2 to {ranks} ranks with all {ranks} running")):
-            network = measure_network(ranks if args.nodes == 1 and not args.quick else None)
-    print(f"network: alpha {network.alpha * 1e6:.2f} us, bandwidth {1 / network.beta / 1e9:.2f} GB/s",
-          flush=True)
-    for g, (alpha, beta) in sorted(network.groups.items()):
-        print(f"  rings of {g} of the {ranks} ranks: {alpha * 1e6:.1f} us per round, "
-              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
-    for g, (alpha, beta) in sorted(network.exchanges.items()):
-        print(f"  a split layer's exchange among {g}: {alpha * 1e6:.1f} us + "
-              f"{1 / beta / 1e9:.2f} GB/s", flush=True)
-    if network.wait:
-        print(f"  a receive that waits has its message {network.wait * 1e6:.0f} us after "
-              f"the send, the other ranks computing", flush=True)
+    elif args.quick or args.nodes != 1 or not auto and ranks == 1:
+        with Phase("measuring the network: a ping-pong of 2 ranks under mpiexec"):
+            network = measure_network()
+    if network is not None:
+        show(network, ranks)
     if args.profile_cache and os.path.exists(args.profile_cache):
         with open(args.profile_cache) as f:
             cached = json.load(f)
@@ -346,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         opt_per_byte: float = cached["optimizer_s_per_byte"]
         extra = cached.get("stage_costs")
     else:
-        with _Phase(f"profiling {len(graph.nodes)} layer calls of {model.name} (forward and "
+        with Phase(f"profiling {len(graph.nodes)} layer calls of {model.name} (forward and "
                     f"backward at batches {', '.join(map(str, batches))}), and a stage's "
                     "extra cost"):
             rows, opt_per_byte = profile.fit_model(graph, model, batches)
@@ -355,56 +324,56 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(args.profile_cache, "w") as f:
                 json.dump({"rows": rows, "optimizer_s_per_byte": opt_per_byte,
                            "stage_costs": extra}, f)
-    compute: Optional[Compute] = None
-    if here and ranks > 1:
-        # This node, as the plan will run it: the model's step with 1 .. ranks ranks
-        # computing at once (they share memory bandwidth, and cores beyond --cores).
-        with _Phase(f"measuring the model's step with 1 to {ranks} ranks computing at once "
-                    "(under mpiexec, twice)"):
-            compute = Compute(*measure.compute(ranks, args.model, args.function, batches))
-        for n, row in sorted(compute.times.items()):
-            print(f"  {n} at once: " + ", ".join(f"{t * 1e3:.1f} ms at batch {b}"
-                                                 for b, t in sorted(row.items())), flush=True)
     limit = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
-    timer = None
-    if here:
-        # Plans that run here: their stages timed whole (a stage pays more than its
-        # calls' profiles say, and they share the step out only roughly); a single
-        # stage too, whose gradient sums and eager calls the model's step lacks (12.2
-        # against 9.3 ms at batch 16 for the MLP).
-        timer = measure.StageTimer(graph, model, batches, source=args.model,
-                                   function=args.function, ranks=ranks)
-    with _Phase("searching the plans" + (", timing every candidate pipeline's stages whole"
-                                         if timer else "")):
-        plans: List[Plan] = search(graph, rows, opt_per_byte, network, args.batch_size, ranks, limit,
-                       microbatches=args.microbatches, schedules=args.schedules,
-                       chunks=tuple(args.chunks),
-                       ranks_per_node=args.ranks_per_node if args.nodes > 1 else None,
-                       cores=args.cores if args.nodes == 1 or hosts else None,
-                       compute=compute, stage_costs=extra, stage_timer=timer)
-        one: Plan = [p for p in search(graph, rows, opt_per_byte, network, args.batch_size, 1,
-                                 tensor=(1,), stage_costs=extra, stage_timer=timer)][0]
+    node = Searcher(args, graph, model, rows, opt_per_byte, extra, limit, batches, hosts, here)
+    if auto:
+        found = [node.search(n, None) for n in shapes(args.cores)]
+        one = found[0].one
+        print(f"\n{'ranks x threads':>16} {'best plan':>24} {'step s':>9} {'speed-up':>8}")
+        print(f"{'1 x ' + str(args.cores):>16} {'S=1 T=1 R=1 M=1':>24} {one['step_s']:>9.4f} "
+              f"{1.0:>8.2f}")
+        for c in found:
+            p = c.best
+            print(f"{f'{c.ranks} x {c.threads}':>16} {short(p):>24} {p['step_s']:>9.4f} "
+                  f"{one['step_s'] / p['step_s']:>8.2f}")
+        chosen = choose(found, one)
+        if chosen is None:
+            print(f"chosen: one rank with all {args.cores} cores (no plan of several ranks is "
+                  "predicted faster)")
+            chosen = Candidate(1, args.cores, [one], one, found[0].network, None)
+        else:
+            print(f"chosen: {chosen.ranks} ranks x {chosen.threads} threads")
+    else:
+        chosen = node.search(ranks, network)
+        one = chosen.one
+    ranks, plans, network, compute, threads = (chosen.ranks, chosen.plans, chosen.network,
+                                               chosen.compute, chosen.threads)
+    extra = node.extra
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plans": plans, "one_rank": one}, f, indent=1)
+            json.dump({"plans": plans, "one_rank": one, "ranks": ranks,
+                       "threads_per_rank": threads}, f, indent=1)
     print(f"\n{'#':>4} {'S':>3} {'T':>3} {'R':>4} {'M':>3} {'schedule':>8} {'step s':>9} {'samples/s':>10} "
           f"{'speed-up':>8} {'bubble':>6} {'comm s':>8} {'peak MB/rank':>12} fits")
     for k, p in enumerate(plans[:args.top], 1):
-        print(f"{k:>4} {p['stages']:>3} {_tensor_name(p):>3} {p['replicas']:>4} {p['microbatches']:>3} {_schedule_name(p):>8} "
+        print(f"{k:>4} {p['stages']:>3} {tensor_name(p):>3} {p['replicas']:>4} {p['microbatches']:>3} {schedule_name(p):>8} "
               f"{p['step_s']:>9.4f} {p['samples_s']:>10.1f} {one['step_s'] / p['step_s']:>8.2f} "
               f"{p['bubble']:>6.3f} {p['comm_s']:>8.4f} {max(p['memory_bytes']) / 2**20:>12.1f} "
               f"{'yes' if p['fits'] else 'no'}")
     print(f"\nscaling efficiency of the best plan: "
           f"{one['step_s'] / plans[0]['step_s'] / ranks:.2f} ({ranks} ranks)")
     on_node = ranks if args.nodes == 1 else (args.ranks_per_node or 1)
-    print(f"threads per rank: {derive_threads(args.cores, args.cores, on_node)} "
-          f"({args.cores} cores // {on_node} ranks per node, as every plan above runs)")
+    print(f"threads per rank: {threads} ({args.cores} cores // {on_node} ranks per node, as "
+          f"every plan above runs; `hyparflow run --plan` gives them)")
     tables = None
-    if args.embedding_sharding:
+    if ranks == 1 and (args.embedding_sharding or args.search == "layers"):
+        print("one rank: no tables to shard and no layer to split (--embedding-sharding "
+              "and --search layers need --ranks 2 or more)")
+    elif args.embedding_sharding:
         tables, plans = _tables(args, model, graph, network, ranks, limit, plans)
     best = next((p for p in plans if p["fits"]), plans[0])
     explored: List[Plan] = []
-    if args.search == "layers":
+    if args.search == "layers" and ranks > 1:
         best = _per_layer(args, graph, rows, opt_per_byte, network, ranks, limit, compute,
                           extra, best, explored)
     if args.dataset:
@@ -413,7 +382,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         layout = as_layout(best)
         P.write(args.output, graph, layout,
                 predicted={k: best[k] for k in ("step_s", "bubble", "comm_s", "samples_s")},
-                splits=split_kinds(graph, layout), tables=tables)
+                splits=split_kinds(graph, layout), tables=tables, threads_per_rank=threads)
         print(f"wrote {args.output}")
     return 0
 
@@ -473,7 +442,7 @@ def _tables(args: argparse.Namespace, model: Any, graph: Any, network: Network, 
     print("\n" + C.describe(rows, ranks))
     best = allowed[0]
     print(f"with the tables sharded over the replicas: plan S=1 T=1 R={best['replicas']} "
-          f"M={best['microbatches']} {_schedule_name(best)}, {best['step_s']:.4f} s per "
+          f"M={best['microbatches']} {schedule_name(best)}, {best['step_s']:.4f} s per "
           "step without the tables' exchanges")
     return C.to_plan(placements), allowed
 

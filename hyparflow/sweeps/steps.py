@@ -39,11 +39,15 @@ class Steps:
         if optimizer is None:
             pass        # validation only
         elif self.replicas == 1:
-            self._train = tf.function(self._train_apply, reduce_retracing=True)
+            self._train = tf.function(self._train_apply, reduce_retracing=True,
+                                         autograph=False)
         else:
-            self._gradients = tf.function(self._train_gradients, reduce_retracing=True)
-            self._apply = tf.function(self._apply_step, reduce_retracing=True)
-        self._evaluate = tf.function(self._evaluate_step, reduce_retracing=True)
+            self._gradients = tf.function(self._train_gradients, reduce_retracing=True,
+                                         autograph=False)
+            self._apply = tf.function(self._apply_step, reduce_retracing=True,
+                                         autograph=False)
+        self._evaluate = tf.function(self._evaluate_step, reduce_retracing=True,
+                                         autograph=False)
 
     @staticmethod
     def _tensors(data):

@@ -80,6 +80,35 @@ def test_run_dry_run_threads_and_defaults(clean_env, capsys):
     assert "cannot be split into --replicas 2" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside python or on PATH")
+def test_run_takes_a_plans_ranks_and_threads_and_fit_its_layout(clean_env, capsys, tmp_path):
+    from hyparflow.layout import resolve
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({
+        "format": "hyparflow-strategy", "version": 1,
+        "mesh": {"axes": ["stage", "tensor", "replica"], "shape": [2, 1, 3]},
+        "num_microbatches": 4, "schedule": "1f1b", "threads_per_rank": 1,
+        "stages": [{"recompute": False}, {"recompute": False}],
+        "layers": [{"name": "a", "stage": 0}, {"name": "b", "stage": 1}]}))
+    exports, command, out = dry_run(capsys, "--plan", str(plan), EXAMPLE)
+    assert exports["HYPARFLOW_PLAN"] == str(plan)
+    assert exports["HYPARFLOW_THREADS_PER_RANK"] == "1"
+    assert f"-n 6 {sys.executable} {EXAMPLE}" in command
+    # -n and --threads-per-rank given win over the plan's.
+    exports, command, _ = dry_run(capsys, "--plan", str(plan), "-n", "12", "--threads", "2",
+                                  EXAMPLE)
+    assert exports["HYPARFLOW_THREADS_PER_RANK"] == "2" and "-n 12 " in command
+    # fit's layout, where the script passes no plan=: the exported plan's.
+    layout = resolve(6, environ=exports)
+    assert (layout.num_stages, layout.num_replicas, layout.num_microbatches) == (2, 3, 4)
+    with pytest.raises(ValueError, match=r"num_microbatches=2 \(the argument\) contradicts "
+                                         r"the plan .*\$HYPARFLOW_PLAN"):
+        resolve(6, num_microbatches=2, environ=exports)
+    assert cli.main(["run", "--dry-run", "--plan", str(tmp_path / "none.json"), EXAMPLE]) == 2
+    assert "--plan: Cannot read plan" in capsys.readouterr().err
+
+
 def test_run_dry_run_inside_slurm_uses_srun(clean_env, capsys, tmp_path):
     fake = tmp_path / "srun"
     # `srun --mpi=list` names PMIx, which Open MPI's ranks start through.

@@ -74,7 +74,7 @@ LAYERS = {
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command",
                  "planning.schedule_csv", "planning.strategy_command", "planning.search",
-                 "planning.dataset"},
+                 "planning.dataset", "planning.shapes"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",

@@ -1,14 +1,18 @@
 """The planner: units, the cost model's shape, and `hyparflow plan` end to end."""
 
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 import hyparflow as hf
 import models
 from hyparflow.planning import command, costmodel, measure, planner
+from hyparflow.planning.shapes import Candidate, choose, shapes as node_shapes
 from hyparflow import graph as G
 from hyparflow.engine.local import run_ranks
 
@@ -246,6 +250,82 @@ def test_projection_to_a_cluster(tmp_path, capsys):
     assert command.main([str(source), "--batch-size", "1024", "--nodes", "4", "--ranks-per-node", "2",
                          "--latency", "2us", "--bandwidth", "12.5GB/s", "--top", "3"]) == 0
     assert "(8 ranks)" in capsys.readouterr().out
+
+
+def test_the_node_shapes_tried_and_a_choice_never_slower_than_one_rank():
+    assert node_shapes(16) == [2, 4, 8, 16]
+    assert node_shapes(12) == [2, 4, 12]
+    assert node_shapes(2) == [2] and node_shapes(1) == []
+
+    def shape(ranks, step, fits=True):
+        plan = {"step_s": step, "fits": fits}
+        return Candidate(ranks, 16 // ranks, [plan], plan, None, None)
+
+    one = {"step_s": 1.0}   # one rank with all 16 cores
+    assert choose([shape(2, 1.2), shape(16, 1.5)], one) is None
+    assert choose([shape(2, 1.0)], one) is None
+    assert choose([shape(2, 0.9), shape(4, 0.7), shape(16, 0.8)], one).ranks == 4
+    assert choose([], one) is None
+
+
+@pytest.mark.mpiexec
+def test_plan_chooses_ranks_and_threads_and_run_takes_them(tmp_path, capsys):
+    # A model file and a script of their own: the ranks `hyparflow run` starts import
+    # nothing from the tests.
+    (tmp_path / "model.py").write_text(
+        "import keras\n\n"
+        "def build_model():\n"
+        "    keras.utils.set_random_seed(0)\n"
+        "    inp = keras.Input((32,))\n"
+        "    h = keras.layers.Dense(64, activation='relu')(inp)\n"
+        "    h = keras.layers.Dense(64, activation='relu')(h)\n"
+        "    model = keras.Model(inp, keras.layers.Dense(4)(h))\n"
+        "    model.compile(optimizer='adam', loss=keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True))\n"
+        "    return model\n")
+    out = tmp_path / "plan.json"
+    # No --ranks on one node measured here: the ranks x threads are chosen.
+    assert command.main([str(tmp_path / "model.py"), "--batch-size", "32",
+                         "--microbatches", "1", "2", "--schedules", "1f1b", "--top", "3",
+                         "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    cores = os.cpu_count()
+    shapes = dict(re.findall(r"^ +(\d+ x \d+) +S=.*? ([0-9.]+) +[0-9.]+$", text, re.M))
+    assert set(shapes) == {f"{n} x {cores // n}" for n in [1] + node_shapes(cores)}, text
+    plan = json.loads(out.read_text())
+    stages, tensor, replicas = plan["mesh"]["shape"]
+    ranks, threads = stages * tensor * replicas, plan["threads_per_rank"]
+    assert ranks * threads == cores and f"{ranks} x {threads}" in shapes
+    assert (f"chosen: {ranks} ranks x {threads} threads" if ranks > 1 else
+            f"chosen: one rank with all {cores} cores") in text
+    # Never a plan predicted slower than one rank with all cores.
+    assert plan["predicted"]["step_s"] <= float(shapes[f"1 x {cores}"]) * (1 + 1e-3)
+    # `hyparflow run --plan`: the plan's ranks and threads, and the script's hf.fit,
+    # which passes no plan=, trains by it to model.fit's weights.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import numpy as np, tensorflow as tf\n"
+        "import hyparflow as hf\n"
+        "from model import build_model\n"
+        "rng = np.random.default_rng(0)\n"
+        "x, y = rng.normal(size=(128, 32)).astype('float32'), rng.integers(0, 4, 128)\n"
+        "reference = build_model()\n"
+        "reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)\n"
+        "model = build_model()\n"
+        "hf.fit(model, x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)\n"
+        "diff = max(float(np.max(np.abs(a - b)))\n"
+        "           for a, b in zip(model.get_weights(), reference.get_weights()))\n"
+        "if hf.is_main():\n"
+        "    print(f'{hf.size()} ranks x {tf.config.threading.get_intra_op_parallelism_threads()}'\n"
+        "          f' threads, max weight difference {diff:.2e}', flush=True)\n"
+        "assert diff < 1e-5, diff\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HYPARFLOW_NUM_", "HYPARFLOW_THREADS", "SLURM_"))}
+    run = subprocess.run([sys.executable, "-m", "hyparflow", "run", "--plan", str(out),
+                          str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{ranks} ranks x {threads} threads, max weight difference" in run.stdout, run.stdout
 
 
 def test_cost_model_knows_the_tensor_axis():

@@ -81,6 +81,9 @@ def test_a_bad_file_is_named_field_by_field():
     mixed = strategy([{"name": "a", "stage": 0, "split": "auto"}, {"name": "b", "stage": 0}],
                      [1, 2, 1])
     assert "must be on every layer or on none" in "\n".join(S.validate(mixed))
+    threads = dict(good, threads_per_rank=0)
+    assert "threads_per_rank: must be a whole number of threads, 1 or more" in \
+        "\n".join(S.validate(threads))
 
 
 def test_plan_writes_a_valid_strategy_and_old_plan_files_still_load(tmp_path):
@@ -89,9 +92,10 @@ def test_plan_writes_a_valid_strategy_and_old_plan_files_still_load(tmp_path):
     path = tmp_path / "new.json"
     plan = P.write(str(path), graph, Layout(num_stages=2, num_tensor=1, num_microbatches=2,
                                             balance=(2, 3)),
-                   predicted={"step_s": 0.01}, recompute=(True, False))
+                   predicted={"step_s": 0.01}, recompute=(True, False), threads_per_rank=3)
     doc = json.loads(path.read_text())
     assert S.validate(doc) == [] and doc["format"] == "hyparflow-strategy"
+    assert doc["threads_per_rank"] == 3 == P.read(str(path))["threads_per_rank"]
     assert [e["stage"] for e in doc["layers"]] == [0, 0, 1, 1, 1]
     assert plan["recompute"] == [True, False] and P.read(str(path)).counts == [2, 3]
     old = {"format": "hyparflow-plan", "version": 1, "num_stages": 1, "num_replicas": 1,
