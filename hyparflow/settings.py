@@ -15,7 +15,7 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "th
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
-           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale"]
+           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length"]
 
 
 class Variable(NamedTuple):
@@ -99,6 +99,9 @@ VARIABLES = (
              "`INITIAL[,GROWTH_STEPS]`: the dynamic loss scale of gradients exchanged in "
              "float16 (`communication_dtype`): its first value, and the steps without an "
              "overflow after which it doubles"),
+    Variable("HYPARFLOW_PROFILE_LENGTH", "8",
+             "the size profiles and cost estimates give a model's unknown (None) "
+             "dimensions, such as a sequence length (`hyparflow plan --length`)"),
     Variable("HYPARFLOW_SLOWDOWN", "1",
              "this rank acts this many times slower (a stand-in for slower hardware, "
              "for testing balancing)"),
@@ -156,6 +159,12 @@ def layout_counts(environ: Optional[Mapping[str, str]] = None) -> dict[str, int]
         if value is not None:
             out[key] = value
     return out
+
+
+def profile_length(environ: Optional[Mapping[str, str]] = None) -> int:
+    """HYPARFLOW_PROFILE_LENGTH: the size given to unknown dimensions in profiles."""
+    value = _number("HYPARFLOW_PROFILE_LENGTH", int, environ, minimum=1)
+    return 8 if value is None else int(value)
 
 
 def plan(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

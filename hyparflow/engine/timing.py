@@ -4,6 +4,7 @@ inputs of a batch, a taped forward and the backward from it (or both in one call
 import numpy as np
 import tensorflow as tf
 
+from .. import settings
 from ..clock import timed
 
 __all__ = ["example", "time"]
@@ -11,9 +12,11 @@ __all__ = ["example", "time"]
 
 def example(stage, batch):
     """Random inputs of `batch` samples for this stage, and ones as its floating
-    outputs' gradients (a dimension left open is 8)."""
+    outputs' gradients (a dimension left open is HYPARFLOW_PROFILE_LENGTH's)."""
+    length = settings.profile_length()
+
     def shaped(shape):
-        return (batch,) + tuple(d or 8 for d in shape[1:])
+        return (batch,) + tuple(d or length for d in shape[1:])
 
     tensors = stage.graph.tensors
     inputs = [tf.random.normal(shaped(tensors[t].shape), dtype=tf.as_dtype(tensors[t].dtype))

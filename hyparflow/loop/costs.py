@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -138,7 +138,10 @@ def optimizer_slots(optimizer: Any) -> int:
 
 
 def _dummy(tensor: Tensor, batch: int) -> Any:
-    shape = (batch,) + tuple(d if d is not None else 8 for d in tensor.shape[1:])
+    """Random (or zero) values of `tensor`'s shape for `batch` samples; an unknown
+    dimension (a sequence length left to the data) takes HYPARFLOW_PROFILE_LENGTH."""
+    length = settings.profile_length()
+    shape = (batch,) + tuple(d if d is not None else length for d in tensor.shape[1:])
     if tensor.floating:
         return tf.random.normal(shape, dtype=tf.as_dtype(tensor.dtype))
     return tf.zeros(shape, dtype=tf.as_dtype(tensor.dtype))

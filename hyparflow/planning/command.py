@@ -156,6 +156,12 @@ def _memory() -> Optional[int]:
         return None
 
 
+def _env_length() -> int:
+    from .. import settings
+
+    return settings.profile_length()
+
+
 def _ranks(text: str) -> Any:
     """--ranks: a count, or "auto"."""
     if text == "auto":
@@ -196,6 +202,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="ranks to plan for, or auto: choose the ranks on this node x "
                              "threads per rank, each candidate measured (default: auto on "
                              "one node measured here, else nodes x ranks-per-node)")
+    parser.add_argument("--length", type=int, metavar="N",
+                        help="the size of the model's unknown (None) input dimensions, "
+                             "such as the sequence length you train at, for every profile "
+                             "and measurement (default 8; exported as "
+                             "HYPARFLOW_PROFILE_LENGTH)")
     parser.add_argument("--memory-per-rank", help="e.g. 4GB; plans over it are marked")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--ranks-per-node", type=int)
@@ -268,8 +279,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import measure, profile
     from .. import plan as P
 
+    if args.length is not None:
+        if args.length < 1:
+            parser.error(f"--length: a size of 1 or more. Received: {args.length}")
+        os.environ["HYPARFLOW_PROFILE_LENGTH"] = str(args.length)  # the probes' too
     model = profile.load_model(args.model, args.function)
     graph = G.from_model(model)
+    unknown = [getattr(graph.tensors[t].keras_tensor, "name", str(t)) for t in graph.inputs
+               if graph.tensors[t].dynamic]
+    if unknown and args.length is None:
+        print(f"note: input(s) {', '.join(unknown)} have unknown dimensions, profiled at "
+              f"{_env_length()}: give --length N, the length you train at (a sequence "
+              "length), or the plans are for that size", flush=True)
     here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
     if args.ranks == "auto" and not (here and not hosts):
         parser.error("--ranks auto measures this node (each candidate ranks x threads "
