@@ -329,6 +329,29 @@ def test_plan_chooses_ranks_and_threads_and_run_takes_them(tmp_path, capsys):
     assert f"{ranks} ranks x {threads} threads, max weight difference" in run.stdout, run.stdout
 
 
+def test_sums_across_nodes_are_hierarchical_where_the_engine_makes_them_so():
+    net = planner.Network(1e-6, 1e-10, 5e-6, 8e-10)
+    flat = net.allreduce(32e6, 512, across=True)
+    assert flat == pytest.approx(2 * 511 / 512 * 32e6 * 8e-10 + 2 * 511 * 5e-6)
+    # 128 nodes of 4: the node's sum (within), then a ring of the 128 nodes whose link
+    # carries the whole buffer's 2 (N-1)/N, in 2 x 127 rounds instead of 2 x 511.
+    tiered = net.allreduce(32e6, 512, across=True, per_node=4)
+    assert tiered == pytest.approx(net.allreduce(32e6, 4)
+                                   + 2 * 127 / 128 * 32e6 * 8e-10 + 2 * 127 * 5e-6)
+    # Its gain is the rounds: where they dominate (1 MB), it is the faster.
+    assert net.allreduce(1e6, 512, True, 4) < 0.6 * net.allreduce(1e6, 512, True)
+    # Two per node sum as messages (engine/shm.py's threshold): the flat ring.
+    assert net.allreduce(32e6, 512, across=True, per_node=2) == flat
+    # A plan's replicas per node: ranks per node // (S x T).
+    graph = G.from_model(models.mlp())
+    rows = [(0.0, 1e-6, 4 * n.params, 0, 1024) for n in graph.nodes]
+    one = dict(ranks_per_node=8, cores=8)
+    spread = planner.predict(graph, rows, 0.0, net, [len(graph.nodes)], 512, 32, 1, "1f1b",
+                             **one)
+    assert spread["comm_s"] == pytest.approx(net.allreduce(
+        4 * sum(n.params for n in graph.nodes), 32, True, 8))
+
+
 def test_cost_model_knows_the_tensor_axis():
     import keras
 
