@@ -181,8 +181,11 @@ _DESCRIPTION = ("Profile a model, search (stages, tensor ranks, replicas, microb
                 "network. On this node it measures, under mpiexec, the network (a ping-pong "
                 "and rings of the plan's ranks), each layer call, the model's step with 1 to "
                 "N ranks computing at once, and every candidate pipeline's stages timed "
-                "whole: minutes for a small CNN on 2 cores. --quick keeps only the layer "
-                "profiles and a ping-pong (seconds, less accurate on a shared node).")
+                "whole: minutes for a small CNN on 2 cores. Without --ranks, on one node, it "
+                "does so for each ranks x threads per rank the cores allow and keeps the "
+                "fastest, never slower than one rank with every core. --quick keeps only "
+                "the layer profiles and a ping-pong (seconds, less accurate on a shared "
+                "node).")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -299,8 +299,11 @@ def test_plan_help_says_what_it_measures(capsys):
         cli.main(["plan", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "rank the plans by a cost model with an alpha-beta network." in out
-    assert "minutes for a small CNN on 2 cores. --quick keeps only" in out
+    assert "minutes for a small CNN on 2 cores." in out and "--quick keeps only" in out
+    assert "each ranks x threads per rank the cores allow" in out
     for flag, words in (("--function FUNCTION", "returns the compiled model"),
+                        ("--ranks N|auto", "threads per rank, each candidate measured"),
+                        ("--length N", "the sequence length you train at"),
                         ("--top TOP", "how many of the ranked plans"),
                         ("--quick", "no contention sweep")):
         assert re.search(re.escape(flag) + r" +" + r".*" + re.escape(words), out), flag

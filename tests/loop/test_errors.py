@@ -210,3 +210,33 @@ def test_optimizers_that_would_train_differently_are_refused():
 
     with pytest.raises(NotImplementedError, match="LossScaleOptimizer"):
         fit_on(1, scaled, x, y)
+
+
+def test_python_control_flow_on_a_tensor_fails_as_under_model_fit():
+    """Keras traces its train step without AutoGraph (`do_not_convert`), so a layer's
+    Python `if` on a tensor is an error under model.fit; hyparflow traces as Keras
+    does, so the model that fails there fails here too, not trains differently."""
+    import tensorflow as tf
+
+    class Sign(keras.layers.Layer):
+        def call(self, x):
+            if tf.reduce_sum(x) > 0:   # Python control flow on a tensor
+                return x
+            return -x
+
+        def compute_output_spec(self, x):   # so the model builds without calling `call`
+            return keras.KerasTensor(x.shape, x.dtype)
+
+    def build():
+        inp = keras.Input((4,))
+        model = keras.Model(inp, keras.layers.Dense(2)(Sign()(keras.layers.Dense(4)(inp))))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x = np.ones((8, 4), "float32")
+    y = np.zeros((8, 2), "float32")
+    build()   # builds
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+        build().fit(x, y, batch_size=4, verbose=0)
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+        fit_on(2, build, x, y, num_stages=2, batch_size=4)
