@@ -8,9 +8,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import keras
 import numpy as np
 
-from . import _compat
+from . import _compat, settings
 
-__all__ = ["LayerGraph", "Node", "Tensor", "Shape", "from_model", "numel"]
+__all__ = ["LayerGraph", "Node", "Tensor", "Shape", "from_model", "numel", "sized"]
 
 # A tensor's shape, batch first; None: known only at run time.
 Shape = Tuple[Optional[int], ...]
@@ -76,6 +76,13 @@ class LayerGraph:
                     seen.add(id(v))
                     out.append(v)
         return out
+
+
+def sized(shape: Sequence[Optional[int]], batch: int) -> Tuple[int, ...]:
+    """`shape` for example values of `batch` samples (profiles, timings): an unknown
+    dimension, a length left to the data, at HYPARFLOW_PROFILE_LENGTH."""
+    length = settings.profile_length()
+    return (batch,) + tuple(d if d is not None else length for d in shape[1:])
 
 
 def numel(shape: Sequence[Optional[int]]) -> int:

@@ -186,11 +186,11 @@ def resolve(world_size: int, *, num_stages: Optional[int] = None,
         if value is not None:
             values[name], origin[name] = value, "this script's argument"
     source: Optional[str] = None
-    if plan is None and settings.plan(environ) is not None:
+    if plan is not None:
+        source = f"the plan {plan}" if isinstance(plan, str) else "the plan"
+    elif settings.plan(environ) is not None:
         plan = settings.plan(environ)
         source = f"the plan {plan} ($HYPARFLOW_PLAN, from `hyparflow run --plan`)"
-    elif plan is not None:
-        source = f"the plan {plan}" if isinstance(plan, str) else "the plan"
     if plan is not None:
         assert source is not None
         plan = _plan.read(plan) if isinstance(plan, str) else plan

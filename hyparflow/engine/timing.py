@@ -4,19 +4,17 @@ inputs of a batch, a taped forward and the backward from it (or both in one call
 import numpy as np
 import tensorflow as tf
 
-from .. import settings
 from ..clock import timed
+from ..graph import sized
 
 __all__ = ["example", "time"]
 
 
 def example(stage, batch):
     """Random inputs of `batch` samples for this stage, and ones as its floating
-    outputs' gradients (a dimension left open is HYPARFLOW_PROFILE_LENGTH's)."""
-    length = settings.profile_length()
-
+    outputs' gradients (a dimension left open as `graph.sized` fills it)."""
     def shaped(shape):
-        return (batch,) + tuple(d or length for d in shape[1:])
+        return sized(shape, batch)
 
     tensors = stage.graph.tensors
     inputs = [tf.random.normal(shaped(tensors[t].shape), dtype=tf.as_dtype(tensors[t].dtype))

@@ -19,7 +19,7 @@ import tensorflow as tf
 from .. import _compat
 from .. import settings
 from ..balance import Resolved
-from ..graph import LayerGraph, Tensor
+from ..graph import LayerGraph, Tensor, sized
 from ..topology import Topology
 
 if TYPE_CHECKING:
@@ -138,10 +138,8 @@ def optimizer_slots(optimizer: Any) -> int:
 
 
 def _dummy(tensor: Tensor, batch: int) -> Any:
-    """Random (or zero) values of `tensor`'s shape for `batch` samples; an unknown
-    dimension (a sequence length left to the data) takes HYPARFLOW_PROFILE_LENGTH."""
-    length = settings.profile_length()
-    shape = (batch,) + tuple(d if d is not None else length for d in tensor.shape[1:])
+    """Random (or zero) values of `tensor`'s shape for `batch` samples (`graph.sized`)."""
+    shape = sized(tensor.shape, batch)
     if tensor.floating:
         return tf.random.normal(shape, dtype=tf.as_dtype(tensor.dtype))
     return tf.zeros(shape, dtype=tf.as_dtype(tensor.dtype))

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .costmodel import Compute, Network, Row
+from .. import settings
 from ..schedules import PLANNED
 from .planner import as_layout
 from .shapes import (Candidate, Phase, Searcher, choose, measure_network, schedule_name,
@@ -156,12 +157,6 @@ def _memory() -> Optional[int]:
         return None
 
 
-def _env_length() -> int:
-    from .. import settings
-
-    return settings.profile_length()
-
-
 def _ranks(text: str) -> Any:
     """--ranks: a count, or "auto"."""
     if text == "auto":
@@ -292,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                if graph.tensors[t].dynamic]
     if unknown and args.length is None:
         print(f"note: input(s) {', '.join(unknown)} have unknown dimensions, profiled at "
-              f"{_env_length()}: give --length N, the length you train at (a sequence "
+              f"{settings.profile_length()}: give --length N, the length you train at (a sequence "
               "length), or the plans are for that size", flush=True)
     here = args.nodes == 1 and not (args.bandwidth or args.latency) and not args.quick
     if args.ranks == "auto" and not (here and not hosts):
@@ -372,7 +367,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         one = chosen.one
     ranks, plans, network, compute, threads = (chosen.ranks, chosen.plans, chosen.network,
                                                chosen.compute, chosen.threads)
-    extra = node.extra
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plans": plans, "one_rank": one, "ranks": ranks,

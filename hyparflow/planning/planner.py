@@ -16,7 +16,8 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   computing stage is slowed by how many ranks compute at that moment;
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
   2 (R-1) alpha (across nodes that hold more than 2 of them each, as the engine sums
-  them: within the node, then a ring of the N nodes, 2 (N-1) rounds), then the optimizer step (measured per parameter byte), both played
+  them: within the node, then a ring of the N nodes, 2 (N-1) rounds), then the
+  optimizer step (measured per parameter byte), both played
   as each stage's tail after its last backward (on shared cores, taking cores from
   the stages still computing);
 - memory per rank: the stage's weights and optimizer state plus the activations of
@@ -280,8 +281,8 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     per_node = max(1, (ranks_per_node or 1) // (ranks * num_tensor))
     # A rank's chunks share one allreduce and one optimizer step.
     rank_params = [sum(params[j] for j in range(r, stages, ranks)) for r in range(ranks)]
-    reduce = [network.allreduce(p, replicas, across, per_node) + p * opt_rate
-              for p in rank_params]
+    sums = [network.allreduce(p, replicas, across, per_node) for p in rank_params]
+    reduce = [s + p * opt_rate for s, p in zip(sums, rank_params)]
     # Each stage's allreduce and optimizer step follow its own last backward, while
     # earlier stages still compute. On shared cores they take cores like any work:
     # both were measured with every rank of the node doing them at once, so their
@@ -319,7 +320,7 @@ def predict(graph, rows, opt_per_byte, network, counts, batch, replicas, micro, 
     return {"step_s": step, "pipeline_s": sim.makespan, "bubble": sim.bubble,
             "comm_s": (max(s + f + b for s, f, b in zip(send, exchange_f, exchange_b))
                        + max(transfer.values(), default=0.0)) * micro
-            + max(network.allreduce(p, replicas, across, per_node) for p in rank_params),
+            + max(sums),
             "tensor_layers": sorted(graph.nodes[i].op.name for i in split
                                     if not tensor_mesh or weight_div.get(i) == num_tensor),
             "memory_bytes": memory, "samples_s": batch / step}
