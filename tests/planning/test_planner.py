@@ -322,6 +322,7 @@ def test_plan_chooses_ranks_and_threads_and_run_takes_them(tmp_path, capsys):
         "assert diff < 1e-5, diff\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HYPARFLOW_NUM_", "HYPARFLOW_THREADS", "SLURM_"))}
+    env["HYPARFLOW_INTER_OP_THREADS"] = "1"   # production's (conftest gives thread ranks 16)
     run = subprocess.run([sys.executable, "-m", "hyparflow", "run", "--plan", str(out),
                           str(script)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=env)
