@@ -4,7 +4,7 @@ Importing `hyparflow` starts TensorFlow, because a training process must set its
 threads before TensorFlow's first operation. The command (run, slurm, plan, ...)
 needs no TensorFlow and must start fast, so this module, loaded before the package,
 says that this process is the command (`COMMAND`); `hyparflow/__init__.py` reads it.
-`python -m hyparflow` works too, but starts TensorFlow first.
+`python -m hyparflow` is the command too (`_env.run_as_module`).
 """
 
 import sys

@@ -2,28 +2,39 @@
 
     mpiexec -n 2 python benchmarks/shm_sum.py
     mpiexec -n 2 python benchmarks/shm_sum.py --sizes 0.25 1 8 32 --repeats 20
+    mpiexec -n 4 python benchmarks/shm_sum.py --ways window       # one way only
 
 For float32 buffers of `--sizes` MB, the median seconds of `--repeats` in-place sums
 (the slowest rank's), each way in the same run: MPI_Allreduce (MPICH's own, blocking),
 hyparflow's messages (its non-blocking Iallreduce below 1 MB, its ring of messages
-from 1 MB) and hyparflow's shared window. Rank 0 prints the table.
+from 1 MB: across nodes, a ring of every rank) and hyparflow's shared window (across
+nodes, hierarchical: the node's sum, then slices between nodes). The window is used even
+with two ranks per node (HYPARFLOW_SHARED_SUMS=1, unless set otherwise), as this compares
+ways. Rank 0 prints the table. benchmarks/hosts_sum.py runs this across emulated hosts.
 """
 
 import argparse
+import json
+import os
 import statistics
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from hyparflow.engine import shm
-from hyparflow.engine.comm import MPICommunicator
+os.environ.setdefault("HYPARFLOW_SHARED_SUMS", "1")
+from hyparflow.engine import shm  # noqa: E402
+from hyparflow.engine.comm import MPICommunicator  # noqa: E402
+
+WAYS = {"mpi": "MPI_Allreduce", "messages": "hyparflow messages",
+        "window": "hyparflow shared window"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="*", default=[0.25, 1, 8, 32])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ways", nargs="*", choices=sorted(WAYS), default=list(WAYS))
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     shared = MPICommunicator(world)
@@ -35,11 +46,12 @@ def main():
         n = int(mb * 2 ** 20 / 4)
         grads = rng.normal(size=n).astype(np.float32)
         ways = {
-            "MPI_Allreduce": lambda buf: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-            "hyparflow messages": messages.allreduce,
-            "hyparflow shared window": shared.allreduce,
+            "mpi": lambda buf: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+            "messages": messages.allreduce,
+            "window": shared.allreduce,
         }
-        for name, total in ways.items():
+        for way in args.ways:
+            name, total = WAYS[way], ways[way]
             times = []
             for _ in range(args.repeats + 1):
                 buf = grads.copy()
@@ -55,6 +67,7 @@ def main():
         print(f"{'MB':>6}  {'sum':<24}  {'median ms':>9}  {'GB/s':>6}")
         for mb, name, s in rows:
             print(f"{mb:>6g}  {name:<24}  {s * 1e3:>9.2f}  {mb / 1024 / s:>6.2f}")
+        print("RESULT " + json.dumps({"how": shared.sums, "rows": rows}))
     shared.free()
     messages.free()
 

@@ -96,9 +96,11 @@ if not any(isinstance(f, _Moved) for f in sys.meta_path):
 _env.quiet_tensorflow()
 from .sync import LeaderSGD, LocalSGD  # noqa: E402  (pure: no TensorFlow)
 # The `hyparflow` command's entry point (hyparflow_command.py, loaded first) says
-# when this process is the command, which needs no TensorFlow; any other process
-# may train, and starts TensorFlow now, with its threads set.
-_COMMAND = getattr(sys.modules.get("hyparflow_command"), "COMMAND", False)
+# when this process is the command, which needs no TensorFlow, as does `python -m
+# hyparflow`; any other process may train, and starts TensorFlow now, with its
+# threads set. (TensorFlow's import alone is seconds of a core, before the ranks start.)
+_COMMAND = (getattr(sys.modules.get("hyparflow_command"), "COMMAND", False)
+            or _env.run_as_module())
 if not _COMMAND:
     _env.start_tensorflow()
     from .loop.api import evaluate, fit, is_main, predict, rank, size  # noqa: E402,F401

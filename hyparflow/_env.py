@@ -8,9 +8,24 @@ from typing import Iterator, List, Optional
 
 from . import settings
 
-__all__ = ["quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
+__all__ = ["run_as_module", "quiet_tensorflow", "threads_per_rank", "configure_threads", "local_ranks",
            "start_tensorflow", "oversubscribed", "derive_threads", "cpu_quota", "my_cores",
            "threads_source", "configured_threads"]
+
+
+def run_as_module(argv: Optional[List[str]] = None) -> bool:
+    """Whether this interpreter was started as `python -m hyparflow ...` (`argv`:
+    `sys.orig_argv`). Such a process is the command, as the console script's is,
+    and needs no TensorFlow. Only the interpreter's own options before `-m` count:
+    `python train.py -m hyparflow` is a script with arguments."""
+    args = list(getattr(sys, "orig_argv", []) if argv is None else argv)[1:]
+    with_value = ("-W", "-X", "--check-hash-based-pycs")
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "-c"):
+        if args[i] == "-m":
+            return args[i + 1:i + 2] == ["hyparflow"]
+        i += 2 if args[i] in with_value else 1
+    return False
 
 
 def quiet_tensorflow() -> None:

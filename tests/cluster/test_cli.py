@@ -547,6 +547,25 @@ def test_the_command_entry_point_says_it_is_the_command():
     assert script.stdout.split() == ["True", "True"]
 
 
+@pytest.mark.timeout(120)
+def test_python_m_hyparflow_is_the_command_without_tensorflow():
+    """`python -m hyparflow run ...` starts no TensorFlow either (seconds of a core
+    before any rank starts); a script that is passed `-m hyparflow` is not the command."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "hyparflow", "run", "--help"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hyparflow.cli" in imported, out.stderr[-2000:]
+    assert not {"tensorflow", "keras"} & imported
+    from hyparflow import _env
+    assert _env.run_as_module(["python", "-u", "-X", "importtime", "-m", "hyparflow", "run"])
+    assert not _env.run_as_module(["python", "train.py", "-m", "hyparflow"])
+    assert not _env.run_as_module(["python", "-c", "pass", "-m", "hyparflow"])
+    assert not _env.run_as_module(["python", "-m", "pytest", "-m", "hyparflow"])
+
+
 def test_slurm_sweep_is_one_job(capsys, tmp_path):
     """--sweep: one job of the sweep template, the configs file exported (absolute), the
     members' share per group in the layout line; --replicas exported for hf.sweep."""
