@@ -85,7 +85,7 @@ def run_job(tmp_path, *options, script_args=()):
     model = tmp_path / "model.keras"
     code = cli.main(["slurm", *options, "--time", "00:10:00", "--job-name", name,
                      "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
-                     EXAMPLE, "--epochs", "2", "--save", str(model), *script_args])
+                     EXAMPLE, "--epochs", "1", "--save", str(model), *script_args])
     assert code == 0
     code, said = sbatch_wait(job_file, SLURM_ENV, tmp_path, JOB_TIMEOUT)
     logs = sorted(tmp_path.glob("job-*.out"))

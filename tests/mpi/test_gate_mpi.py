@@ -197,7 +197,9 @@ VOCAB, SEQ = 61, 12
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["Llama", "Qwen"])
+# Llama only: Qwen's tied reversed embedding trains in process (tests/kinds/
+# test_decoder_split.py) and tied embeddings over MPI in test_interleaved_mpi.py.
+@pytest.mark.parametrize("kind", ["Llama"])
 def test_keras_hub_llm(kind):
     """Padding masks and per-token targets; no layer couples samples, so model.fit
     takes the whole batch at once."""

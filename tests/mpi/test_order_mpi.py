@@ -161,7 +161,9 @@ def check(build, data, names, **layout):
 @pytest.mark.mpi(min_size=2)
 def test_encoder_decoder_in_any_order():
     layouts = {2: dict(num_tensor=2), 4: dict(num_stages=2, num_tensor=2, num_microbatches=2)}
-    for delayed, names in ((False, ATTENTION), (True, ATTENTION), (True, ENCODER_DECODER)):
+    # Undelayed: TensorFlow's own order (how it hung); delayed: every layer split, the
+    # attention among them.
+    for delayed, names in ((False, ATTENTION), (True, ENCODER_DECODER)):
         DELAYED[0] = delayed
         check(encoder_decoder, sequences, names, **layouts[SIZE])
 

@@ -53,13 +53,15 @@ def check(result, expected, configs):
 _REFERENCES = {}
 
 
-def references(case):
-    """Each of the case's eight configs' own model.fit, computed once for all N."""
-    if case not in _REFERENCES:
-        build, data, configs = sm.CASES[case]
+def references(case, n):
+    """The case's first `n` configs' own model.fit, each computed once for all N (in
+    this worker: pytest-xdist may send N=1 and N=8 to different ones)."""
+    build, data, configs = sm.CASES[case]
+    done = _REFERENCES.setdefault(case, [])
+    if len(done) < n:
         x, y = data()
-        _REFERENCES[case] = [alone(build, c, x, y) for c in configs]
-    return _REFERENCES[case]
+        done += [alone(build, c, x, y) for c in configs[len(done):n]]
+    return done[:n]
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -68,7 +70,7 @@ def test_every_member_trains_as_its_own_fit(case, n):
     build, data, configs = sm.CASES[case]
     x, y = data()
     result = hf.sweep(build, configs[:n], x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
-    check(result, references(case)[:n], configs[:n])
+    check(result, references(case, n), configs[:n])
 
 
 _CONV_REFERENCES = {}
@@ -109,11 +111,11 @@ def test_conv_stacks_without_onednn():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          f"{__file__}::test_conv_stacks_train_as_their_own_fit", "-k",
-         "vgg or conv1d or separable"],
+         "vgg-2 or conv1d-2 or separable-2"],   # 4 members take the same paths as 2
         capture_output=True, text=True, timeout=540, env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "6 passed" in out.stdout, out.stdout[-2000:]
+    assert "3 passed" in out.stdout, out.stdout[-2000:]
 
 
 def test_optimizers_with_schedules_clipping_and_weight_decay():
