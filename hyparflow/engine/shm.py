@@ -23,8 +23,9 @@ memory model asks. Every wait polls under the watchdog (`comm.poll`), and sums
 queue in the order they started (every rank starts them in the same order).
 
 Used by `comm.MPICommunicator.iallreduce` for float32 / float64 buffers of at least
-`SHM_BYTES`, when every node holds as many of the communicator's ranks, more than
-`AUTO_RANKS` (at least two with HYPARFLOW_SHARED_SUMS=1); otherwise, or where the window cannot be made, the messages of today
+`SHM_BYTES`, when every node holds as many of the communicator's ranks: at least two
+when it spans several nodes, more than `AUTO_RANKS` on one (at least two with
+HYPARFLOW_SHARED_SUMS=1); otherwise, or where the window cannot be made, the messages
 (`why_not` says which)."""
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ SHM_BYTES = 64 << 10   # sums of at least this many bytes go through the window
 CAPACITY = 16 << 20    # bytes of each rank's data area (larger sums go in pieces)
 HEADER = 192           # three counters, each on its own 64-byte line
 WRITTEN, SUMMED, DONE = 0, 8, 16   # their positions among the header's int64s
-# By default the window serves nodes holding more of a group's ranks than this. Two
+# On one node, by default the window serves groups of more ranks than this. Two
 # ranks on 2 cores (benchmarks/shm_sum.py, docs/performance.md): the ring's single
 # message each way beat the window's copy in from 8 MB (2.1 vs 5.3 ms at 8 MB); four
 # ranks: the window was ahead (6.6 vs 11.4 ms at 8 MB), as the ring's steps grow with
-# the ranks and the window's three phases do not.
+# the ranks and the window's three phases do not. Across nodes it serves two per node
+# too: only slices cross then, 2/3 of a flat ring's bytes (benchmarks/hosts_sum.py:
+# 2 hosts x 2 ranks at 1 Gbit/s, 67 against 101 MB across per 32 MB sum, 336 against
+# 489 ms).
 AUTO_RANKS = 2
 
 _USED = [0]   # pieces summed through a window in this process (tests, the trace)
@@ -233,8 +237,8 @@ def attach(comm: Any, wait: Callable[[Callable[[], object], str], None],
     req = comm.Iallgather(np.array([node.Get_size()], np.int64), sizes)
     wait(req.Test, "the other ranks' node sizes")
     reason = why_not([int(s) for s in sizes])
-    if reason is None and choice is None and sizes[0] <= AUTO_RANKS:
-        reason = (f"{int(sizes[0])} of the group's ranks per node: there a ring's one "
+    if reason is None and choice is None and sizes[0] <= AUTO_RANKS and len(sizes) == sizes[0]:
+        reason = (f"{int(sizes[0])} of the group's ranks on one node: there a ring's one "
                   "message each way moves fewer bytes; HYPARFLOW_SHARED_SUMS=1 forces the window")
     if reason is not None:
         node.Free()

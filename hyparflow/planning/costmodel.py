@@ -77,7 +77,7 @@ class Network:
     def allreduce(self, nbytes: float, ranks: int, across: bool = False,
                   per_node: int = 1) -> float:
         """A gradient sum over `ranks` ranks: a ring (2 (R-1)/R bytes, 2 (R-1) rounds).
-        Across nodes holding `per_node` > 2 of them each, as the engine sums them
+        Across nodes holding `per_node` >= 2 of them each, as the engine sums them
         (`engine/shm.py`): within each node through its shared window, and between
         nodes only each rank's 1/k slice, in a ring of the N nodes' same-position
         ranks; the k slices share a node's link, which so carries 2 (N-1)/N bytes, in
@@ -85,7 +85,7 @@ class Network:
         if ranks <= 1:
             return 0.0
         k = per_node
-        if across and k > 2 and ranks % k == 0 and ranks > k:
+        if across and k >= 2 and ranks % k == 0 and ranks > k:
             nodes = ranks // k
             a, b = self._terms(True)
             return (self.allreduce(nbytes, k)

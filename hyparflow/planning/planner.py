@@ -15,7 +15,7 @@ Cost model, per plan (S stages, R replicas, M microbatches of m = B / (R M) samp
   measured wait of a receiver until it has the message; with measured compute, every
   computing stage is slowed by how many ranks compute at that moment;
 - gradients: a ring allreduce over the R replicas, 2 (R-1)/R * bytes * beta +
-  2 (R-1) alpha (across nodes that hold more than 2 of them each, as the engine sums
+  2 (R-1) alpha (across nodes that hold 2 or more of them each, as the engine sums
   them: within the node, then a ring of the N nodes, 2 (N-1) rounds), then the
   optimizer step (measured per parameter byte), both played
   as each stage's tail after its last backward (on shared cores, taking cores from

@@ -103,6 +103,15 @@ def test_by_default_a_window_where_a_node_holds_more_than_two(monkeypatch):
                                     "messages ("), comm.sums
     finally:
         comm.free()
+    if SIZE % 2 == 0 and SIZE > 2:
+        # Nodes of two ranks, several of them: the window too, as only slices cross.
+        comm = _comm.MPICommunicator(MPI.COMM_WORLD)
+        comm.node_of = lambda rank: rank // 2
+        try:
+            summed(comm, np.ones(100_000, "float32"))
+            assert comm.sums.startswith("shared memory (2 ranks x"), comm.sums
+        finally:
+            comm.free()
 
 
 def layouts():

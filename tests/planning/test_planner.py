@@ -341,8 +341,11 @@ def test_sums_across_nodes_are_hierarchical_where_the_engine_makes_them_so():
                                    + 2 * 127 / 128 * 32e6 * 8e-10 + 2 * 127 * 5e-6)
     # Its gain is the rounds: where they dominate (1 MB), it is the faster.
     assert net.allreduce(1e6, 512, True, 4) < 0.6 * net.allreduce(1e6, 512, True)
-    # Two per node sum as messages (engine/shm.py's threshold): the flat ring.
-    assert net.allreduce(32e6, 512, across=True, per_node=2) == flat
+    # Two per node too (engine/shm.py: across nodes only slices cross); one per node
+    # is the flat ring.
+    assert net.allreduce(32e6, 512, across=True, per_node=2) == pytest.approx(
+        net.allreduce(32e6, 2) + 2 * 255 / 256 * 32e6 * 8e-10 + 2 * 255 * 5e-6)
+    assert net.allreduce(32e6, 512, across=True, per_node=1) == flat
     # A plan's replicas per node: ranks per node // (S x T).
     graph = G.from_model(models.mlp())
     rows = [(0.0, 1e-6, 4 * n.params, 0, 1024) for n in graph.nodes]
