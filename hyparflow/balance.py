@@ -1,8 +1,10 @@
-"""Stage sizes from per-layer costs: an exact contiguous partition solver; pure Python."""
+"""Stage sizes from per-layer costs: an exact contiguous partition solver."""
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, TypedDict
+
+import numpy as np
 
 __all__ = ["solve", "solve_limited", "check_counts", "stage_costs", "Resolved"]
 
@@ -62,37 +64,39 @@ def solve(costs: Sequence[float], num_stages: int) -> list[int]:
         )
     if any(c < 0 for c in costs):
         raise ValueError("costs must be non-negative")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
+    prefix = np.cumsum([0.0, *map(float, costs)])   # sequential, as a running sum
     inf = float("inf")
-    # best[k][j]: smallest max-run over the first j items cut into k runs.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    # best[k][j]: smallest max-run over the first j items cut into k runs; each row
+    # from the last at once, every j together (a planner's search at thousands of
+    # ranks cuts ~3000 layer calls into up to 1000 stages, many times).
+    best = np.full((num_stages + 1, n + 1), inf)
+    cut = np.zeros((num_stages + 1, n + 1), np.int64)
+    best[0, 0] = 0.0
     for k in range(1, num_stages + 1):
-        for j in range(k, n - (num_stages - k) + 1):
-            # best[k-1][i] grows with i and the last run's sum shrinks, so the
-            # optimum sits where they cross: binary-search it.
-            lo, hi = k - 1, j - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if best[k - 1][mid] >= prefix[j] - prefix[mid]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            value, where = inf, lo
-            for i in (lo - 1, lo):
-                if k - 1 <= i < j:
-                    cand = max(best[k - 1][i], prefix[j] - prefix[i])
-                    if cand < value:
-                        value, where = cand, i
-            best[k][j], cut[k][j] = value, where
-    counts, j = [], n
+        last = best[k - 1]
+        j = np.arange(k, n - (num_stages - k) + 1)
+        # last[i] grows with i and the last run's sum shrinks, so the optimum sits
+        # where they cross: binary-search it, for every j in step.
+        lo, hi = np.full(j.shape, k - 1), j - 1
+        while np.any(lo < hi):
+            mid = (lo + hi) // 2
+            crossed = last[mid] >= prefix[j] - prefix[mid]
+            going = lo < hi
+            hi = np.where(going & crossed, mid, hi)
+            lo = np.where(going & ~crossed, mid + 1, lo)
+        value, where = np.full(j.shape, inf), lo.copy()
+        for i in (lo - 1, lo):   # the earlier cut first: it wins ties
+            ok = (k - 1 <= i) & (i < j)
+            at = np.where(ok, i, 0)
+            cand = np.where(ok, np.maximum(last[at], prefix[j] - prefix[at]), inf)
+            better = cand < value
+            value, where = np.where(better, cand, value), np.where(better, i, where)
+        best[k, j], cut[k, j] = value, where
+    counts, end = [], n
     for k in range(num_stages, 0, -1):
-        i = cut[k][j]
-        counts.append(j - i)
-        j = i
+        i = int(cut[k, end])
+        counts.append(end - i)
+        end = i
     return counts[::-1]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import keras
@@ -62,6 +63,21 @@ class LayerGraph:
     functional: Any = field(repr=False)  # None for a subclassed model (one opaque node)
     input_names: List[str] = field(default_factory=list)
     output_names: List[str] = field(default_factory=list)
+
+    @cached_property
+    def sharing(self) -> Tuple[Dict[int, int], Dict[int, List[Any]]]:
+        """(calls, holders): how many nodes call each operation, and the operations
+        holding each variable (in node order), both by id. Once per graph: Keras's
+        `weights` walks every sublayer, and asking it per pair of nodes made the
+        planner's search quadratic in the layers."""
+        calls: Dict[int, int] = {}
+        holders: Dict[int, List[Any]] = {}
+        for node in self.nodes:
+            calls[id(node.op)] = calls.get(id(node.op), 0) + 1
+            if calls[id(node.op)] == 1:
+                for v in getattr(node.op, "weights", ()):
+                    holders.setdefault(id(v), []).append(node.op)
+        return calls, holders
 
     def variables_of(self, node_indices: Iterable[int], trainable: bool) -> List[Any]:
         """Variables (Keras, untyped) of the given nodes' operations, each once, in

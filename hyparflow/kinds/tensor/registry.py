@@ -46,13 +46,14 @@ def why_not(graph, i, num_tensor, kind=None):
     kind = kind_of(op) if kind is None else kind
     if kind is None:
         return f"only {describe()} can be split"
-    if sum(node.op is op for node in graph.nodes) != 1:
+    calls, holders = graph.sharing
+    if calls.get(id(op)) != 1:
         return "the layer is called more than once (shared weights)"
-    mine = {id(v) for v in kind.weights(op)}
-    for node in graph.nodes:
-        if node.op is not op and mine & {id(v) for v in getattr(node.op, "weights", ())}:
-            return (f"its weights are also used by layer {node.op.name!r} (tied weights), "
-                    "which would need the whole of them")
+    others = [o for v in kind.weights(op) for o in holders.get(id(v), ()) if o is not op]
+    if others:
+        first = min(others, key=lambda o: next(n.index for n in graph.nodes if n.op is o))
+        return (f"its weights are also used by layer {first.name!r} (tied weights), "
+                "which would need the whole of them")
     return kind.why_not(op, num_tensor)
 
 
