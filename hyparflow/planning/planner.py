@@ -42,6 +42,7 @@ node every ring size with all the plan's ranks running: `measure.rings`) or give
 is not (`--nodes`, `--ranks-per-node`).
 """
 
+import functools
 from dataclasses import replace
 
 from .costmodel import (Across, Compute, Network, Row, crosses, interpolate, summa_seconds,
@@ -57,12 +58,20 @@ def fuses(s, stages, schedule, micro=2, chunks=1):
     says so (`schedule.fuse`, which the executor reads too: the last stage under
     1F1B, or GPipe with one microbatch, or a stage alone). With `chunks`, `stages`
     and `s` count virtual stages (s on rank s % S, its chunk s // S)."""
+    return _fusing(stages, schedule, micro, chunks)[s]
+
+
+@functools.lru_cache(maxsize=256)
+def _fusing(stages, schedule, micro, chunks):
+    """`fuses` for every stage, from one play of the program: asked stage by stage,
+    a search at a thousand stages built the program a million times."""
     from .. import schedules as sched
 
     ranks = stages // chunks
     dests = [[k + 1] if k < stages - 1 else [] for k in range(stages)]
     lists = sched.program(schedule, ranks, micro, dests, chunks)
-    return any(a.kind == sched.FB and a.chunk == s // ranks for a in lists[s % ranks])
+    fused = {(s % ranks, a.chunk) for s in range(ranks) for a in lists[s] if a.kind == sched.FB}
+    return tuple((s % ranks, s // ranks) in fused for s in range(stages))
 
 
 def _weights_share(graph, rows, nodes, m):
