@@ -92,11 +92,12 @@ def solve(costs: Sequence[float], num_stages: int) -> list[int]:
             better = cand < value
             value, where = np.where(better, cand, value), np.where(better, i, where)
         best[k, j], cut[k, j] = value, where
-    counts, end = [], n
+    counts: list[int] = []
+    end = n
     for k in range(num_stages, 0, -1):
-        i = int(cut[k, end])
-        counts.append(end - i)
-        end = i
+        begin = int(cut[k, end])
+        counts.append(end - begin)
+        end = begin
     return counts[::-1]
 
 

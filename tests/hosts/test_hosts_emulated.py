@@ -125,6 +125,20 @@ def test_table_row_tables_within_hosts(tmp_path):
         assert r["largest"] > 64 * 1024, r
 
 
+@pytest.mark.timeout(300)
+def test_sums_across_hosts_go_through_each_hosts_window(tmp_path):
+    """Four replicas on 2 hosts x 2 ranks, by default: each host sums in its shared
+    window and only slices cross (two ranks of one node alone would sum as messages,
+    so any piece through a window is this hierarchical sum); the weights are model.fit's
+    (Adam), the same bits on every rank."""
+    h1, h2 = HOSTS[:2]
+    reports, _ = _contract(tmp_path, f"{h1}:2,{h2}:2", mode="sums")
+    assert [r["host"] for r in reports] == [h1, h1, h2, h2]
+    for r in reports:
+        assert r["diff"] <= 1e-5 and r["pieces"] > 0, r
+    assert len({r["hash"] for r in reports}) == 1, reports
+
+
 # ------------------------------------------------------------------ losing a host
 
 def _children():

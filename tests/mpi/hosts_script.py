@@ -6,6 +6,7 @@
     python hosts_script.py pause SECONDS     # fit, then rank 0 alone busy SECONDS, then fit again
     python hosts_script.py resumable OUTDIR  # fit with checkpoints and resume=True (restarts)
     python hosts_script.py tables OUTDIR     # "table-row" tables against model.fit
+    python hosts_script.py sums OUTDIR       # replicas' sums through each host's window
 
 `contract`: every rank writes OUTDIR/rank-K.json with its host, its threads, the largest
 weight difference from plain `model.fit` (Adam) and, per step, how many gradient buckets
@@ -30,7 +31,7 @@ from hyparflow.engine import overlap  # noqa: E402
 import models  # noqa: E402
 
 MODE, TARGET = sys.argv[1], sys.argv[2]
-if MODE in ("contract", "tables"):
+if MODE in ("contract", "tables", "sums"):
     os.makedirs(TARGET, exist_ok=True)
 
 
@@ -221,5 +222,39 @@ def tables():
         json.dump(report, f)
 
 
+def sums():
+    """Replicas only, by default settings: gradients of 64 KB and more are summed in each
+    host's shared window, then only slices cross (engine/shm.py), Adam, against
+    model.fit. Every rank writes OUTDIR/rank-K.json with its host, the weight
+    difference, the pieces it summed through a window and its weights' bytes' hash."""
+    import hashlib
+
+    from hyparflow.engine import shm
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((64,))
+        h = keras.layers.Dense(512, activation="relu")(inp)   # a 128 KB kernel
+        h = keras.layers.Dense(128, activation="relu")(h)
+        model = keras.Model(inp, keras.layers.Dense(4)(h))
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        return model
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(128, 64)).astype("float32"), rng.normal(size=(128, 4)).astype("float32")
+    reference = build()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    before = shm.used()
+    hf.fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    weights = model.get_weights()
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(weights, reference.get_weights()))
+    report = {"rank": hf.rank(), "host": socket.gethostname(), "diff": diff,
+              "pieces": shm.used() - before,
+              "hash": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()}
+    with open(os.path.join(TARGET, f"rank-{hf.rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
 {"contract": contract, "tables": tables, "long": long, "busy": lambda: long(busy=True), "pause": pause,
- "resumable": resumable}[MODE]()
+ "resumable": resumable, "sums": sums}[MODE]()
