@@ -65,18 +65,19 @@ class LayerGraph:
     output_names: List[str] = field(default_factory=list)
 
     @cached_property
-    def sharing(self) -> Tuple[Dict[int, int], Dict[int, List[Any]]]:
-        """(calls, holders): how many nodes call each operation, and the operations
-        holding each variable (in node order), both by id. Once per graph: Keras's
-        `weights` walks every sublayer, and asking it per pair of nodes made the
-        planner's search quadratic in the layers."""
+    def sharing(self) -> Tuple[Dict[int, int], Dict[int, List[int]]]:
+        """(calls, holders): how many nodes call each operation (by its id), and for
+        each variable (by id) the nodes whose operations hold it, each operation's
+        first call, in order. Once per graph: Keras's `weights` walks every sublayer,
+        and asking it per pair of nodes made the planner's search quadratic in the
+        layers."""
         calls: Dict[int, int] = {}
-        holders: Dict[int, List[Any]] = {}
+        holders: Dict[int, List[int]] = {}
         for node in self.nodes:
             calls[id(node.op)] = calls.get(id(node.op), 0) + 1
             if calls[id(node.op)] == 1:
                 for v in getattr(node.op, "weights", ()):
-                    holders.setdefault(id(v), []).append(node.op)
+                    holders.setdefault(id(v), []).append(node.index)
         return calls, holders
 
     def variables_of(self, node_indices: Iterable[int], trainable: bool) -> List[Any]:

@@ -89,7 +89,8 @@ VARIABLES = (
              "`1`: each replica steps its share of the rows and keeps only that share's "
              "optimizer state (ZeRO stage 1) whenever the optimizer allows; `0`: every "
              "replica steps the whole optimizer"),
-    Variable("HYPARFLOW_SHARED_SUMS", "auto (where a node holds more than 2 ranks of a sum, or 2 and the sum spans nodes)",
+    Variable("HYPARFLOW_SHARED_SUMS",
+             "auto (where a node holds more than 2 ranks of a sum, or 2 and the sum spans nodes)",
              "`1`: large gradient sums between ranks of one node go through a shared-memory "
              "window (across nodes only slices travel); `0`: always as MPI messages"),
     Variable("HYPARFLOW_SPARSE", "1",

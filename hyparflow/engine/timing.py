@@ -13,18 +13,17 @@ __all__ = ["example", "time"]
 def example(stage, batch):
     """Random inputs of `batch` samples for this stage, and ones as its floating
     outputs' gradients (a dimension left open as `graph.sized` fills it)."""
-    def shaped(shape):
-        return sized(shape, batch)
-
     tensors = stage.graph.tensors
-    inputs = [tf.random.normal(shaped(tensors[t].shape), dtype=tf.as_dtype(tensors[t].dtype))
-              if tensors[t].floating else tf.zeros(shaped(tensors[t].shape),
+    inputs = [tf.random.normal(sized(tensors[t].shape, batch),
+                               dtype=tf.as_dtype(tensors[t].dtype))
+              if tensors[t].floating else tf.zeros(sized(tensors[t].shape, batch),
                                                    tf.as_dtype(tensors[t].dtype))
               for t in stage.input_ids]
-    inputs += [tf.ones(shaped(tensors[t].mask), tf.bool) for t in stage.mask_ids]
-    seeds = {t: np.ones(shaped(tensors[t].shape), np.float32)
+    inputs += [tf.ones(sized(tensors[t].mask, batch), tf.bool) for t in stage.mask_ids]
+    seeds = {t: np.ones(sized(tensors[t].shape, batch), np.float32)
              for t in stage.output_ids if tensors[t].floating}
     return inputs, seeds
+
 
 def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
     """(forward, backward) seconds of one microbatch of `batch` random samples, as

@@ -49,11 +49,11 @@ def why_not(graph, i, num_tensor, kind=None):
     calls, holders = graph.sharing
     if calls.get(id(op)) != 1:
         return "the layer is called more than once (shared weights)"
-    others = [o for v in kind.weights(op) for o in holders.get(id(v), ()) if o is not op]
+    others = [j for v in kind.weights(op) for j in holders.get(id(v), ())
+              if graph.nodes[j].op is not op]
     if others:
-        first = min(others, key=lambda o: next(n.index for n in graph.nodes if n.op is o))
-        return (f"its weights are also used by layer {first.name!r} (tied weights), "
-                "which would need the whole of them")
+        return (f"its weights are also used by layer {graph.nodes[min(others)].op.name!r} "
+                "(tied weights), which would need the whole of them")
     return kind.why_not(op, num_tensor)
 
 
