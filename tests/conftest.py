@@ -14,6 +14,12 @@ sys.path[:0] = [TESTS] if TESTS not in sys.path else []
 sys.path += [os.path.join(TESTS, d) for d in sorted(os.listdir(TESTS))
              if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith(("_", "."))]
 
+# Every process a test starts leaves out what Keras imports only because it is
+# installed (tests/_lean/sitecustomize.py): 2 s of a core per rank.
+LEAN = os.path.join(TESTS, "_lean")
+if LEAN not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [LEAN, os.environ.get("PYTHONPATH")]))
+
 os.environ.setdefault("HYPARFLOW_TIMEOUT", "120")
 # Thread-ranks wait for each other inside compiled functions (tensor parallelism):
 # each needs an inter-op thread of its own (9: the 3x3 mesh's ranks; with 8, the ninth
