@@ -227,7 +227,9 @@ def build_compiled(model, graph, data, rows=None):
         x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
     else:
         x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
-    y_pred = _compat.compute_output_spec(model, x_arg, training=False)
+    y_pred = _outputs(model, graph.functional, x_sym, rows)
+    if y_pred is None:
+        y_pred = _compat.compute_output_spec(model, x_arg, training=False)
     y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
         y_sym[0] if len(y_sym) == 1 else y_sym)
     loss = _compat.compile_loss(model)
@@ -237,6 +239,27 @@ def build_compiled(model, graph, data, rows=None):
     if metrics is not None and not metrics.built:
         _compat.compute_output_spec(lambda a, b, c: metrics.update_state(a, b, sample_weight=c),
                                     y_true, y_pred, sw_sym)
+
+
+def _outputs(model, functional, x_sym, rows):
+    """What the model returns on `x_sym`, read off a functional graph whose outputs are
+    static past the batch and whose inputs take the data as it is: tracing the whole
+    model symbolically on every rank costs seconds on a deep model. None otherwise
+    (the trace then gives the shapes the data makes, or Keras's error for data that
+    does not fit), and for a model whose own `call` replaces the graph's."""
+    if functional is None or _compat.overrider(model, "call") is not None:
+        return None
+    inputs = _compat.tree.flatten(_compat.input_structure(functional))
+    outputs = _compat.tree.flatten(_compat.output_structure(functional))
+    if len(inputs) != len(x_sym) or any(
+            len(i.shape) != len(x.shape) or any(a is not None and a != b
+                                                for a, b in zip(i.shape[1:], x.shape[1:]))
+            for i, x in zip(inputs, x_sym)):
+        return None
+    if any(d is None for o in outputs for d in o.shape[1:]):
+        return None
+    return _compat.pack_outputs(functional, [_compat.symbolic((rows,) + tuple(o.shape[1:]),
+                                                              o.dtype) for o in outputs])
 
 
 def check_model(model, sample):
