@@ -150,7 +150,8 @@ def loss_scale_refusal(num_stages, num_tensor=1, num_replicas=1):
 def check_parted(optimizer, holders, fix):
     """Refuse what needs whole variables when `holders` (who holds the parts, a
     phrase) step their parts apart: clipnorm (a whole variable's gradient's norm;
-    global_clipnorm's one norm is summed over the ranks, `engine.clipping`), Adafactor and Muon (matrix-wise updates). `fix`: the option that avoids it.
+    global_clipnorm's one norm is summed over the ranks, `engine.clipping`), Adafactor
+    and Muon (matrix-wise updates). `fix`: the option that avoids it.
     One list for every kind that parts a variable (tensor splits, sharded tables)."""
     if getattr(optimizer, "clipnorm", None):
         raise NotImplementedError(
