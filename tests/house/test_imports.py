@@ -259,3 +259,21 @@ def test_every_module_is_under_500_lines():
     long = {name: n for name, path in _modules().items()
             if (n := len(path.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_processes_the_tests_start_import_what_they_use():
+    """tests/_lean: a process a test starts imports no scikit-learn, SciPy or matplotlib
+    for Keras (which imports them only because they are installed), and still gets them
+    when it asks itself (a digits example, hyparflow's trace picture)."""
+    import os
+
+    assert os.path.join("tests", "_lean") in os.environ["PYTHONPATH"]
+    code = ("import sys, keras\n"
+            "assert not {'sklearn', 'matplotlib'} & set(sys.modules), sorted(sys.modules)\n"
+            "assert keras.wrappers.SKLearnClassifier\n"
+            "from sklearn.datasets import load_digits\n"
+            "import matplotlib.pyplot\n"
+            "print(load_digits().data.shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "(1797, 64)", out.stderr[-3000:]
