@@ -9,8 +9,8 @@ from typing import Iterator, List, Optional
 from . import settings
 
 __all__ = ["run_as_module", "quiet_tensorflow", "threads_per_rank", "configure_threads",
-           "local_ranks", "start_tensorflow", "oversubscribed", "derive_threads", "cpu_quota", "my_cores",
-           "threads_source", "configured_threads"]
+           "local_ranks", "start_tensorflow", "oversubscribed", "derive_threads", "cpu_quota",
+           "my_cores", "threads_source", "configured_threads"]
 
 
 def run_as_module(argv: Optional[List[str]] = None) -> bool:

@@ -224,12 +224,13 @@ def build_compiled(model, graph, data, rows=None):
         sw_sym = leaves[0] if not data.per_output else (
             _compat.pack_outputs(graph.functional, leaves) if graph.functional is not None
             else leaves)
-    if graph.functional is not None:
-        x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), x_sym)
-    else:
-        x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
     y_pred = _outputs(model, graph.functional, x_sym, rows)
-    if y_pred is None:
+    if y_pred is None:   # traced: the inputs in the structure the model takes
+        if graph.functional is not None:
+            x_arg = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional),
+                                                  x_sym)
+        else:
+            x_arg = x_sym[0] if len(x_sym) == 1 else x_sym
         y_pred = _compat.compute_output_spec(model, x_arg, training=False)
     y_true = _compat.pack_outputs(graph.functional, y_sym) if graph.functional is not None else (
         y_sym[0] if len(y_sym) == 1 else y_sym)
