@@ -1,5 +1,6 @@
 """1F1B, eager vs compiled, recomputation and the timeline keep the numerical contract."""
 
+import functools
 import json
 
 import pytest
@@ -11,6 +12,11 @@ from test_rules import bn_data, bn_model
 
 
 
+@functools.cache  # one plain Keras run for every option and layout below (tests only read it)
+def skip_cnn_reference():
+    return reference(models.skip_cnn, *models.skip_cnn_data(), epochs=2)
+
+
 @pytest.mark.parametrize("options", [
     {"schedule": "1f1b"},
     {"schedule": "1f1b", "recompute": True},
@@ -20,7 +26,7 @@ from test_rules import bn_data, bn_model
 @pytest.mark.parametrize("config", [(3, 1, 4), (2, 2, 2)])
 def test_options_give_plain_keras_weights(options, config):
     x, y = models.skip_cnn_data()
-    start, expected, _ = reference(models.skip_cnn, x, y, epochs=2)
+    start, expected, _ = skip_cnn_reference()
     s, r, m = config
     results = train_ranks(models.skip_cnn, x, y, num_stages=s, num_replicas=r, num_microbatches=m,
                           weights=start, batch_size=16, epochs=2, shuffle=False,
@@ -30,7 +36,7 @@ def test_options_give_plain_keras_weights(options, config):
 
 def test_gpipe_and_1f1b_accumulate_in_the_same_order():
     x, y = models.mlp_data()
-    start, _, _ = reference(models.mlp, x, y, epochs=2)
+    start = models.mlp().get_weights()
     runs = [train_ranks(models.mlp, x, y, num_stages=3, num_replicas=1, num_microbatches=4,
                         weights=start, batch_size=16, epochs=2, shuffle=False, schedule=s)[0][0]
             for s in ("gpipe", "1f1b")]
@@ -48,7 +54,7 @@ def test_recompute_updates_batchnorm_statistics_once():
 
 def test_trace_records_every_action_on_every_rank(tmp_path):
     x, y = models.mlp_data(64)
-    start, _, _ = reference(models.mlp, x, y, epochs=2)
+    start = models.mlp().get_weights()
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=2, num_replicas=2, num_microbatches=4,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path),
@@ -73,7 +79,7 @@ def test_trace_command_prints_the_bubble_and_draws(tmp_path, capsys):
     from hyparflow import cli
 
     x, y = models.mlp_data(64)
-    start, _, _ = reference(models.mlp, x, y, epochs=2)
+    start = models.mlp().get_weights()
     path = tmp_path / "run.json"
     train_ranks(models.mlp, x, y, num_stages=2, num_replicas=1, num_microbatches=4,
                 weights=start, batch_size=16, epochs=1, shuffle=False, trace=str(path))

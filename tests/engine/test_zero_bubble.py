@@ -3,6 +3,8 @@ against plain Keras `model.fit`: BatchNorm, a kernel regulariser and a layer cal
 twice (kernels B computes), deferred Dense kernels (W computes), Adam, recompute,
 replicas, tensor splits and tied embeddings."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -41,6 +43,7 @@ def data(n=64):
     return rng.normal(size=(n, 10)).astype("float32"), rng.integers(0, 3, n)
 
 
+@functools.cache  # layouts of one microbatch count share it (tests only read it)
 def fit_reference(optimizer, micro, bn=True):
     """Plain Keras: batches of one microbatch, one step per `micro` of them."""
     start, end, _ = reference(lambda: build(optimizer, micro if micro > 1 else None, bn),

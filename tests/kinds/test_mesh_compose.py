@@ -3,6 +3,8 @@ pipeline stages under the split-backward schedules, recompute, and checkpoints
 resumed into the 1D layout and back; every case against plain `model.fit` on one
 process (the MLP of test_mesh.py, one epoch of 2 batches)."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,11 @@ def fit_ranks(build, x, y, start, ranks, **kwargs):
     return run_ranks(ranks, body, timeout=300)
 
 
+@functools.cache  # one plain Keras run per optimizer for every case (tests only read it)
+def fit_reference(optimizer):
+    return reference(lambda: mlp(optimizer), *data(), epochs=1, batch_size=16)
+
+
 @pytest.mark.parametrize("optimizer, ranks, layout", [
     ("sgd", 8, dict(num_replicas=2, num_microbatches=2)),
     # recompute: every backward replays its forward's exchanges (no F and B fused).
@@ -44,7 +51,7 @@ def fit_ranks(build, x, y, start, ranks, **kwargs):
 def test_the_mesh_composes_and_trains_as_model_fit(optimizer, ranks, layout):
     x, y = data()
     build = lambda: mlp(optimizer)  # noqa: E731
-    start, want, _ = reference(build, x, y, epochs=1, batch_size=16)
+    start, want, _ = fit_reference(optimizer)
     for weights, _ in fit_ranks(build, x, y, start, ranks, **MESH, **layout):
         assert max_diff(weights, want) < 2e-5
 
@@ -55,7 +62,7 @@ def test_zero_over_replicas_of_the_mesh(monkeypatch):
     the state of the layers outside the mesh (the head) is held once over the two."""
     x, y = data()
     build = lambda: mlp("adam")  # noqa: E731
-    start, want, _ = reference(build, x, y, epochs=1, batch_size=16)
+    start, want, _ = fit_reference("adam")
     alone = [s for _, s in fit_ranks(build, x, y, start, 4, num_microbatches=2, **MESH)]
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
     got = fit_ranks(build, x, y, start, 8, num_replicas=2, num_microbatches=2, **MESH)
