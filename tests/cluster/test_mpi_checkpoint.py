@@ -31,7 +31,7 @@ def wait_for_step(tmp, tag, step, proc, timeout=240):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         files = glob.glob(str(tmp / f"progress-{tag}" / "step-*"))
-        steps = [int(open(f).read() or 0) for f in files]
+        steps = [int(open(f).read()) for f in files]
         if steps and min(steps) >= step:
             return
         assert proc.poll() is None, proc.communicate()

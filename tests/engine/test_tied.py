@@ -2,6 +2,7 @@
 causal attention, sequences of any length, the embedding's matrix used on the first
 and the last stage. Against plain Keras, with Adam."""
 
+import functools
 import os
 import sys
 
@@ -37,14 +38,21 @@ class Copies(keras.callbacks.Callback):
         self.seen.append(self.model.get_layer("token_embedding").embeddings.numpy().copy())
 
 
+@functools.cache  # one plain Keras run for every stage count (tests only read it)
+def fit_reference(samples, epochs):
+    """The weights before and after `model.fit` on the first `samples` windows."""
+    x, y = data()
+    model = build()
+    start = model.get_weights()
+    model.fit(x[:samples], y[:samples], batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    return start, model.get_weights()
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_tied_embeddings_across_stages(stages):
     x, y = data()
     x, y = x[:96], y[:96]
-    model = build()
-    start = model.get_weights()
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    expected = model.get_weights()
+    start, expected = fit_reference(96, 2)
     copies = [Copies() for _ in range(stages)]
     from hyparflow.engine.local import run_ranks
 

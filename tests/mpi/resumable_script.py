@@ -26,8 +26,12 @@ class Progress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(0.05)
-        with open(os.path.join(progress, f"step-{hf.rank()}"), "w") as f:
+        # Written whole or not at all: a rank killed while writing (mpiexec ends the
+        # others when one dies) must not leave an empty file for the test to read.
+        part = os.path.join(progress, f".step-{hf.rank()}")  # outside the tests' "step-*"
+        with open(part, "w") as f:
             f.write(str(int(self.model.optimizer.iterations.numpy())))
+        os.replace(part, os.path.join(progress, f"step-{hf.rank()}"))
 
 
 keras.utils.set_random_seed(0)
