@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import max_diff, train_ranks
+from conftest import max_diff, reference, train_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
@@ -42,10 +42,8 @@ class Copies(keras.callbacks.Callback):
 def fit_reference(samples, epochs):
     """The weights before and after `model.fit` on the first `samples` windows."""
     x, y = data()
-    model = build()
-    start = model.get_weights()
-    model.fit(x[:samples], y[:samples], batch_size=32, epochs=epochs, shuffle=False, verbose=0)
-    return start, model.get_weights()
+    start, end, _ = reference(build, x[:samples], y[:samples], epochs=epochs, batch_size=32)
+    return start, end
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
