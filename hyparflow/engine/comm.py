@@ -146,6 +146,11 @@ class Communicator:
         """Start an in-place sum; returns a request (`test()`), done when `buf` holds it."""
         self.allreduce(buf)
         return _Done()
+    def window(self, buf: Buffer) -> Optional[Shared]:
+        """The shared-memory window sums of `buf` go through (`engine.shm`; MPI
+        processes of one node only), or None: messages."""
+        return None
+
     def iallgatherv(self, send: Buffer, recv: Buffer, counts: Sequence[int]) -> Request:
         """Start gathering every rank's 1-D `send` (`counts[p]` values from rank p) into
         `recv`, in rank order; returns a request (`test()`)."""
@@ -313,18 +318,26 @@ class MPICommunicator(Communicator):
     def iallreduce(self, buf: Buffer) -> Request:
         if self.size == 1:
             return _Done()
-        if (self.shareable and buf.nbytes >= SHM_BYTES and buf.flags.c_contiguous
-                and buf.dtype in (np.float32, np.float64)):
-            if self.sums is None:
-                self._shared, self.sums = attach(
-                    self.comm, lambda test, what: poll(test, timeout_seconds(), what, self.spin),
-                    self._cross, self.node_of)
-            if self._shared is not None:
-                return self._shared.iallreduce(buf)
+        shared = self.window(buf)
+        if shared is not None:
+            return shared.iallreduce(buf)
         if buf.nbytes >= RING_BYTES and buf.size >= self.size:
             self._rings = (getattr(self, "_rings", 0) + 1) % 4096
             return _RingAllreduce(self.comm, buf, self.tag_ub - 1 - self._rings)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), buf)
+
+    def window(self, buf: Buffer) -> Optional[Shared]:
+        """The shared window a sum of `buf` goes through, or None (messages): float32
+        or float64, contiguous, of at least `SHM_BYTES`. Made at the first such call,
+        which is collective (every rank makes it at the same point)."""
+        if not (self.shareable and buf.nbytes >= SHM_BYTES and buf.flags.c_contiguous
+                and buf.dtype in (np.float32, np.float64)):
+            return None
+        if self.sums is None:
+            self._shared, self.sums = attach(
+                self.comm, lambda test, what: poll(test, timeout_seconds(), what, self.spin),
+                self._cross, self.node_of)
+        return self._shared
 
     @staticmethod
     def _cross(comm: Any) -> "MPICommunicator":

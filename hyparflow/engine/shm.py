@@ -30,7 +30,7 @@ HYPARFLOW_SHARED_SUMS=1); otherwise, or where the window cannot be made, the mes
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,8 @@ from .. import settings
 __all__ = ["SHM_BYTES", "Shared", "attach", "used"]
 
 Buffer = npt.NDArray[Any]
+# (first, end, the rank that adds it, whether the sum reaches every rank)
+Range = Tuple[int, int, int, bool]
 
 SHM_BYTES = 64 << 10   # sums of at least this many bytes go through the window
 CAPACITY = 16 << 20    # bytes of each rank's data area (larger sums go in pieces)
@@ -104,7 +106,25 @@ class Shared:
         self.win.Sync()
 
     def iallreduce(self, buf: Buffer) -> "_Sum":
-        request = _Sum(self, buf.reshape(-1))
+        """Start an in-place sum of `buf` over the ranks; a request (`test()`)."""
+        return self._queue(_Sum(self, buf.reshape(-1)))
+
+    def ireduce(self, buf: Buffer, ranges: Sequence[Range]) -> "_Sum":
+        """Start a sum of parts of the 1-D `buf`: for each (start, end, rank, every)
+        of `ranges` (disjoint), `rank` adds [start, end) over the ranks, in rank
+        order, into its `buf`; with `every` the sum reaches every rank's `buf` too.
+        Elements in no range are left as they are. On one node only (`cross` None)."""
+        assert self.cross is None, "ranges are summed on one node only"
+        return self._queue(_Sum(self, buf, list(ranges)))
+
+    def igather(self, buf: Buffer, ranges: Sequence[Tuple[int, int, int]]) -> "_Sum":
+        """Start handing out parts of the 1-D `buf`: each (start, end, rank) of
+        `ranges` goes from `rank`'s `buf` to every other rank's. On one node only."""
+        assert self.cross is None, "ranges are handed out on one node only"
+        return self._queue(_Sum(self, buf, [(a, b, r, True) for a, b, r in ranges],
+                                add=False))
+
+    def _queue(self, request: "_Sum") -> "_Sum":
         self.queue.append(request)
         self.advance()
         return request
@@ -133,54 +153,66 @@ class Shared:
 
 
 class _Sum:
-    """One in-place sum through the window (a request: `test()` advances it)."""
+    """One operation through the window, piece by piece (a request: `test()` advances
+    it): a sum of the whole buffer (`ranges` None: rank i adds the i-th of n equal
+    slices, and every rank gets every slice), a sum of `ranges` (`Shared.ireduce`),
+    or, with `add` false, `ranges` handed out by the ranks that hold them."""
 
-    def __init__(self, shared: Shared, buf: Buffer) -> None:
-        self.shared, self.buf = shared, buf
-        width = buf.itemsize
-        per = shared.capacity // width
+    def __init__(self, shared: Shared, buf: Buffer, ranges: Optional[List[Range]] = None,
+                 add: bool = True) -> None:
+        self.shared, self.buf, self.ranges, self.add = shared, buf, ranges, add
+        per = shared.capacity // buf.itemsize
         self.pieces = [(a, min(a + per, buf.size)) for a in range(0, buf.size, per)]
-        self.piece, self.state, self.done = 0, 0, False
+        self.piece, self.state, self.done = 0, 0, not self.pieces
         self.seq = 0
         self.cross_req: Any = None
+        self.cut: List[Range] = []
 
     def test(self) -> bool:
         if not self.done:
             self.shared.advance()
         return self.done
 
+    def _cut(self, a: int, b: int) -> List[Range]:
+        """The ranges of piece [a, b), from its start."""
+        if self.ranges is None:
+            return [(lo, hi, r, True) for r, (lo, hi) in enumerate(_bounds(b - a, self.shared.size))]
+        return [(max(lo, a) - a, min(hi, b) - a, r, every) for lo, hi, r, every in self.ranges
+                if lo < b and hi > a]
+
     def step(self) -> bool:
-        """Advance while nothing waits for a peer; true once the whole buffer is summed."""
+        """Advance while nothing waits for a peer; true once the whole buffer is done."""
         s = self.shared
         while not self.done:
             a, b = self.pieces[self.piece]
             m = b - a
-            slices = _bounds(m, s.size)
-            lo, hi = slices[s.rank]
             data = [d.view(self.buf.dtype)[:m] for d in s.datas] if self.state else []
             if self.state == 0:
                 # The previous piece's readers are done with every segment.
                 if not s.all_reached(DONE, s.seq):
                     return False
                 self.seq = s.seq + 1
+                self.cut = self._cut(a, b)
                 mine = s.datas[s.rank].view(self.buf.dtype)[:m]
-                np.copyto(mine, self.buf[a:b])
+                if self.add:
+                    np.copyto(mine, self.buf[a:b])
+                else:   # only what this rank hands out
+                    for lo, hi, r, _ in self.cut:
+                        if r == s.rank:
+                            np.copyto(mine[lo:hi], self.buf[a + lo:a + hi])
                 s.publish(WRITTEN, self.seq)
                 self.state = 1
+                if not self.add:   # nothing to add: straight to the copies
+                    s.publish(SUMMED, self.seq)
+                    self.state = 3
             elif self.state == 1:
                 if not s.all_reached(WRITTEN, self.seq):
                     return False
-                # Added straight into this rank's own slot (its slice there is read by
-                # no other rank), in local rank order: the same bits on every rank.
-                terms = [d[lo:hi] for d in data]
-                acc = terms[s.rank]
-                if s.rank >= 2:   # overwritten by the first addition, added later
-                    terms[s.rank] = acc.copy()
-                np.add(terms[0], terms[1], out=acc)
-                for term in terms[2:]:
-                    np.add(acc, term, out=acc)
-                if s.cross is not None:   # every cross rank has a slice (sizes agree)
-                    self.cross_req = s.cross.iallreduce(acc)
+                for lo, hi, r, _ in self.cut:
+                    if r == s.rank:
+                        acc = _add(data, s.rank, lo, hi)
+                        if s.cross is not None:   # one slice per rank; sizes agree
+                            self.cross_req = s.cross.iallreduce(acc)
                 self.state = 2
             elif self.state == 2:
                 if self.cross_req is not None:
@@ -192,8 +224,9 @@ class _Sum:
             else:
                 if not s.all_reached(SUMMED, self.seq):
                     return False
-                for j, (l2, h2) in enumerate(slices):
-                    np.copyto(self.buf[a + l2:a + h2], data[j][l2:h2])
+                for lo, hi, r, every in self.cut:
+                    if (every and r != s.rank) or (self.add and r == s.rank):
+                        np.copyto(self.buf[a + lo:a + hi], data[r][lo:hi])
                 s.seq = self.seq
                 s.publish(DONE, self.seq)
                 _USED[0] += 1
@@ -201,6 +234,19 @@ class _Sum:
                 self.piece += 1
                 self.done = self.piece == len(self.pieces)
         return True
+
+
+def _add(data: List[Buffer], rank: int, lo: int, hi: int) -> Buffer:
+    """[lo, hi) of every segment added, in local rank order, straight into `rank`'s own
+    segment (read there by no other rank): the same bits whichever rank adds."""
+    terms = [d[lo:hi] for d in data]
+    acc = terms[rank]
+    if rank >= 2:   # overwritten by the first addition, added later
+        terms[rank] = acc.copy()
+    np.add(terms[0], terms[1], out=acc)
+    for term in terms[2:]:
+        np.add(acc, term, out=acc)
+    return acc
 
 
 def why_not(sizes: List[int]) -> Optional[str]:

@@ -15,6 +15,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from hyparflow.engine import shm  # noqa: E402
+
 SIZE = MPI.COMM_WORLD.Get_size()
 
 
@@ -51,7 +53,12 @@ def data(kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["wide", "table"])
 def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
+    """Two ranks: the owners' sums and the new rows through the shared window (forced:
+    by default two ranks of a node take messages); four: R=4 through the window (its
+    default there), S=2 x R=2 as messages."""
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
+    if SIZE == 2:
+        monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     build = wide_adam if kind == "wide" else table_adam
     x, y = data(kind)
     reference = build()
@@ -62,14 +69,42 @@ def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
     for s, r, m in layouts:
         model = build()
         model.set_weights(start)
+        before = shm.used()
         hf.fit(model, x, y, batch_size=16, epochs=2, num_stages=s, num_replicas=r,
                num_microbatches=m, shuffle=False, verbose=0)
+        windowed = shm.used() > before
         diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
         # Each rank held only its share of Adam's moments.
         slots = sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
         whole = 2 * sum(int(np.prod(v.shape)) for v in model.weights)
         if hf.is_main():
             print(f"\nzero {kind} (S,R,M)={(s, r, m)} max weight difference {diff:.3g}, "
-                  f"slots {slots} of {whole}")
+                  f"slots {slots} of {whole}, shared window {windowed}")
         assert diff <= 1e-5, f"{kind} (S,R,M)={(s, r, m)}: {diff}"
         assert slots < whole / s, (slots, whole)
+        assert windowed == (SIZE == 2 or r > 2), (s, r, windowed)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", [dict(num_stages=2, num_replicas=2, num_microbatches=2),
+                                    dict(num_tensor=2, num_replicas=2)])
+def test_sharded_step_through_the_window_with_stages_or_tensor_ranks(layout, monkeypatch):
+    """Pairs of replicas of a pipeline stage, or of tensor ranks, sum through their
+    window (forced: two per group): the split layers' parts are summed whole there
+    (every rank gets them), the rest by owner."""
+    monkeypatch.setenv("HYPARFLOW_ZERO", "1")
+    monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
+    x, y = data("wide")
+    reference = wide_adam()
+    start = reference.get_weights()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = wide_adam()
+    model.set_weights(start)
+    before = shm.used()
+    hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, **layout)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(),
+                                                          reference.get_weights()))
+    if hf.is_main():
+        print(f"\nzero through the window {layout}: max weight difference {diff:.3g}")
+    assert diff <= 1e-5, (layout, diff)
+    assert shm.used() > before

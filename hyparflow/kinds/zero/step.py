@@ -1,133 +1,13 @@
-"""ZeRO stage 1: the replicas of a stage share out the optimizer step and its state.
-
-Without it every replica sums the gradients (an allreduce), then steps the
-optimizer for every variable, each holding the whole optimizer state. Here each
-variable that a group of ranks sums is cut by rows (its first axis) into one
-part per rank, so that every rank owns about 1/R of the group's elements
-(balanced over the variables in the model's order, cut only at row boundaries:
-most variables have one owner, at most R - 1 are cut between two). A step:
-
-1. reduce to the owner: each rank sends the rows it does not own to their
-   owner (point-to-point, from the gradient buffers without a copy); the owner
-   adds the R contributions in rank order (started per bucket, as the
-   allreduces were, so they can start inside the backward);
-2. the owner steps the Keras optimizer for its parts only: the optimizer is
-   built on part variables (named as the variables, so its slots carry the
-   same names), so its state per rank divides by R;
-3. the owner sends its parts' new values to the other ranks (into the gradient
-   buffers, which are free by then), and every rank assigns every variable.
-
-Bytes moved per rank are those of a ring allreduce ((R-1)/R of the gradients
-each way); the optimizer's work divides by R.
-
-The contract holds because the optimizers allowed are element-wise (`ALLOWED`):
-an element's update depends only on its own gradient, state and value, and on
-the iteration counter, which every rank advances once per step. A sparse
-(Embedding) gradient's (row, value) pairs are filtered to the owner's rows,
-keeping their order, so Adam & co. see the same pairs per row as in `model.fit`.
-Features that need a whole variable or all of them (clipnorm, global_clipnorm,
-constraints, gradient accumulation) fall back to the unsharded step (`why_not`).
-`use_ema` is element-wise too: each owner keeps the averages of its rows, and the
-end of `fit` (`Runtime.finalize_optimizer`) sends them out as a step's new values. Parts of layers split by tensor parallelism are stepped whole
-(they are already 1/T of the layer).
-"""
+"""One rank's share of ZeRO-1's step (`Zero`): the parts it owns, the optimizer
+stepped on them, the new rows handed out, and the optimizer state in checkpoints."""
 
 import contextlib
 
 import numpy as np
 
-from .. import settings
+from .reduce import SETTLE_TAG, Reduce, even, rows_of, tag
 
-__all__ = ["enabled", "pays", "why_not", "ownership", "Zero", "ALLOWED"]
-
-# Keras optimizers whose update is element-wise (their exact classes: a subclass
-# may override update_step).
-ALLOWED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Lion")
-
-
-
-SETTLE_TAG = 999  # below every variable's tags
-
-
-def _tag(index, phase):
-    """The tag of variable number `index` of its group in `phase` (0: reduce, 1: gather):
-    one message per variable, pair of ranks and phase in a step, so no two messages
-    that may be in flight at once share a tag (thread ranks match receives when they
-    are tested, not when posted). Below the tags of the ring allreduce (comm.py)."""
-    return 1000 + (2 * index) % 27000 + phase
-
-
-def enabled():
-    """HYPARFLOW_ZERO: True ("1") shard the optimizer step across replicas, False
-    ("0") do not, None ("auto", the default) where it `pays`."""
-    return settings.zero()
-
-
-def pays(stage, optimizer, ranks_on_node=1):
-    """Whether sharding is worth it for this stage by default. Its bytes moved are an
-    allreduce's, its gain the optimizer's work and state divided by R; the gather
-    costs a copy and an assignment of every variable. Measured (2 replicas on one
-    node, docs/performance.md): slower for an MLP (45 vs 40 ms a step) and ResNet-110
-    (200 vs 185 ms), faster where the optimizer steps far more than the gradients
-    move: an Embedding table, whose Adam step updates every row for the few rows a
-    batch looked up (75 vs 109 ms). Shared too when the whole optimizer state would
-    take more than 1/8 of a rank's share of the machine's memory."""
-    import keras
-
-    for i in stage.cut.nodes:
-        op = stage.graph.nodes[i].op
-        if isinstance(op, keras.layers.Embedding) and op.trainable:
-            return True
-    slots = max(1, len(getattr(optimizer, "variables", ())) // max(1, len(stage.trainable)))
-    state = sum(4 * int(np.prod(v.shape)) for v in stage.trainable) * (1 + max(slots, 2))
-    memory = _memory()
-    return bool(memory) and state > memory / max(1, ranks_on_node) / 8
-
-
-def _memory():
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def why_not(optimizer, variables):
-    """Why the optimizer step cannot be sharded by rows (a sentence), or None."""
-    import keras
-
-    cls = type(optimizer)
-    if not any(cls is getattr(keras.optimizers, name, None) for name in ALLOWED):
-        return (f"{cls.__name__} is not one of the element-wise Keras optimizers "
-                f"{', '.join(ALLOWED)}")
-    for name in ("clipnorm", "global_clipnorm"):
-        if getattr(optimizer, name, None):
-            return f"{name} needs the norm of whole gradients"
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        return "gradient_accumulation_steps keeps whole gradients"
-    for v in variables:
-        if getattr(v, "constraint", None) is not None:
-            return f"variable {v.path!r} has a constraint, applied to the whole variable"
-    return None
-
-
-def knows(optimizer, variables):
-    """Whether a built optimizer steps exactly these variables (among others)."""
-    known = {id(v) for v in getattr(optimizer, "_trainable_variables", ())}
-    return all(id(v) in known for v in variables)
-
-
-def check_knows(optimizer, variables):
-    """A clear error when a built optimizer was built for other variables."""
-    if knows(optimizer, variables):
-        return
-    raise ValueError(
-        "The model's optimizer was built for other variables by an earlier fit (another "
-        "num_tensor, tensor_shares, or number of replicas with the optimizer step sharded, "
-        "HYPARFLOW_ZERO). Compile the model again (model.compile(...)) to start a new "
-        "optimizer, or keep the earlier settings (a checkpoint carries the optimizer state "
-        "to any layout).")
+__all__ = ["VARIABLE_COST", "Zero", "ownership"]
 
 
 # What one variable costs in an optimizer step beyond its elements, counted in
@@ -160,10 +40,6 @@ def ownership(shapes, n, fixed=0):
     return out
 
 
-def _rows(x, a, b):
-    return x if np.ndim(x) == 0 else x[a:b]
-
-
 def _named_like(var, value):
     """A variable holding `value`, with `var`'s path (so its optimizer slots are
     named as `var`'s, which checkpoints read)."""
@@ -180,45 +56,6 @@ def _named_like(var, value):
             f"got {part.path!r}); call hyparflow.fit outside any keras.name_scope, or set "
             "HYPARFLOW_ZERO=0.")
     return part
-
-
-class _Reduce:
-    """The reduce-to-owner of one bucket (a request: `test()` advances it)."""
-
-    def __init__(self, zero, comm, bucket, flat):
-        self.done = False
-        n = len(bucket)
-        self.reqs = [comm.iallreduce(flat[len(flat) - n:])]  # one flag per variable
-        self.sums = []  # (own rows, {rank: received rows})
-        for k in bucket:
-            view = zero.stage.grads.view(k)
-            if k not in zero.parts:  # stepped whole (a tensor-split part): summed whole
-                self.reqs.append(comm.iallreduce(view.reshape(-1)))
-                continue
-            for r, a, b in zero.parts[k]:
-                rows = _rows(view, a, b)
-                if r == comm.rank:
-                    got = {p: zero.buffer(("reduce", k, a, b, p), rows.shape)
-                           for p in range(comm.size) if p != r}
-                    self.reqs += [comm.irecv(buf, p, _tag(zero.index[k], 0))
-                                  for p, buf in got.items()]
-                    got[r] = rows
-                    self.sums.append((rows, got))
-                else:
-                    self.reqs.append(comm.isend(rows, r, _tag(zero.index[k], 0)))
-
-    def test(self):
-        if self.done:
-            return True
-        self.reqs = [q for q in self.reqs if not q.test()]
-        if self.reqs:
-            return False
-        for rows, got in self.sums:
-            for p in sorted(got):  # the others' rows added to this rank's, in rank order
-                if got[p] is not rows:
-                    rows += got[p]
-        self.done = True
-        return True
 
 
 class Zero:
@@ -249,7 +86,7 @@ class Zero:
                     if r == comm.rank:
                         key = (id(var), a, b)
                         if key not in cache:
-                            cache[key] = _named_like(var, _rows(var.numpy(), a, b))
+                            cache[key] = _named_like(var, rows_of(var.numpy(), a, b))
                         self.mine.append((k, a, b, cache[key]))
         self.whole = [k for k in range(len(stage.trainable)) if k not in self.parts]
         self.variables = [p for *_, p in self.mine] + [stage.trainable[k] for k in self.whole]
@@ -269,12 +106,28 @@ class Zero:
         """Parts take their rows of the variables' current values (after the weights
         were broadcast, or restored from a checkpoint)."""
         for k, a, b, part in self.mine:
-            part.assign(_rows(self.stage.trainable[k].numpy(), a, b))
+            part.assign(rows_of(self.stage.trainable[k].numpy(), a, b))
 
     def start_reduce(self, comm, bucket, flat):
         """Start summing bucket `bucket` (its flat buffer `flat`, flags last) into
         the owners' rows; returns the request."""
-        return _Reduce(self, comm, bucket, flat)
+        return Reduce(self, comm, bucket, flat)
+
+    def ranges(self, comm, bucket, flat):
+        """The bucket's sums through a shared window (`Shared.ireduce`): each part's
+        rows on its owner only; variables stepped whole and the flags (last in
+        `flat`) in even runs, which every rank gets."""
+        out, whole = [], []
+        for k in bucket:
+            view = self.stage.grads.view(k)
+            at = (view.ctypes.data - flat.ctypes.data) // flat.itemsize
+            if k not in self.parts:
+                whole.append((at, at + view.size))
+                continue
+            width = view.size // view.shape[0] if view.ndim and view.shape[0] else 1
+            out += [(at + a * width, at + b * width, r, False) for r, a, b in self.parts[k]]
+        whole.append((flat.size - len(bucket), flat.size))
+        return out + [(a, b, r, True) for a, b, r in even(whole, comm.size)]
 
     # -- the step ---------------------------------------------------------------
 
@@ -295,9 +148,9 @@ class Zero:
                                      tf.convert_to_tensor(indices[keep] - a),
                                      tf.constant(tuple(part.shape), tf.int64))
             elif g is not None:
-                g = _rows(g, a, b)
+                g = rows_of(g, a, b)
             elif k in reduced:
-                g = _rows(reduced[k], a, b)
+                g = rows_of(reduced[k], a, b)
             grads.append(g)
         for k in self.whole:
             g = sparse.get(k)
@@ -319,7 +172,7 @@ class Zero:
         sparse = tuple(j for j, g in enumerate(gs) if isinstance(g, tf.IndexedSlices))
         key = (present, sparse)
         if key not in self._functions:
-            from ..engine.grads import compiled_step
+            from ...engine.grads import compiled_step
 
             self._functions[key] = compiled_step(self.optimizer, variables, sparse, self.eager)
         self._functions[key]([g if isinstance(g, tf.IndexedSlices) else
@@ -337,14 +190,16 @@ class Zero:
         (a scatter) turns TensorFlow's copy-on-read on, which copies the whole table
         at every read. One buffer for all, so that one function call assigns every
         variable (a call with a tensor per variable took 5 ms for ResNet-110's 330)."""
-        from ..engine.grads import aligned_empty
+        from ...engine.grads import aligned_empty
 
         if not hasattr(self, "_offsets"):
-            self._offsets, end = {}, 0
+            self._offsets, self._spans, end = {}, [], 0
             for _, positions in self.groups:
+                first = end
                 for j in positions:
                     self._offsets[j] = end
                     end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
+                self._spans.append((first, end))
             self._flat = [aligned_empty(end), aligned_empty(end)]
         var = self.stage.trainable[k]
         at = self._offsets[k]
@@ -355,20 +210,37 @@ class Zero:
         (`wait(requests)`: waits under the watchdog)."""
         owned = {(k, a, b): value for (k, a, b, _), value in zip(self.mine, self._read())}
         self._parity = 1 - getattr(self, "_parity", 1)
-        reqs = []
-        for comm, positions in self.groups:
+        reqs, messages = [], []
+        for g, (comm, positions) in enumerate(self.groups):
             for k in positions:
-                target = self._target(k)
+                self._target(k)
+            first, end = self._spans[g]
+            span = self._flat[self._parity][first:end]
+            # On one node, the new rows through the shared window: the owners write
+            # them, the others copy them out.
+            shared = comm.window(span)
+            through = shared is not None and shared.cross is None
+            ranges = []
+            for k in positions:
+                target, at = self._target(k), self._offsets[k] - first
+                width = target.size // target.shape[0] if target.ndim and target.shape[0] else 1
                 for r, a, b in self.parts[k]:
-                    rows = _rows(target, a, b)
+                    rows = rows_of(target, a, b)
                     if r == comm.rank:
                         rows[...] = owned[(k, a, b)]
-                        reqs += [comm.isend(rows, p, _tag(self.index[k], 1))
+                    if through:
+                        ranges.append((at + a * width, at + b * width, r))
+                    elif r == comm.rank:
+                        reqs += [comm.isend(rows, p, tag(self.index[k], 1))
                                  for p in range(comm.size) if p != r]
                     else:
-                        reqs.append(comm.irecv(rows, r, _tag(self.index[k], 1)))
+                        reqs.append(comm.irecv(rows, r, tag(self.index[k], 1)))
+            if through:
+                reqs.append(shared.igather(span, ranges))
+            else:
+                messages.append(comm)
         wait(reqs)
-        wait(self._settle())
+        wait(self._settle(messages))
         self._assign_all(_tensor(self._flat[self._parity]))
 
     def _compiled(self, name, body, signature=None):
@@ -399,7 +271,7 @@ class Zero:
 
         self._compiled("assign", assign, [tf.TensorSpec(flat.shape, tf.float32)])(flat)
 
-    def _settle(self):
+    def _settle(self, comms):
         """A token to and from every other rank of each group, posted after this
         rank's messages completed. MPICH completes a send only when the receiver's
         MPI has acknowledged it, and a receiver that has all it waited for may leave
@@ -408,7 +280,7 @@ class Zero:
         The token goes out behind them, so waiting for the others' tokens waits only
         until everyone's messages are through."""
         reqs = []
-        for comm, _ in self.groups:
+        for comm in comms:
             token = self.buffer(("token", id(comm)), (comm.size,))
             for p in range(comm.size):
                 if p != comm.rank:
@@ -450,11 +322,11 @@ class Zero:
 
     def slicers(self, names):
         """{id(optimizer variable): whole value -> this rank's rows}, for restoring."""
-        return {id(var): (lambda value, a=a, b=b: _rows(value, a, b))
+        return {id(var): (lambda value, a=a, b=b: rows_of(value, a, b))
                 for var, _, a, b, _ in self._part_slots(names)}
 
 
 def _tensor(array):
-    from ..engine.grads import as_tensor
+    from ...engine.grads import as_tensor
 
     return as_tensor(array) if isinstance(array, np.ndarray) else array
