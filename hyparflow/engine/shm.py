@@ -214,6 +214,13 @@ class _Sum:
                         if s.cross is not None:   # one slice per rank; sizes agree
                             self.cross_req = s.cross.iallreduce(acc)
                 self.state = 2
+                if not any(every for *_, every in self.cut):
+                    # Only the owners want their sums (ZeRO): no rank copies from
+                    # another's slot, so no third phase.
+                    for lo, hi, r, _ in self.cut:
+                        if r == s.rank:
+                            np.copyto(self.buf[a + lo:a + hi], data[r][lo:hi])
+                    self._next()
             elif self.state == 2:
                 if self.cross_req is not None:
                     if not self.cross_req.test():
@@ -227,13 +234,17 @@ class _Sum:
                 for lo, hi, r, every in self.cut:
                     if (every and r != s.rank) or (self.add and r == s.rank):
                         np.copyto(self.buf[a + lo:a + hi], data[r][lo:hi])
-                s.seq = self.seq
-                s.publish(DONE, self.seq)
-                _USED[0] += 1
-                self.state = 0
-                self.piece += 1
-                self.done = self.piece == len(self.pieces)
+                self._next()
         return True
+
+    def _next(self) -> None:
+        """This rank is done with the others' slots for this piece: the next one."""
+        self.shared.seq = self.seq
+        self.shared.publish(DONE, self.seq)
+        _USED[0] += 1
+        self.state = 0
+        self.piece += 1
+        self.done = self.piece == len(self.pieces)
 
 
 def _add(data: List[Buffer], rank: int, lo: int, hi: int) -> Buffer:

@@ -53,20 +53,19 @@ def data(kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["wide", "table"])
 def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
-    """Two ranks: the owners' sums and the new rows through the shared window (forced:
-    by default two ranks of a node take messages); four: R=4 through the window (its
-    default there), S=2 x R=2 as messages."""
+    """As messages to the owners (the default), and at two ranks through the node's
+    shared window too (HYPARFLOW_SHARED_SUMS=1)."""
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
-    if SIZE == 2:
-        monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     build = wide_adam if kind == "wide" else table_adam
     x, y = data(kind)
     reference = build()
     start = reference.get_weights()
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     expected = reference.get_weights()
-    layouts = {4: [(1, 4, 1), (2, 2, 2)]}.get(SIZE, [(1, SIZE, 2)])
-    for s, r, m in layouts:
+    layouts = {4: [(1, 4, 1, "0"), (2, 2, 2, "0")]}.get(SIZE, [(1, SIZE, 2, "0"),
+                                                             (1, SIZE, 2, "1")])
+    for s, r, m, window in layouts:
+        monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", window)
         model = build()
         model.set_weights(start)
         before = shm.used()
@@ -79,19 +78,20 @@ def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
         whole = 2 * sum(int(np.prod(v.shape)) for v in model.weights)
         if hf.is_main():
             print(f"\nzero {kind} (S,R,M)={(s, r, m)} max weight difference {diff:.3g}, "
-                  f"slots {slots} of {whole}, shared window {windowed}")
+                  f"slots {slots} of {whole}, HYPARFLOW_SHARED_SUMS={window}")
         assert diff <= 1e-5, f"{kind} (S,R,M)={(s, r, m)}: {diff}"
         assert slots < whole / s, (slots, whole)
-        assert windowed == (SIZE == 2 or r > 2), (s, r, windowed)
+        assert windowed == (window == "1"), (s, r, window, windowed)
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("layout", [dict(num_stages=2, num_replicas=2, num_microbatches=2),
+@pytest.mark.parametrize("layout", [dict(num_replicas=4),
+                                    dict(num_stages=2, num_replicas=2, num_microbatches=2),
                                     dict(num_tensor=2, num_replicas=2)])
 def test_sharded_step_through_the_window_with_stages_or_tensor_ranks(layout, monkeypatch):
-    """Pairs of replicas of a pipeline stage, or of tensor ranks, sum through their
-    window (forced: two per group): the split layers' parts are summed whole there
-    (every rank gets them), the rest by owner."""
+    """Four replicas, pairs of replicas of a pipeline stage, or of tensor ranks, sum
+    through their node's window (HYPARFLOW_SHARED_SUMS=1): the split layers' parts are
+    summed whole there (every rank gets them), the rest by owner."""
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
     monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     x, y = data("wide")

@@ -20,12 +20,12 @@ most variables have one owner, at most R - 1 are cut between two). A step:
 Bytes moved per rank are those of a ring allreduce ((R-1)/R of the gradients
 each way); the optimizer's work divides by R.
 
-Where the group's ranks share a node's window (`engine.shm`: more than two ranks of
-one node by default, HYPARFLOW_SHARED_SUMS=1 from two), steps 1 and 3 go through
-memory instead (`reduce.Reduce`, `Zero.gather`): each rank writes its bucket into
+With HYPARFLOW_SHARED_SUMS=1, where the group's ranks share a node's window
+(`engine.shm`), steps 1 and 3 go through memory instead (`reduce.Reduce`, `Zero.gather`): each rank writes its bucket into
 its own slot once, each owner adds its rows over every slot in rank order, and
 writes its parts' new values into its slot, from which the others copy them. Parts
-stepped whole and the flags are summed there in even runs that every rank gets. A
+stepped whole are summed there in even runs that every rank gets; without them a
+piece takes two phases, not three (no rank copies another's sum). A
 group spanning nodes keeps the messages (its owners' rows are cut over the group,
 not the node).
 

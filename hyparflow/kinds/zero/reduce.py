@@ -4,7 +4,9 @@ and each owner adding its rows over every copy."""
 
 import numpy as np
 
-__all__ = ["SETTLE_TAG", "Reduce", "even", "rows_of", "tag"]
+from ... import settings
+
+__all__ = ["SETTLE_TAG", "Reduce", "even", "rows_of", "tag", "window"]
 
 
 SETTLE_TAG = 999  # below every variable's tags
@@ -21,6 +23,18 @@ def tag(index, phase):
 def rows_of(x, a, b):
     """Rows [a, b) of `x` (a 0-d value is its own single row)."""
     return x if np.ndim(x) == 0 else x[a:b]
+
+
+def window(comm, buf):
+    """The node's shared window ZeRO's sums of `buf` go through, or None: messages.
+    Only where HYPARFLOW_SHARED_SUMS=1 asks, and on one node. Measured (MLP 8 x 1024,
+    batch 256, R=4 on 2 cores, docs/performance.md), the owners' messages were
+    faster: MPICH moves megabytes between ranks of a node in one copy, where the
+    window copies each bucket in first."""
+    if settings.shared_sums() is not True:
+        return None
+    shared = comm.window(buf)
+    return shared if shared is not None and shared.cross is None else None
 
 
 def even(spans, n):
@@ -47,12 +61,12 @@ class Reduce:
     def __init__(self, zero, comm, bucket, flat):
         self.done = False
         self.sums = []  # (own rows, {rank: received rows})
-        shared = comm.window(flat)
-        if shared is not None and shared.cross is None:
-            self.reqs = [shared.ireduce(flat, zero.ranges(comm, bucket, flat))]
-            return
         n = len(bucket)
         self.reqs = [comm.iallreduce(flat[len(flat) - n:])]  # one flag per variable
+        shared = window(comm, flat)
+        if shared is not None:
+            self.reqs.append(shared.ireduce(flat, zero.ranges(comm, bucket, flat)))
+            return
         for k in bucket:
             view = zero.stage.grads.view(k)
             if k not in zero.parts:  # stepped whole (a tensor-split part): summed whole

@@ -5,7 +5,7 @@ import contextlib
 
 import numpy as np
 
-from .reduce import SETTLE_TAG, Reduce, even, rows_of, tag
+from .reduce import SETTLE_TAG, Reduce, even, rows_of, tag, window
 
 __all__ = ["VARIABLE_COST", "Zero", "ownership"]
 
@@ -115,8 +115,8 @@ class Zero:
 
     def ranges(self, comm, bucket, flat):
         """The bucket's sums through a shared window (`Shared.ireduce`): each part's
-        rows on its owner only; variables stepped whole and the flags (last in
-        `flat`) in even runs, which every rank gets."""
+        rows on its owner only; variables stepped whole in even runs, which every
+        rank gets. (The flags, last in `flat`, are summed apart.)"""
         out, whole = [], []
         for k in bucket:
             view = self.stage.grads.view(k)
@@ -126,7 +126,6 @@ class Zero:
                 continue
             width = view.size // view.shape[0] if view.ndim and view.shape[0] else 1
             out += [(at + a * width, at + b * width, r, False) for r, a, b in self.parts[k]]
-        whole.append((flat.size - len(bucket), flat.size))
         return out + [(a, b, r, True) for a, b, r in even(whole, comm.size)]
 
     # -- the step ---------------------------------------------------------------
@@ -216,10 +215,10 @@ class Zero:
                 self._target(k)
             first, end = self._spans[g]
             span = self._flat[self._parity][first:end]
-            # On one node, the new rows through the shared window: the owners write
-            # them, the others copy them out.
-            shared = comm.window(span)
-            through = shared is not None and shared.cross is None
+            # Through the node's shared window (`window`): the owners write the new
+            # rows into their slots, the others copy them out.
+            shared = window(comm, span)
+            through = shared is not None
             ranges = []
             for k in positions:
                 target, at = self._target(k), self._offsets[k] - first
