@@ -114,6 +114,40 @@ def test_by_default_a_window_where_a_node_holds_more_than_two(monkeypatch):
             comm.free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_ranges_summed_on_their_owner_and_handed_out(monkeypatch):
+    """`Shared.ireduce` and `igather` over a buffer in pieces (past the 16 MB of a
+    slot), with ranges across the pieces' ends: an owner's range holds the sum, a
+    range for every rank the same bits everywhere, the rest what the rank had; then
+    each owner's range reaches every rank."""
+    monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
+    comm = _comm.MPICommunicator(MPI.COMM_WORLD)
+    try:
+        n = shm.CAPACITY // 4 + 1_000_003
+        cuts = [0, 7, 1000, shm.CAPACITY // 4 - 5, shm.CAPACITY // 4 + 9, n - 3, n]
+        ranges = [(a, b, k % SIZE, k % 3 == 1) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        values = np.random.default_rng(RANK).normal(size=n).astype("float32")
+        everyone = np.stack(MPI.COMM_WORLD.allgather(values))
+        total = everyone.sum(axis=0, dtype="float64")
+        buf = values.copy()
+        assert comm.window(buf) is not None, comm.sums
+        _comm.wait_all([comm.window(buf).ireduce(buf, ranges)], 60)
+        for a, b, r, every in ranges:
+            if r == RANK or every:
+                assert np.allclose(buf[a:b], total[a:b], rtol=1e-5, atol=1e-5), (a, b, r)
+            else:
+                assert np.array_equal(buf[a:b], values[a:b]), (a, b, r)
+            if every:
+                bits = MPI.COMM_WORLD.allgather(buf[a:b].tobytes())
+                assert all(x == bits[0] for x in bits), (a, b)
+        out = values.copy()
+        _comm.wait_all([comm.window(out).igather(out, [(a, b, r) for a, b, r, _ in ranges])], 60)
+        for a, b, r, _ in ranges:
+            assert np.array_equal(out[a:b], everyone[r, a:b]), (a, b, r)
+    finally:
+        comm.free()
+
+
 def layouts():
     """(S, R, M, ZeRO) with at least two replicas: plain, a pipeline, ZeRO's step."""
     if SIZE == 2:
@@ -147,7 +181,5 @@ def test_fit_with_shared_sums_matches_model_fit(monkeypatch):
                   f"{diff:.3g}, pieces through windows {pieces}")
         assert diff <= 1e-5, f"(S,R,M)={(s, r, m)} zero={zero}: {diff}"
         assert same, "ranks hold different weights"
-        # ZeRO's reduce goes to each row range's owner as messages (kinds/zero.py);
-        # its flags alone are small: no window.
-        if zero == "0":
-            assert min(pieces) > 0, pieces
+        # ZeRO's sums to the owners and its new rows too (kinds/zero/, forced here).
+        assert min(pieces) > 0, pieces
