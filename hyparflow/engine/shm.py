@@ -26,7 +26,9 @@ Used by `comm.MPICommunicator.iallreduce` for float32 / float64 buffers of at le
 `SHM_BYTES`, when every node holds as many of the communicator's ranks: at least two
 when it spans several nodes, more than `AUTO_RANKS` on one (at least two with
 HYPARFLOW_SHARED_SUMS=1); otherwise, or where the window cannot be made, the messages
-(`why_not` says which)."""
+(`why_not` says which). On one node the same phases also sum chosen ranges on chosen
+ranks (`Shared.ireduce`: ZeRO's owners, who skip the third phase when no range is for
+every rank) and hand ranges out from their owners (`Shared.igather`), for kinds/zero."""
 
 from __future__ import annotations
 
