@@ -25,13 +25,15 @@ def example(stage, batch):
     return inputs, seeds
 
 
-def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
+def time(stage, batch, *, fused=False, repeats=9, idle=0.0, ready=None):
     """(forward, backward) seconds of one microbatch of `batch` random samples, as
     the executor runs it: the forward kept on a tape and the backward from it,
     with ones as the outputs' gradients, the weights' gradients summed into the
     buffers; `fused`: (0, both in one call), as a last stage under 1F1B runs.
     Each the median of `repeats` calls, each after `idle` seconds asleep (a
-    stage's call follows a wait). HYPARFLOW_SLOWDOWN counts, as in training."""
+    stage's call follows a wait). HYPARFLOW_SLOWDOWN counts, as in training.
+    `ready()`: called after the untimed first call (tensor ranks meet there, so
+    that no timed call waits for a peer still tracing its first)."""
     inputs, seeds = example(stage, batch)
     if fused:
         flat = [tf.convert_to_tensor(seeds[t]) for t in stage.output_ids if t in seeds]
@@ -40,6 +42,8 @@ def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
             stage.seeded_step(inputs, flat)
 
         step()
+        if ready is not None:
+            ready()
         return 0.0, timed(step, repeats, idle)
 
     def forward():
@@ -52,6 +56,8 @@ def time(stage, batch, *, fused=False, repeats=9, idle=0.0):
         stage.grads.reset()
 
     both()
+    if ready is not None:
+        ready()
     whole = timed(both, repeats, idle)
     ahead = min(timed(forward, repeats, idle), whole)
     return ahead, whole - ahead

@@ -43,10 +43,13 @@ def tensor_stages(source, function, batches, keys, repeats):
             # Every group times its calls at the same time: each call exchanges with
             # the group, so all its ranks make the same number of them.
             _idle_barrier(world)
-            every = world.allgather(timing.time(stage, b, fused=fused, repeats=repeats))
+            ready = lambda: _idle_barrier(comm.comm)  # noqa: E731 - the group, warmed up
+            every = world.allgather(timing.time(stage, b, fused=fused, repeats=repeats,
+                                                ready=ready))
             _idle_barrier(world)
             # Then group 0 alone, the other ranks waiting for it.
-            one = timing.time(stage, b, fused=fused, repeats=repeats) if rank < num_tensor else None
+            one = (timing.time(stage, b, fused=fused, repeats=repeats, ready=ready)
+                   if rank < num_tensor else None)
             _waiting(world.Ibarrier())
             alone = [t for t in world.allgather(one) if t is not None]
             if rank == 0:
