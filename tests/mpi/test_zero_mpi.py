@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from conftest import max_diff, reference  # noqa: E402
 from hyparflow.engine import shm  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -58,10 +59,7 @@ def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
     build = wide_adam if kind == "wide" else table_adam
     x, y = data(kind)
-    reference = build()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    expected = reference.get_weights()
+    start, expected, _ = reference(build, x, y, epochs=2, batch_size=16)
     layouts = {4: [(1, 4, 1, "0"), (2, 2, 2, "0")]}.get(SIZE, [(1, SIZE, 2, "0"),
                                                              (1, SIZE, 2, "1")])
     for s, r, m, window in layouts:
@@ -72,7 +70,7 @@ def test_sharded_optimizer_step_matches_model_fit(kind, monkeypatch):
         hf.fit(model, x, y, batch_size=16, epochs=2, num_stages=s, num_replicas=r,
                num_microbatches=m, shuffle=False, verbose=0)
         windowed = shm.used() > before
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+        diff = max_diff(model.get_weights(), expected)
         # Each rank held only its share of Adam's moments.
         slots = sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
         whole = 2 * sum(int(np.prod(v.shape)) for v in model.weights)
@@ -95,15 +93,12 @@ def test_sharded_step_through_the_window_with_stages_or_tensor_ranks(layout, mon
     monkeypatch.setenv("HYPARFLOW_ZERO", "1")
     monkeypatch.setenv("HYPARFLOW_SHARED_SUMS", "1")
     x, y = data("wide")
-    reference = wide_adam()
-    start = reference.get_weights()
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    start, expected, _ = reference(wide_adam, x, y, epochs=2, batch_size=16)
     model = wide_adam()
     model.set_weights(start)
     before = shm.used()
     hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, **layout)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(),
-                                                          reference.get_weights()))
+    diff = max_diff(model.get_weights(), expected)
     if hf.is_main():
         print(f"\nzero through the window {layout}: max weight difference {diff:.3g}")
     assert diff <= 1e-5, (layout, diff)

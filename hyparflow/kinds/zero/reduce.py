@@ -6,7 +6,7 @@ import numpy as np
 
 from ... import settings
 
-__all__ = ["SETTLE_TAG", "Reduce", "even", "rows_of", "tag", "window"]
+__all__ = ["SETTLE_TAG", "Reduce", "even", "row_width", "rows_of", "tag", "window"]
 
 
 SETTLE_TAG = 999  # below every variable's tags
@@ -23,6 +23,12 @@ def tag(index, phase):
 def rows_of(x, a, b):
     """Rows [a, b) of `x` (a 0-d value is its own single row)."""
     return x if np.ndim(x) == 0 else x[a:b]
+
+
+def row_width(x):
+    """Elements per row of `x` (its first axis; 1 for a 0-d value or no rows), so
+    that rows [a, b) of the flat `x` are elements [a * width, b * width)."""
+    return x.size // x.shape[0] if x.ndim and x.shape[0] else 1
 
 
 def window(comm, buf):

@@ -5,7 +5,7 @@ import contextlib
 
 import numpy as np
 
-from .reduce import SETTLE_TAG, Reduce, even, rows_of, tag, window
+from .reduce import SETTLE_TAG, Reduce, even, row_width, rows_of, tag, window
 
 __all__ = ["VARIABLE_COST", "Zero", "ownership"]
 
@@ -124,7 +124,7 @@ class Zero:
             if k not in self.parts:
                 whole.append((at, at + view.size))
                 continue
-            width = view.size // view.shape[0] if view.ndim and view.shape[0] else 1
+            width = row_width(view)
             out += [(at + a * width, at + b * width, r, False) for r, a, b in self.parts[k]]
         return out + [(a, b, r, True) for a, b, r in even(whole, comm.size)]
 
@@ -189,20 +189,26 @@ class Zero:
         (a scatter) turns TensorFlow's copy-on-read on, which copies the whole table
         at every read. One buffer for all, so that one function call assigns every
         variable (a call with a tensor per variable took 5 ms for ResNet-110's 330)."""
-        from ...engine.grads import aligned_empty
-
-        if not hasattr(self, "_offsets"):
-            self._offsets, self._spans, end = {}, [], 0
-            for _, positions in self.groups:
-                first = end
-                for j in positions:
-                    self._offsets[j] = end
-                    end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
-                self._spans.append((first, end))
-            self._flat = [aligned_empty(end), aligned_empty(end)]
+        self._lay_out()
         var = self.stage.trainable[k]
         at = self._offsets[k]
         return self._flat[self._parity][at:at + int(np.prod(var.shape))].reshape(tuple(var.shape))
+
+    def _lay_out(self):
+        """`_target`'s places, once: each shared variable's offset in the flat
+        buffers (on a 64-byte boundary), and each group's span there."""
+        from ...engine.grads import aligned_empty
+
+        if hasattr(self, "_offsets"):
+            return
+        self._offsets, self._spans, end = {}, [], 0
+        for _, positions in self.groups:
+            first = end
+            for j in positions:
+                self._offsets[j] = end
+                end += -(-max(1, int(np.prod(self.stage.trainable[j].shape))) // 16) * 16
+            self._spans.append((first, end))
+        self._flat = [aligned_empty(end), aligned_empty(end)]
 
     def gather(self, wait):
         """Every part's new values to every rank of its group, then into the variables
@@ -210,9 +216,8 @@ class Zero:
         owned = {(k, a, b): value for (k, a, b, _), value in zip(self.mine, self._read())}
         self._parity = 1 - getattr(self, "_parity", 1)
         reqs, messages = [], []
+        self._lay_out()
         for g, (comm, positions) in enumerate(self.groups):
-            for k in positions:
-                self._target(k)
             first, end = self._spans[g]
             span = self._flat[self._parity][first:end]
             # Through the node's shared window (`window`): the owners write the new
@@ -222,7 +227,7 @@ class Zero:
             ranges = []
             for k in positions:
                 target, at = self._target(k), self._offsets[k] - first
-                width = target.size // target.shape[0] if target.ndim and target.shape[0] else 1
+                width = row_width(target)
                 for r, a, b in self.parts[k]:
                     rows = rows_of(target, a, b)
                     if r == comm.rank:
