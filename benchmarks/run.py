@@ -2,6 +2,7 @@
 
     python benchmarks/run.py                 # everything, table + benchmarks/results.json
     python benchmarks/run.py --only mlp transfer --steps 8
+    python benchmarks/run.py --only resnet56 --batch resnet56=128
 
 Each configuration runs under `mpiexec -n S*T*R` with one intra-op thread per rank
 (HYPARFLOW_THREADS=1); the baselines are plain Keras `model.fit` in one process, with
@@ -65,6 +66,18 @@ def _config(text):
     return (s, r, m, schedule, t, extra)
 
 
+def _batches(texts):
+    """["resnet56=128", ...] -> {"resnet56": 128}."""
+    out = {}
+    for text in texts:
+        name, _, value = text.partition("=")
+        if name not in PLANS or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--batch wants WORKLOAD=N with WORKLOAD one of {sorted(PLANS)} "
+                             f"and N a positive number; received {text!r}")
+        out[name] = int(value)
+    return out
+
+
 def worker_cmd(*args):
     return [sys.executable, os.path.join(HERE, "worker.py"), *map(str, args)]
 
@@ -81,10 +94,13 @@ def main():
                         help="instead of each workload's own list: S,R,M,SCHEDULE[,T[,VAR=VALUE...]]"
                              " (e.g. 2,1,8,zb-h1 or 2,1,4,1f1b,1,HYPARFLOW_TRANSPOSED=0;"
                              " SCHEDULE interleaved:V for V model chunks per rank)")
+    parser.add_argument("--batch", nargs="*", default=[], metavar="WORKLOAD=N",
+                        help="a workload's global batch instead of its own (e.g. resnet56=128)")
     parser.add_argument("--communication-dtype", default=None,
                         help="hf.fit's communication_dtype for every run (e.g. bfloat16); "
                              "several, comma-separated, run each configuration once per dtype")
     args = parser.parse_args()
+    batches = _batches(args.batch)
     dtypes = (args.communication_dtype or "float32").split(",")
     env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     rows, results = [], {}
@@ -92,6 +108,7 @@ def main():
     os.makedirs(trace_dir, exist_ok=True)
     for workload in [w for w in args.only if w in PLANS]:
         batch, configs = PLANS[workload]
+        batch = batches.get(workload, batch)
         if args.configs is not None:
             configs = [_config(c) for c in args.configs]
         base = run(worker_cmd("baseline", workload, batch, args.steps), env)

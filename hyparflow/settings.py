@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "threads", "pin",
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
-           "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "sparse",
+           "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "fused_norm", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length"]
 
@@ -81,6 +81,9 @@ VARIABLES = (
              "`1`: every eligible Dense layer keeps `W^T`, untimed (fresh runs then take the "
              "same products: the same bits); `0`: none does (TensorFlow's own `transpose_b` "
              "product)"),
+    Variable("HYPARFLOW_FUSED_NORM", "1",
+             "`0`: BatchNormalization trains through Keras's own operations instead of "
+             "TensorFlow's fused kernel (the same mathematics, rounded differently)"),
     Variable("HYPARFLOW_DEFER_CONV", "0",
              "`1`: the split schedules (`1f1b-w`, `zb-h1`, `zb-batched`) leave Conv2D kernels' "
              "gradients to W too, as Dense ones (measured slower here)"),
@@ -274,6 +277,11 @@ def sparse() -> bool:
 def overlap() -> Optional[bool]:
     """True / False when HYPARFLOW_OVERLAP forces it; None: the runtime decides."""
     return _flag("HYPARFLOW_OVERLAP")
+
+
+def fused_norm() -> bool:
+    """Whether BatchNormalization may train through the fused kernel (engine/norms.py)."""
+    return _flag("HYPARFLOW_FUSED_NORM") is not False
 
 
 def defer_conv() -> bool:

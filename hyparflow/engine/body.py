@@ -117,6 +117,8 @@ class StageBody:
                 kept.append(x)
             elif i in self.transposed and training:
                 out = self.transposed[i](args, kwargs)
+            elif i in self.fused and training:
+                out = self.fused[i](args, kwargs)
             else:
                 out = _compat.call_operation(node.op, args, kwargs, training)
             for t, kt, v in zip(node.outputs, node.keras_node.outputs, _compat.tree.flatten(out)):

@@ -20,6 +20,7 @@ import tensorflow as tf
 from .. import _compat
 from . import customised as _customised
 from . import masks as _masks
+from . import norms
 from .. import settings
 from . import sparse as _sparse
 from .body import StageBody
@@ -70,6 +71,7 @@ class Stage(Deferred, StageBody):
         replaces = {k: v for shard in self.shards.values() for k, v in shard.replaces.items()}
         self.originals = graph.variables_of(cut.nodes, trainable=True)
         self.transposed = {} if accumulator else self._transposed(graph, cut)
+        self.fused = {} if accumulator else norms.fused_nodes(graph, cut.nodes, self.shards)
         self._stale = False  # the kept W^Ts are older than the kernels (`begin_step`)
         self.trainable = [replaces.get(id(v), v) for v in self.originals]
         # Split backward (schedules with W actions, set by the executor per step): the

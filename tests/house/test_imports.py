@@ -79,7 +79,7 @@ LAYERS = {
         "stage", "executor", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire", "shm",
-        "node", "order", "clipping", "sparse", "fill", "deferred", "groups")},
+        "node", "order", "clipping", "sparse", "fill", "deferred", "groups", "norms")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.zero", "kinds.zero.step",
               "kinds.zero.reduce",
               "kinds.replicas", "kinds.tables", "kinds.tables.plan", "kinds.tables.lookup",
