@@ -95,6 +95,7 @@ QUICK = [
     "engine/test_order.py::test_split_layers_collectives_form_one_chain_forward_and_backward",
     "engine/test_zero_bubble.py::test_deferred_kernels_are_the_plain_dense_calls_read_once",
     "engine/test_wire.py::test_sum_both_ways",
+    "engine/test_norms.py::test_fused_batchnorm_trains_to_model_fits_weights[1-2-2]",
     "kinds/test_tensor.py::test_dense_uneven_shares_adam",
     "kinds/test_tensor.py::test_embedding_row_split_keeps_sparse_pairs_for_adam",
     "kinds/test_mesh.py::test_mlp_on_a_2x2_mesh_trains_as_model_fit[adam]",

@@ -19,6 +19,7 @@ import tensorflow as tf
 from .. import _compat
 from .. import settings
 from ..balance import Resolved
+from ..engine import norms as _norms
 from ..graph import LayerGraph, Tensor, sized
 from ..topology import Topology
 
@@ -152,8 +153,11 @@ def profile(graph: LayerGraph, model: Any, batch: int = 32, repeats: int = 3) ->
     seen: set[int] = set()
     out: List[LayerProfile] = []
     factor = slowdown()
-    for node in graph.nodes:
+    # Timed as a stage runs them (BatchNormalization through the fused kernel).
+    fused = _norms.fused_nodes(graph, range(len(graph.nodes))) if graph.functional else {}
+    for index, node in enumerate(graph.nodes):
         op = node.op
+        call = fused.get(index)
         if graph.functional is None:
             inputs = [_dummy(graph.tensors[t], batch) for t in node.inputs]
             args: Any = [inputs[0] if len(inputs) == 1 else inputs]
@@ -169,7 +173,8 @@ def profile(graph: LayerGraph, model: Any, batch: int = 32, repeats: int = 3) ->
         def run() -> None:
             with tf.GradientTape() as tape:
                 tape.watch(floats)
-                out_ = _compat.call_operation(op, args, kwargs, True)
+                out_ = (call(args, kwargs) if call is not None
+                        else _compat.call_operation(op, args, kwargs, True))
                 flat = [o for o in _compat.tree.flatten(out_) if o.dtype.is_floating]
                 target = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in flat]) if flat else None
             if target is not None and (variables or floats):
