@@ -384,7 +384,9 @@ class Runtime:
         buckets = self.executor.buckets
         scales = [s for s, (comm, _) in zip(buckets.scales or [], buckets.groups)
                   if comm is not None and comm.size > 1]
-        out["replicas"] = {"dtype": self.wires["replicas"], "bytes": buckets.sent,
+        # ZeRO's sums go to the owners and its new rows back (kinds/zero).
+        sent = buckets.sent + (self.executor.zero.sent if self.executor.zero else 0)
+        out["replicas"] = {"dtype": self.wires["replicas"], "bytes": sent,
                            "scales": [s.value for s in scales],
                            "redone": sum(s.overflows for s in scales)}
         boxes = self.executor.boxes

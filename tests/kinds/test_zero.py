@@ -130,6 +130,30 @@ def test_sharded_step_matches_model_fit(name, monkeypatch):
     del full
 
 
+def test_sharded_step_counts_what_it_sends(monkeypatch):
+    """`History.exchanges` counts ZeRO's rows to the owners and back: at R = 2 a
+    variable's non-owned rows out and its owned rows back are its whole size, what
+    the ring of the unsharded sum sends (less the ring's flag and alignment: up to 16
+    floats per variable)."""
+    build = lambda: mlp(OPTIMIZERS["adam"])  # noqa: E731
+    x, y = data()
+    sent = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HYPARFLOW_ZERO", flag)
+
+        def body(comm):
+            model = build()
+            history = hyparflow.fit(model, x, y, comm=comm, verbose=0, num_replicas=2,
+                                    batch_size=16, epochs=2, shuffle=False)
+            return history.exchanges["replicas"]["bytes"]
+
+        sent[flag] = run_ranks(2, body, timeout=300)
+    steps = 2 * -(-len(x) // 16)
+    padding = 64 * len(build().trainable_variables) * steps
+    for ring, shared in zip(sent["0"], sent["1"]):
+        assert shared > 0 and 0 <= ring - shared <= padding, (ring, shared, padding)
+
+
 def test_sharding_off_keeps_whole_state(monkeypatch):
     monkeypatch.setenv("HYPARFLOW_ZERO", "0")
     build = lambda: mlp(OPTIMIZERS["adam"])  # noqa: E731

@@ -91,6 +91,7 @@ class Zero:
         self.whole = [k for k in range(len(stage.trainable)) if k not in self.parts]
         self.variables = [p for *_, p in self.mine] + [stage.trainable[k] for k in self.whole]
         self._buffers, self._staging, self._functions = {}, {}, {}
+        self.sent = 0  # bytes of floating values this rank handed to the others
 
     def __bool__(self):
         return bool(self.parts)
@@ -111,7 +112,27 @@ class Zero:
     def start_reduce(self, comm, bucket, flat):
         """Start summing bucket `bucket` (its flat buffer `flat`, flags last) into
         the owners' rows; returns the request."""
+        self.sent += self._bytes(comm, bucket, reduce=True)
         return Reduce(self, comm, bucket, flat)
+
+    def _bytes(self, comm, bucket, reduce):
+        """What this rank sends of `bucket`'s variables in the reduce (its rows to each
+        owner; a ring's 2 (n-1)/n of a variable stepped whole) or the gather (its own
+        rows to every other rank), through messages or the node's window alike."""
+        out = 0
+        for k in bucket:
+            shape = tuple(self.stage.trainable[k].shape)
+            size = 4 * max(1, int(np.prod(shape)))
+            if k not in self.parts:
+                out += int(size * 2 * (comm.size - 1) / comm.size) if reduce else 0
+                continue
+            width = size // shape[0] if shape and shape[0] else size
+            for r, a, b in self.parts[k]:
+                if reduce and r != comm.rank:
+                    out += (b - a) * width
+                elif not reduce and r == comm.rank:
+                    out += (b - a) * width * (comm.size - 1)
+        return out
 
     def ranges(self, comm, bucket, flat):
         """The bucket's sums through a shared window (`Shared.ireduce`): each part's
@@ -218,6 +239,7 @@ class Zero:
         reqs, messages = [], []
         self._lay_out()
         for g, (comm, positions) in enumerate(self.groups):
+            self.sent += self._bytes(comm, positions, reduce=False)
             first, end = self._spans[g]
             span = self._flat[self._parity][first:end]
             # Through the node's shared window (`window`): the owners write the new
