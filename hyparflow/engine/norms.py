@@ -14,6 +14,8 @@ axis that is the last (of a built layer), no renorm, no synchronized statistics,
 is Keras's own call. `HYPARFLOW_FUSED_NORM=0` turns the path off.
 """
 
+from typing import Any, Container, Dict, Iterable
+
 import keras
 import tensorflow as tf
 
@@ -38,7 +40,7 @@ def eligible(op, input_dtype):
             and input_dtype == "float32")
 
 
-def fused_nodes(graph, nodes, exclude=()):
+def fused_nodes(graph: Any, nodes: Iterable[int], exclude: Container[int] = ()) -> Dict[int, "Fused"]:
     """{node: Fused} for the calls among `nodes` (not in `exclude`) that may take the path."""
     out = {}
     for i in nodes:
