@@ -4,14 +4,14 @@ Keras 3 normalizes a batch in training with separate operations: `tf.nn.moments`
 (two reductions), then `tf.nn.batch_normalization`; its backward is the autodiff of
 all of them. TensorFlow's `FusedBatchNormV3` does the same in one forward kernel and
 one backward kernel. On a one-thread rank of ResNet-56 (batch 32) the fused step was
-14 % shorter (docs/performance.md, "One node"). The mathematics is the same; the
+14 % shorter (docs/performance.md, "BatchNormalization as one kernel"). The mathematics is the same; the
 rounding differs, as a stage cut changes it: weights after training agree with
 model.fit's to float32 round-off.
 
-A call takes this path only where it is what Keras would compute: a plain
-`keras.layers.BatchNormalization`, trainable, in training, float32 in and out, one
-axis that is the last (of a built layer), no renorm, no synchronized statistics, no mask. Anything else
-is Keras's own call. `HYPARFLOW_FUSED_NORM=0` turns the path off.
+A call takes this path only where it is what Keras would compute: a plain, built
+`keras.layers.BatchNormalization`, trainable, in training, float32 in and out,
+statistics over every axis but the last, no renorm, no synchronized statistics, no
+mask. Anything else is Keras's own call. `HYPARFLOW_FUSED_NORM=0` turns the path off.
 """
 
 from typing import Any, Container, Dict, Iterable
@@ -40,7 +40,8 @@ def eligible(op, input_dtype):
             and input_dtype == "float32")
 
 
-def fused_nodes(graph: Any, nodes: Iterable[int], exclude: Container[int] = ()) -> Dict[int, "Fused"]:
+def fused_nodes(graph: Any, nodes: Iterable[int],
+                exclude: Container[int] = ()) -> Dict[int, "Fused"]:
     """{node: Fused} for the calls among `nodes` (not in `exclude`) that may take the path."""
     out = {}
     for i in nodes:
