@@ -4,9 +4,9 @@ Keras 3 normalizes a batch in training with separate operations: `tf.nn.moments`
 (two reductions), then `tf.nn.batch_normalization`; its backward is the autodiff of
 all of them. TensorFlow's `FusedBatchNormV3` does the same in one forward kernel and
 one backward kernel. On a one-thread rank of ResNet-56 (batch 32) the fused step was
-14 % shorter (docs/performance.md, "BatchNormalization as one kernel"). The mathematics is the same; the
-rounding differs, as a stage cut changes it: weights after training agree with
-model.fit's to float32 round-off.
+14 % shorter (docs/performance.md, "BatchNormalization as one kernel"). The
+mathematics is the same; the rounding differs, as a stage cut changes it: weights
+after training agree with model.fit's to float32 round-off.
 
 A call takes this path only where it is what Keras would compute: a plain, built
 `keras.layers.BatchNormalization`, trainable, in training, float32 in and out,

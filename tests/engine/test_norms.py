@@ -49,7 +49,8 @@ def data():
 
 def split(weights, like):
     moving = ["moving" in v.path for v in like.weights]
-    return ([w for w, m in zip(weights, moving) if not m], [w for w, m in zip(weights, moving) if m])
+    return ([w for w, m in zip(weights, moving) if not m],
+            [w for w, m in zip(weights, moving) if m])
 
 
 @pytest.mark.parametrize("stages,replicas,micro", [(1, 1, 1), (2, 1, 2), (1, 2, 2)])
