@@ -154,7 +154,7 @@ def profile(graph: LayerGraph, model: Any, batch: int = 32, repeats: int = 3) ->
     out: List[LayerProfile] = []
     factor = slowdown()
     # Timed as a stage runs them (BatchNormalization through the fused kernel).
-    fused = _norms.fused_nodes(graph, range(len(graph.nodes))) if graph.functional else {}
+    fused = _norms.fused_nodes(graph, range(len(graph.nodes)))
     for index, node in enumerate(graph.nodes):
         op = node.op
         call = fused.get(index)

@@ -92,6 +92,7 @@ class Zero:
         self.variables = [p for *_, p in self.mine] + [stage.trainable[k] for k in self.whole]
         self._buffers, self._staging, self._functions = {}, {}, {}
         self.sent = 0  # bytes of floating values this rank handed to the others
+        self._sent_per_step = {}  # (comm, bucket, reduce) -> `_bytes`
 
     def __bool__(self):
         return bool(self.parts)
@@ -118,7 +119,14 @@ class Zero:
     def _bytes(self, comm, bucket, reduce):
         """What this rank sends of `bucket`'s variables in the reduce (its rows to each
         owner; a ring's 2 (n-1)/n of a variable stepped whole) or the gather (its own
-        rows to every other rank), through messages or the node's window alike."""
+        rows to every other rank), through messages or the node's window alike. The
+        same every step: counted once per bucket and phase."""
+        key = (id(comm), tuple(bucket), reduce)
+        if key not in self._sent_per_step:
+            self._sent_per_step[key] = self._count(comm, bucket, reduce)
+        return self._sent_per_step[key]
+
+    def _count(self, comm, bucket, reduce):
         out = 0
         for k in bucket:
             shape = tuple(self.stage.trainable[k].shape)
