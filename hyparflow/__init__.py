@@ -30,7 +30,7 @@ _MOVED = {
     "costmodel": "planning.costmodel",
     "costs": "loop.costs",
     "customised": "engine.customised",
-    "data": "loop.data",
+    "data": "readers.arrays",
     "errors": "engine.errors",
     "executor": "engine.executor",
     "heartbeat": "cluster.heartbeat",

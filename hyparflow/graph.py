@@ -149,12 +149,14 @@ def _param_count(op: Any) -> int:
     return int(sum(int(np.prod(v.shape)) for v in getattr(op, "trainable_weights", ())))
 
 
-def from_model(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]] = None) -> LayerGraph:
+def from_model(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]] = None,
+               x_dtypes: Optional[Sequence[str]] = None) -> LayerGraph:
     """Read `model`'s graph. A subclassed model becomes one opaque node whose inputs
-    have the shapes `x_shapes` (flat list of array shapes)."""
+    have the shapes `x_shapes` (flat list of array shapes) and the Keras dtypes
+    `x_dtypes` (the data's, as Keras builds such a model from its first batch)."""
     functional = _compat.functional_of(model)
     if functional is None:
-        return _opaque(model, x_shapes)
+        return _opaque(model, x_shapes, x_dtypes)
     members = _compat.graph_nodes(functional)
     tensors: List[Tensor] = []
     tensor_of: Dict[int, int] = {}   # id(KerasTensor) -> its index
@@ -245,7 +247,8 @@ def _names(structure: Any, fallback: List[str]) -> List[str]:
     return fallback
 
 
-def _opaque(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]]) -> LayerGraph:
+def _opaque(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]],
+            x_dtypes: Optional[Sequence[str]] = None) -> LayerGraph:
     """A subclassed model: its `call` cannot be read, so it is one node."""
     if not model.built:
         raise ValueError(
@@ -254,7 +257,9 @@ def _opaque(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]]) -
         )
     if not x_shapes:
         raise ValueError("A subclassed model needs its input shapes from the data.")
-    tensors = [Tensor(i, (None,) + tuple(s[1:]), "float32", None, i) for i, s in enumerate(x_shapes)]
+    dtypes = list(x_dtypes or ["float32"] * len(x_shapes))
+    tensors = [Tensor(i, (None,) + tuple(s[1:]), d, None, i)
+               for i, (s, d) in enumerate(zip(x_shapes, dtypes))]
     node = Node(0, model.name, model, None, [t.index for t in tensors], [], _param_count(model), 1.0)
     return LayerGraph([node], tensors, [t.index for t in tensors], [], None,
                       input_names=[f"input_{i}" for i in range(len(tensors))],

@@ -12,7 +12,7 @@ from .loss import (  # noqa: F401  (callers reach the loss's parts as _compat.*)
 
 __all__ = [
     "functional_of", "graph_nodes", "producer_node", "call_order", "fill_in", "call_operation",
-    "pack_outputs", "output_structure", "input_structure", "symbolic", "compile_loss",
+    "pack_outputs", "output_structure", "input_structure", "symbolic", "dtype_name", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
     "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
 ]
@@ -84,8 +84,14 @@ def pack_outputs(functional, flat):
     return packed
 
 
+def dtype_name(dtype: Any) -> str:
+    """Keras's name of a dtype; numpy's text dtypes (str, bytes, object) are "string"."""
+    kind = getattr(dtype, "kind", None)
+    return "string" if kind in ("O", "S", "U") else _backend.standardize_dtype(dtype)
+
+
 def symbolic(shape, dtype):
-    return _backend.KerasTensor(tuple(shape), _backend.standardize_dtype(dtype))
+    return _backend.KerasTensor(tuple(shape), dtype_name(dtype))
 
 
 def get_mask(value: Any) -> Any:

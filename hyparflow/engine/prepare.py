@@ -12,7 +12,7 @@ from .. import _compat
 from .. import graph as _graph
 from . import errors as errors_
 
-__all__ = ["check_positive", "agree_on_error", "fail", "x_shapes", "is_dataset", "read_graph",
+__all__ = ["check_positive", "agree_on_error", "fail", "x_leaves", "data_dtype", "is_dataset", "read_graph",
            "build_like_fit", "check_model", "check_optimizer", "loss_scale_refusal",
            "check_parted", "check_agreement",
            "build_compiled", "target_specs", "input_specs", "weight_specs"]
@@ -57,27 +57,33 @@ def is_dataset(x):
     return isinstance(x, tf.data.Dataset)
 
 
-def x_shapes(x):
-    """Shapes of the input arrays (or a dataset's first batch), for reading a
-    subclassed model."""
+def x_leaves(x):
+    """The input arrays of `x` (its first batch's where it is a stream), flat."""
     if is_dataset(x):
-        import keras as _keras
-
-        x = _keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
+        x = keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
     if isinstance(x, dict):
-        leaves = list(x.values())
-    elif isinstance(x, (list, tuple)):
-        leaves = list(x)
-    else:
-        leaves = [x]
-    return [np.shape(a) for a in leaves]
+        return list(x.values())
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+def data_dtype(array):
+    """The Keras dtype of an input array as Keras feeds it: text as "string", any float
+    as floatx, the rest as it is."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None:
+        return keras.config.floatx()
+    name = _compat.dtype_name(dtype)
+    return keras.config.floatx() if keras.backend.is_float_dtype(name) else name
 
 
 def _first_batch(x, batch_size):
     """The inputs of the first batch, in x's structure (what model.fit builds from)."""
     if is_dataset(x):
         return keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
-    return _compat.tree.map_structure(lambda a: np.asarray(a)[:batch_size], x)
+    return _compat.tree.map_structure(lambda a: a[:batch_size] if hasattr(a, "shape")
+                                      else np.asarray(a)[:batch_size], x)
 
 
 def build_like_fit(model, x, batch_size):
@@ -85,8 +91,7 @@ def build_like_fit(model, x, batch_size):
     dtypes of the first batch. Every rank does it (before rank 0's weights are
     broadcast), so every rank has the same variables."""
     batch = _compat.tree.map_structure(
-        lambda a: None if a is None else _compat.symbolic(np.shape(a),
-                                                          getattr(a, "dtype", "float32")),
+        lambda a: None if a is None else _compat.symbolic(np.shape(a), data_dtype(a)),
         _first_batch(x, batch_size))
     try:
         _compat.compute_output_spec(model, batch, training=False)
@@ -107,7 +112,9 @@ def read_graph(model, num_stages, x, batch_size=None):
     check_positive(num_stages=num_stages)
     if not model.built:
         build_like_fit(model, x, batch_size)
-    graph = _graph.from_model(model, x_shapes(x))
+    leaves = x_leaves(x)
+    graph = _graph.from_model(model, [np.shape(a) for a in leaves],
+                              [data_dtype(a) for a in leaves])
     if graph.functional is None and num_stages > 1:
         raise ValueError(
             f"Model {model.name!r} is a subclassed keras.Model whose `call` hyparflow cannot "
@@ -175,7 +182,7 @@ def _open_specs(graph, arrays, ids):
         shape = graph.tensors[ids[k]].shape if k < len(ids) else ()
         dims = [None if j < len(shape) and shape[j] is None else a.shape[j]
                 for j in range(1, a.ndim)]
-        specs.append(((None, *dims), a.dtype))
+        specs.append(((None, *dims), _compat.dtype_name(a.dtype)))
     return specs
 
 

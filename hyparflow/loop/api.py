@@ -65,7 +65,7 @@ def _resolve(communicator: Any, **arguments: Any) -> _layout.Layout:
 
 
 @user_errors("hf.fit", _agree_bad_call("hf.fit"))
-def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int = 1,
+def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, epochs: int = 1,
         num_stages: Optional[int] = None, num_replicas: Optional[int] = None,
         num_microbatches: Optional[int] = None, shuffle: bool = True,
         seed: Optional[int] = None, verbose: Union[int, str] = "auto",
@@ -103,7 +103,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
             a subclassed model trains with num_stages=1). Its optimizer, loss
             (per-output losses and loss_weights included) and metrics are used.
         x, y: numpy arrays, or lists / dicts (by input / output name) of them.
-        batch_size: the global batch, as in `model.fit`.
+        batch_size: the global batch, as in `model.fit` (None: 32; a dataset,
+            PyDataset or generator gives its own batches).
         epochs: number of passes over the data.
         num_stages: pipeline stages (S); None: $HYPARFLOW_NUM_STAGES, else 1.
         num_replicas: data-parallel copies (R); None: $HYPARFLOW_NUM_REPLICAS,
@@ -224,7 +225,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
         trained weights on every rank.
     """
     options = FitOptions(
-        batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose,
+        batch_size=batch_size or 32, epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose,
         callbacks=callbacks, sample_weight=sample_weight, class_weight=class_weight,
         run_eagerly=run_eagerly, recompute=recompute, trace=trace,
         validation_data=validation_data, validation_split=validation_split,
@@ -245,7 +246,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: int = 32, epochs: int 
 
 
 @user_errors("hf.evaluate", _agree_bad_call("hf.evaluate"))
-def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
+def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None,
              verbose: Union[int, str] = "auto", sample_weight: Any = None,
              steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
              return_dict: bool = False, num_stages: Optional[int] = None,
@@ -269,13 +270,14 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int = 32,
         tensor_shares=tensor_shares, plan=plan, tensor_mesh=tensor_mesh)
     return _call("hf.evaluate", comm, layout_arguments, lambda communicator, layout:
                  inference.evaluate(model, x, y, comm=communicator, layout=layout,
-                                    batch_size=batch_size, sample_weight=sample_weight,
+                                    batch_size=batch_size or 32, sample_weight=sample_weight,
                                     steps=steps, return_dict=return_dict, verbose=verbose,
                                     callbacks=callbacks))
 
 
 @user_errors("hf.predict", _agree_bad_call("hf.predict"))
-def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str] = "auto",
+def predict(model: Any, x: Any, *, batch_size: Optional[int] = None,
+            verbose: Union[int, str] = "auto",
             steps: Optional[int] = None, callbacks: Optional[Sequence[Any]] = None,
             gather: Literal["all", "main"] = "all", num_stages: Optional[int] = None,
             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
@@ -295,7 +297,7 @@ def predict(model: Any, x: Any, *, batch_size: int = 32, verbose: Union[int, str
         tensor_shares=tensor_shares, plan=plan, tensor_mesh=tensor_mesh)
     return _call("hf.predict", comm, layout_arguments, lambda communicator, layout:
                  inference.predict(model, x, comm=communicator, layout=layout,
-                                   batch_size=batch_size, steps=steps, gather=gather,
+                                   batch_size=batch_size or 32, steps=steps, gather=gather,
                                    verbose=verbose, callbacks=callbacks))
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 
 from .. import _compat
-from . import data as _data
+from .. import readers
 from ..engine.customised import refuse_steps
 from .logs import GlobalLogs
 from .progress import callback_list, resolve_verbose
@@ -33,13 +33,16 @@ def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kin
     if layout.tensor_shares == "measure":
         # Shares change only the speed of inference, never its results.
         layout = dataclasses.replace(layout, tensor_shares=None)
-    graph = read_graph(model, layout.num_stages, x, batch_size)
-    source, sample = _data.source(graph, x, y, batch_size=batch_size, sample_weight=sample_weight,
-                                  steps_per_epoch=steps, need_y=(kind == "evaluate"))
+    reading = dict(batch_size=batch_size, sample_weight=sample_weight, steps_per_epoch=steps,
+                   need_y=(kind == "evaluate"))
+    stream = readers.open_source(comm, x, y, **reading)
+    graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
+                       batch_size)
+    source, sample = readers.source(graph, x, y, stream=stream, **reading)
     runtime = Runtime(model, comm, layout, graph=graph, sample=sample,
                       cut=layout.stage_counts(graph), training=False,
                       facts={"samples": len(sample), "steps": source.steps, "kind": kind},
-                      batch_rows=(len(sample) if _data.is_dataset(x)
+                      batch_rows=(len(sample) if stream is not None
                                   else min(batch_size, len(sample))))
     return runtime, source
 
@@ -115,7 +118,7 @@ def predict(model, x, *, comm, layout, batch_size, steps=None, gather="all", ver
         batch_outputs = any(comm.allgather_obj(bool(callbacks)))
         pieces = []  # (global sample positions, [one array per output])
         # Array batches index the whole data; a dataset's batches count from zero.
-        relative = isinstance(source, _data.DatasetSource)
+        relative = source.relative
         offset = 0
         model.stop_predicting = False
         cbs.on_predict_begin()

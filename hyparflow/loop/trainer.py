@@ -8,7 +8,7 @@ import numpy as np
 
 from ..engine import checkpoint as _ckpt
 from . import costs as _costs
-from . import data as _data
+from .. import readers
 from ..engine.customised import refuse_steps
 from .. import sync as _sync
 from ..kinds.tables import cost as _tables_cost
@@ -87,21 +87,24 @@ def train(model, x, y, *, comm, layout, options):
         if options.embedding_sharding is not None:
             _tables_whole.check_callbacks(options.callbacks)
         if options.validation_split and validation_data is None:
-            if _data.is_dataset(x):
-                raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
-                                 "pass `validation_data`.")
-            (x, y, sample_weight), validation_data = _data.validation_split(
+            if readers.is_stream(x):
+                raise ValueError(
+                    f"`validation_split` needs arrays; with a {type(x).__name__} (read batch "
+                    "by batch) pass `validation_data`.")
+            (x, y, sample_weight), validation_data = readers.validation_split(
                 x, y, sample_weight, options.validation_split)
-        graph = read_graph(model, layout.num_stages, x, options.batch_size)
+        reading = dict(batch_size=options.batch_size, sample_weight=sample_weight,
+                       class_weight=options.class_weight, shuffle=options.shuffle,
+                       seed=0, steps_per_epoch=options.steps_per_epoch)
+        stream = readers.open_source(comm, x, y, **reading)
+        graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
+                           options.batch_size)
         cut = layout.stage_counts(graph)
-        source, sample = _data.source(graph, x, y, batch_size=options.batch_size,
-                                      sample_weight=sample_weight,
-                                      class_weight=options.class_weight, shuffle=options.shuffle,
-                                      seed=0, steps_per_epoch=options.steps_per_epoch)
-        if options.check_finite and isinstance(source, _data.ArraySource):
-            _data.check_finite(source.data)
+        source, sample = readers.source(graph, x, y, stream=stream, **reading)
+        if options.check_finite and isinstance(source, readers.ArraySource):
+            readers.check_finite(source.data)
         replicas, microbatches = layout.num_replicas, layout.num_microbatches
-        effective = len(sample) if _data.is_dataset(x) else options.batch_size
+        effective = len(sample) if stream is not None else options.batch_size
         if effective < replicas * microbatches:
             raise ValueError(
                 f"batch_size={effective} is smaller than num_replicas x num_microbatches = "
@@ -112,9 +115,10 @@ def train(model, x, y, *, comm, layout, options):
             vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(validation_data) if isinstance(
                 validation_data, (list, tuple)) else (validation_data, None, None)
             vbatch = options.validation_batch_size or options.batch_size
-            state["validation"], _ = _data.source(
-                graph, vx, vy, batch_size=vbatch,
-                sample_weight=vsw, steps_per_epoch=options.validation_steps)
+            vreading = dict(batch_size=vbatch, sample_weight=vsw,
+                            steps_per_epoch=options.validation_steps)
+            state["validation"], _ = readers.source(
+                graph, vx, vy, stream=readers.open_source(comm, vx, vy, **vreading), **vreading)
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
@@ -159,10 +163,10 @@ def train(model, x, y, *, comm, layout, options):
     state["start"] = (options.initial_epoch, 0, options.initial_epoch * (source.steps or 0))
     if options.resume:
         _resume(runtime, state)
-    if isinstance(source, _data.ArraySource):
+    if isinstance(source, readers.ArraySource):
         source.seed = state["seed"]
         if options.seed is None:
-            source.order = lambda epoch: _data.fit_order(comm, len(source.data))
+            source.order = lambda epoch: readers.fit_order(comm, len(source.data))
     stop_flag = _ckpt.StopFlag() if options.checkpoint_dir else None
     state["stop_flag"] = stop_flag
     try:

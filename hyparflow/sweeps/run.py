@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from .. import _compat, settings
-from ..loop import data as _data
+from .. import readers as _data
 from ..engine import weights as _weights
 from ..loop.api import _agree_bad_call
 from ..engine.comm import wrap
@@ -170,7 +170,7 @@ class _Run:
             (x, y, sw), o["validation_data"] = _data.validation_split(
                 x, y, o["sample_weight"], o["validation_split"])
             o["sample_weight"] = sw
-        if _data.is_dataset(x):
+        if _data.is_stream(x):
             raise ValueError("hf.sweep takes numpy data (arrays, or lists / dicts of them): each "
                              "member's batch is gathered from its own order. Received a "
                              "tf.data.Dataset.")

@@ -1,13 +1,14 @@
-"""Training data: numpy arrays or a batched tf.data.Dataset, as global batches of indices."""
+"""Arrays in memory or read by rows (memmaps, h5py datasets): checked, put in the
+model's input order, and cut into global batches of indices."""
 
 import math
 
 import numpy as np
 
-from ..engine.prepare import is_dataset
+from .columns import as_array, chunks, column
 
-__all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "DatasetSource", "source", "validation_split",
-           "check_finite", "is_dataset"]
+__all__ = ["Data", "prepare_data", "fit_order", "ArraySource", "validation_split",
+           "check_finite"]
 
 
 class Data:
@@ -39,29 +40,25 @@ def _leaves(value, names, what):
     return [value]
 
 
-def _numpy(value):
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-
-
 def prepare_data(graph, x, y, sample_weight=None, class_weight=None, need_y=True):
     """Check and normalise user data (numpy arrays, lists or dicts of them)."""
     if x is None:
         raise ValueError("`x` is required. Received: x=None")
-    xs = [_numpy(a) for a in _leaves(x, graph.input_names, "x")]
+    xs = [as_array(a) for a in _leaves(x, graph.input_names, "x")]
     if graph.functional is not None and len(xs) != len(graph.inputs):
         raise ValueError(
             f"The model has {len(graph.inputs)} inputs {graph.input_names} but `x` holds "
             f"{len(xs)} arrays. Pass one array per input (a list, or a dict by input name)."
         )
-    if graph.functional is not None:
-        xs = [a.astype(graph.tensors[t].dtype, copy=False) if graph.tensors[t].dtype != "bfloat16" else a
-              for a, t in zip(xs, graph.inputs)]
+    if len(xs) == len(graph.inputs):
+        xs = [column(a, graph.tensors[t].dtype, name)
+              for a, t, name in zip(xs, graph.inputs, graph.input_names)]
     lengths = {f"x[{i}]": len(a) for i, a in enumerate(xs)}
     ys = None
     if y is None and need_y:
         raise ValueError("`y` is required (targets for the compiled loss). Received: y=None")
     if y is not None:
-        ys = [_numpy(a) for a in _leaves(y, graph.output_names, "y")]
+        ys = [as_array(a) for a in _leaves(y, graph.output_names, "y")]
         if graph.functional is not None and len(ys) != len(graph.outputs):
             raise ValueError(
                 f"The model has {len(graph.outputs)} outputs {graph.output_names} but `y` holds "
@@ -73,7 +70,7 @@ def prepare_data(graph, x, y, sample_weight=None, class_weight=None, need_y=True
         if ys is None or len(ys) != 1:
             raise ValueError("`class_weight` is only supported for models with one output; "
                              "use `sample_weight` for several outputs.")
-        labels = ys[0]
+        labels = np.asarray(ys[0])
         labels = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels.reshape(len(labels), -1)[:, 0]
         sw = [np.array([class_weight.get(int(c), 1.0) for c in labels], np.float32)]
     if sample_weight is not None:
@@ -107,9 +104,9 @@ def _sample_weights(graph, sample_weight, ys):
                 f"outputs {graph.output_names}: pass one array for all outputs, or one per "
                 "output (a list, or a dict by output name).")
         if len(leaves) == 1:
-            return [_numpy(leaves[0]).astype(np.float32)], False
-        return [_numpy(a).astype(np.float32) for a in leaves], True
-    array = _numpy(sample_weight).astype(np.float32)
+            return [np.asarray(as_array(leaves[0]), np.float32)], False
+        return [np.asarray(as_array(a), np.float32) for a in leaves], True
+    array = np.asarray(as_array(sample_weight), np.float32)
     if array.ndim == 0:
         raise ValueError(f"`sample_weight` must have one value per sample (an array whose "
                          f"first dimension is the samples). Received a scalar: {array!r}")
@@ -124,12 +121,19 @@ def check_finite(data):
     arrays += [(f"sample_weight[{k}]" if len(data.sample_weight) > 1 else "sample_weight", a)
                for k, a in enumerate(data.sample_weight or [])]
     for name, a in arrays:
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            bad = np.argwhere(~np.isfinite(a.reshape(len(a), -1)))[0][0]
-            raise ValueError(
-                f"{name} has NaN or infinite values (first at sample {bad}). Clean the data, or "
-                "pass check_finite=False to train anyway (keras.callbacks.TerminateOnNaN then "
-                "stops when the loss turns NaN).")
+        if np.dtype(a.dtype).kind != "f":
+            continue
+        seen = 0
+        for piece in chunks(a):   # an array read by rows is scanned in pieces
+            piece = np.asarray(piece)
+            bad = ~np.isfinite(piece.reshape(len(piece), -1))
+            if bad.any():
+                raise ValueError(
+                    f"{name} has NaN or infinite values (first at sample "
+                    f"{seen + int(np.argwhere(bad)[0][0])}). Clean the data, or pass "
+                    "check_finite=False to train anyway (keras.callbacks.TerminateOnNaN then "
+                    "stops when the loss turns NaN).")
+            seen += len(piece)
 
 
 def validation_split(x, y, sample_weight, fraction):
@@ -141,14 +145,14 @@ def validation_split(x, y, sample_weight, fraction):
         if value is None:
             return None
         if isinstance(value, dict):
-            return {k: np.asarray(v)[lo:hi] for k, v in value.items()}
+            return {k: as_array(v)[lo:hi] for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [np.asarray(v)[lo:hi] for v in value]
-        return np.asarray(value)[lo:hi]
+            return [as_array(v)[lo:hi] for v in value]
+        return as_array(value)[lo:hi]
 
     first = x if not isinstance(x, (dict, list, tuple)) else (
         next(iter(x.values())) if isinstance(x, dict) else x[0])
-    n = len(first)
+    n = len(as_array(first))
     split = int(n * (1.0 - fraction))
     train = (cut(x, 0, split), cut(y, 0, split), cut(sample_weight, 0, split))
     val = (cut(x, split, n), cut(y, split, n), cut(sample_weight, split, n))
@@ -171,6 +175,8 @@ class ArraySource:
     The permutation is `order(epoch)` when set (model.fit's, `fit_order`), else drawn
     from `seed` and the epoch."""
 
+    relative = False   # batch indices are positions in the whole data
+
     def __init__(self, data, batch_size, shuffle=False, seed=0, steps_per_epoch=None):
         self.data, self.batch_size, self.shuffle, self.seed = data, batch_size, shuffle, seed
         self.order = None
@@ -187,48 +193,3 @@ class ArraySource:
             order = np.random.default_rng([self.seed, epoch]).permutation(n)
         for step in range(self.steps):
             yield self.data, order[step * self.batch_size:(step + 1) * self.batch_size]
-
-
-class DatasetSource:
-    """A batched tf.data.Dataset: each element is one global batch.
-
-    Every rank iterates the same dataset (so its shuffling must be seeded) and
-    keeps only the current batch; each stage then takes just the slices its
-    replica needs. `steps_per_epoch` limits an epoch; without it an epoch ends
-    when the dataset does."""
-
-    def __init__(self, dataset, graph, steps_per_epoch=None, class_weight=None, need_y=True):
-        self.dataset, self.graph, self.class_weight, self.need_y = dataset, graph, class_weight, need_y
-        cardinality = int(dataset.cardinality())
-        known = cardinality if cardinality >= 0 else None
-        self.steps = steps_per_epoch or known
-        if steps_per_epoch and known is not None:
-            self.steps = min(steps_per_epoch, known)
-
-    def first(self):
-        return self._prepare(next(iter(self.dataset)))
-
-    def _prepare(self, element):
-        import keras
-
-        x, y, sw = keras.utils.unpack_x_y_sample_weight(element)
-        return prepare_data(self.graph, x, y, sw, self.class_weight, need_y=self.need_y)
-
-    def epoch(self, epoch):
-        dataset = self.dataset.take(self.steps) if self.steps else self.dataset
-        for element in dataset:
-            data = self._prepare(element)
-            yield data, np.arange(len(data))
-
-
-def source(graph, x, y, *, batch_size, sample_weight=None, class_weight=None, shuffle=False,
-           seed=0, steps_per_epoch=None, need_y=True):
-    """The data source for `x`/`y`, and one prepared batch to size the stages from."""
-    if is_dataset(x):
-        if y is not None:
-            raise ValueError("When `x` is a tf.data.Dataset, `y` must be None: the dataset "
-                             "yields (x, y) or (x, y, sample_weight).")
-        src = DatasetSource(x, graph, steps_per_epoch, class_weight, need_y)
-        return src, src.first()
-    data = prepare_data(graph, x, y, sample_weight, class_weight, need_y=need_y)
-    return ArraySource(data, batch_size, shuffle, seed, steps_per_epoch), data

@@ -1,0 +1,37 @@
+"""Keras's own data adapters and epoch iterator (keras.src.trainers): what
+`model.fit` reads a tf.data.Dataset, a keras.utils.PyDataset, a generator (and a
+torch DataLoader or grain dataset) through, so that epochs, `steps_per_epoch`,
+workers and `on_epoch_end` behave as they do there."""
+
+from typing import Any
+
+__all__ = ["epoch_iterator", "first_element", "is_stream"]
+
+
+def is_stream(x: Any) -> bool:
+    """Data that Keras reads batch by batch (not arrays it slices)."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    return x is not None and not isinstance(x, (dict, list, tuple)) and \
+        not array_data_adapter.can_convert_arrays((x,)) and not hasattr(x, "__array__")
+
+
+def epoch_iterator(x: Any, *, steps_per_epoch: Any = None, class_weight: Any = None,
+                   shuffle: bool = False) -> Any:
+    """Keras's EpochIterator over `x`, numpy batches, as `model.fit` builds it."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    return EpochIterator(x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+                         shuffle=shuffle)
+
+
+def first_element(adapter: Any) -> Any:
+    """The first element the adapter will give, without taking it from the stream."""
+    from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    if isinstance(adapter, GeneratorDataAdapter):
+        return adapter._first_batches[0]   # what it peeked, and will give again
+    if isinstance(adapter, PyDatasetAdapter):
+        return adapter.py_dataset[0]
+    return next(iter(adapter.get_numpy_iterator()))   # a dataset starts again each pass

@@ -1,0 +1,100 @@
+"""Data Keras reads batch by batch: a tf.data.Dataset, a keras.utils.PyDataset, a
+Python generator or iterator (and a torch DataLoader or grain dataset).
+
+One rank reads: rank 0 runs Keras's own adapter and EpochIterator, so epochs,
+`steps_per_epoch` (an epoch goes on where the last one stopped), a PyDataset's
+`workers`, `use_multiprocessing`, `max_queue_size` and `on_epoch_end`, and a
+generator's end are what `model.fit` makes of them. Each element is one global
+batch, broadcast to every rank; a generator, or a pipeline whose shuffle is not
+seeded, cannot be read by two readers and give the same batches.
+"""
+
+import numpy as np
+
+from .. import _compat
+from .._compat import adapters
+from .arrays import prepare_data
+
+__all__ = ["StreamSource"]
+
+
+class _End:
+    """The stream has no more batches this epoch."""
+
+
+class _Failed:
+    """Reading failed on rank 0: what it said."""
+
+    def __init__(self, message):
+        self.message = message
+
+
+class StreamSource:
+    """Global batches of a stream, read on rank 0 and broadcast. `first_x` is the
+    first batch's inputs (to read and build the model from), `bind(graph)` makes
+    `sample`, the first batch prepared, and then `epoch(e)` yields (Data, indices)."""
+
+    relative = True   # batch indices count from each batch's start
+
+    def __init__(self, comm, x, *, steps_per_epoch=None, class_weight=None, shuffle=False,
+                 need_y=True):
+        import keras
+
+        self.comm, self.class_weight, self.need_y = comm, class_weight, need_y
+        self.reader, self.graph, self.sample = None, None, None
+        found = None
+        if comm.rank == 0:
+            try:
+                self.reader = adapters.epoch_iterator(
+                    x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+                    shuffle=shuffle)
+                found = (_compat.tree.map_structure(
+                    np.asarray, adapters.first_element(self.reader.data_adapter)),
+                    self.reader.num_batches)
+            except (ValueError, TypeError) as error:
+                found = error
+        found = comm.bcast_obj(found, 0)
+        if isinstance(found, BaseException):
+            raise found
+        self.first, self.steps = found
+        self.first_x = keras.utils.unpack_x_y_sample_weight(self.first)[0]
+        if self.reader is not None:
+            self.reader.reset()   # as model.fit, once before the first epoch
+
+    def _prepare(self, element, class_weight=None):
+        import keras
+
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(element)
+        return prepare_data(self.graph, x, y, sw, class_weight, need_y=self.need_y)
+
+    def bind(self, graph):
+        """Read the batches for `graph`; the first one prepared, to size the stages.
+        Class weights are the adapter's on the read batches; here they only say that
+        the sample has sample weights."""
+        self.graph = graph
+        self.sample = self._prepare(self.first, self.class_weight)
+        return self.sample
+
+    def _elements(self):
+        for _, _, buffer in self.reader:
+            yield from buffer
+
+    def epoch(self, epoch):
+        elements = self._elements() if self.reader is not None else None
+        while True:
+            element = None
+            if elements is not None:
+                try:
+                    element = next(elements)
+                except StopIteration:
+                    element = _End()
+                except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                    self.comm.bcast_obj(_Failed(f"{type(error).__name__}: {error}"), 0)
+                    raise
+            element = self.comm.bcast_obj(element, 0)
+            if isinstance(element, _End):
+                return
+            if isinstance(element, _Failed):
+                raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
+            data = self._prepare(element)
+            yield data, np.arange(len(data))
