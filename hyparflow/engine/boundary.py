@@ -237,6 +237,9 @@ class Boundary:
                     self.grad[(i, e.index)] = self._irecv(value.shape, t, dst,
                                                           self._tag(i, e, _GRAD))
             if self.wire is None:
+                declared = _np_dtype(t.dtype)
+                if value.dtype != declared:  # a layer whose run gives another dtype than
+                    value = value.astype(declared)  # its graph says (StringLookup's ints)
                 sends.append(self.comm.isend(value, dst, self._tag(i, e, _ACT)))
                 self.sent += np.asarray(value).nbytes if t.floating else 0
             else:

@@ -79,6 +79,21 @@ def _counts(graph: LayerGraph, num_stages: int, balance: Balance) -> List[int]:
     return _balance.check_counts(balance, n, num_stages)
 
 
+def _check_text(graph: LayerGraph, edges: List[Edge], counts: List[int]) -> None:
+    """Strings stay in the stage that makes them: activations travel as numbers."""
+    for e in edges:
+        t = graph.tensors[e.tensor]
+        if t.dtype == "string" and t.producer is not None:
+            layer = graph.nodes[t.producer].name
+            raise ValueError(
+                f"Layer {layer!r} gives strings that a layer of stage {e.dst} takes: the cut "
+                f"between stages {e.src} and {e.dst} (layer calls per stage {counts}) would "
+                "send text between ranks, and stages exchange numbers only. Keep the layers "
+                "that turn the text into numbers (StringLookup, TextVectorization, Hashing) "
+                f"in the stage of {layer!r}: pass balance=[...] (layer calls per stage) with "
+                "another cut, or fewer stages.")
+
+
 def partition(graph: LayerGraph, num_stages: int, balance: Balance = None) -> Partition:
     """Stages of consecutive layer calls; every tensor needed by a later stage is
     sent straight from its producer's stage to each consumer's stage, and model
@@ -115,6 +130,7 @@ def partition(graph: LayerGraph, num_stages: int, balance: Balance = None) -> Pa
         elif src != last:
             needs[(t, last)] = src
     edges = [Edge(k, t, needs[(t, dst)], dst) for k, (t, dst) in enumerate(sorted(needs))]
+    _check_text(graph, edges, counts)
 
     stages = []
     for s in range(num_stages):
