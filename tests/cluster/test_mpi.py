@@ -78,7 +78,7 @@ AT_FOUR = " or ".join([
     "heartbeat", "sharded_optimizer_step", "sharded_step_through_the_window",
     "keras_hub_encoder_decoder_blocks",
     "nodes_exchange_slices_only", "window_where_a_node_holds_more_than_two",
-    "local_sgd_every_step"])
+    "local_sgd_every_step", "input_forms", "string_columns"])
 
 
 @pytest.mark.timeout(900)
@@ -124,6 +124,17 @@ def test_failure_on_one_rank_ends_all_quickly(fail_rank):
     assert out.stderr.count("injected failure in fails_") >= 1
     assert out.stderr.count(f"hyparflow: rank {fail_rank} (stage {fail_rank}, replica 0) failed") == 1
     assert "aborting all ranks" in out.stderr
+    assert seconds < 60, f"took {seconds:.0f} s to stop"
+
+
+def test_a_failing_reader_ends_all_quickly_naming_the_error():
+    """The rank that reads a generator fails in it: the others, waiting for its batch,
+    end too, and the error is named."""
+    out, seconds = mpiexec(2, os.path.join(HERE, "mpi", "failing_reader_script.py"),
+                           timeout=120)
+    assert out.returncode != 0
+    assert "finished without the failure" not in out.stdout
+    assert "injected: the data's disk is gone" in out.stderr
     assert seconds < 60, f"took {seconds:.0f} s to stop"
 
 
