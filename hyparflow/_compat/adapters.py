@@ -5,7 +5,7 @@ workers and `on_epoch_end` behave as they do there."""
 
 from typing import Any
 
-__all__ = ["epoch_iterator", "first_element", "is_stream"]
+__all__ = ["epoch_iterator", "first_element", "is_stream", "numpy_batches"]
 
 
 def is_stream(x: Any) -> bool:
@@ -35,3 +35,11 @@ def first_element(adapter: Any) -> Any:
     if isinstance(adapter, PyDatasetAdapter):
         return adapter.py_dataset[0]
     return next(iter(adapter.get_numpy_iterator()))   # a dataset starts again each pass
+
+
+def numpy_batches(dataset: Any, class_weight: Any = None) -> Any:
+    """One pass over a tf.data.Dataset as Keras's adapter gives it: numpy batches, the
+    class weights turned into sample weights."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+    return iter(TFDatasetAdapter(dataset, class_weight=class_weight).get_numpy_iterator())

@@ -19,10 +19,9 @@ def run_evaluation(model, runtime, source, logs=None):
     """Loss and metrics over `source` with `runtime`'s partition; global logs dict."""
     logs = logs or GlobalLogs(model, runtime.comm, runtime.counted)
     logs.reset()
-    for data, batch in source.epoch(0):
-        contribution, _ = runtime.executor.infer("evaluate", runtime.microbatches(batch),
-                                                 len(batch), data)
-        logs.add(contribution, len(batch))
+    for data, micro, rows in readers.steps(source, 0, runtime):
+        contribution, _ = runtime.executor.infer("evaluate", micro, rows, data)
+        logs.add(contribution, rows)
     return logs.result()
 
 
@@ -35,15 +34,17 @@ def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kin
         layout = dataclasses.replace(layout, tensor_shares=None)
     reading = dict(batch_size=batch_size, sample_weight=sample_weight, steps_per_epoch=steps,
                    need_y=(kind == "evaluate"))
-    stream = readers.open_source(comm, x, y, **reading)
+    # Predictions come back in the order of `x`: a predicting run reads it whole.
+    stream = readers.open_source(comm, x, y, layout=layout, shard=(kind != "predict"),
+                                 **reading)
     graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
                        batch_size)
     source, sample = readers.source(graph, x, y, stream=stream, **reading)
+    rows = getattr(source, "global_rows", len(sample))
     runtime = Runtime(model, comm, layout, graph=graph, sample=sample,
                       cut=layout.stage_counts(graph), training=False,
-                      facts={"samples": len(sample), "steps": source.steps, "kind": kind},
-                      batch_rows=(len(sample) if stream is not None
-                                  else min(batch_size, len(sample))))
+                      facts={"samples": rows, "steps": source.steps, "kind": kind},
+                      batch_rows=rows if stream is not None else min(batch_size, rows))
     return runtime, source
 
 
@@ -62,6 +63,8 @@ def _run(comm, build, body):
         raise
     finally:
         runtime.close()
+        if hasattr(source, "close"):
+            source.close()
 
 
 def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, steps=None,
@@ -81,11 +84,10 @@ def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, 
         logs.reset()
         model.stop_evaluating = False
         cbs.on_test_begin()
-        for step, (data, batch) in enumerate(source.epoch(0)):
+        for step, (data, micro, rows) in enumerate(readers.steps(source, 0, runtime)):
             cbs.on_test_batch_begin(step)
-            contribution, _ = runtime.executor.infer("evaluate", runtime.microbatches(batch),
-                                                     len(batch), data)
-            logs.add(contribution, len(batch))
+            contribution, _ = runtime.executor.infer("evaluate", micro, rows, data)
+            logs.add(contribution, rows)
             if per_step:
                 cbs.on_test_batch_end(step, logs.result())
                 if comm.bcast_obj(bool(getattr(model, "stop_evaluating", False)), 0):

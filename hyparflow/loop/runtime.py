@@ -4,6 +4,8 @@ the model read as a layer graph, the model and optimizer checked, the compiled l
 built) is `prepare`'s."""
 
 
+import numpy as np
+
 from .. import _compat
 from ..engine import clipping as _clipping
 from ..engine import customised as _customised
@@ -412,6 +414,11 @@ class Runtime:
         """This rank's microbatches of a global batch (index arrays)."""
         return split_batch(indices, self.topo.num_replicas,
                            self.layout.num_microbatches)[self.replica]
+
+    def local_microbatches(self, rows):
+        """This rank's microbatches of its replica's own `rows` rows (a reader that
+        reads per replica: `readers.ShardedSource`)."""
+        return split_batch(np.arange(rows), 1, self.layout.num_microbatches)[0]
 
     def average_state(self):
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""

@@ -96,7 +96,7 @@ def train(model, x, y, *, comm, layout, options):
         reading = dict(batch_size=options.batch_size, sample_weight=sample_weight,
                        class_weight=options.class_weight, shuffle=options.shuffle,
                        seed=0, steps_per_epoch=options.steps_per_epoch)
-        stream = readers.open_source(comm, x, y, **reading)
+        stream = readers.open_source(comm, x, y, layout=layout, **reading)
         graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
                            options.batch_size)
         cut = layout.stage_counts(graph)
@@ -104,7 +104,8 @@ def train(model, x, y, *, comm, layout, options):
         if options.check_finite and isinstance(source, readers.ArraySource):
             readers.check_finite(source.data)
         replicas, microbatches = layout.num_replicas, layout.num_microbatches
-        effective = len(sample) if stream is not None else options.batch_size
+        effective = (getattr(source, "global_rows", len(sample)) if stream is not None
+                     else options.batch_size)
         if effective < replicas * microbatches:
             raise ValueError(
                 f"batch_size={effective} is smaller than num_replicas x num_microbatches = "
@@ -118,7 +119,8 @@ def train(model, x, y, *, comm, layout, options):
             vreading = dict(batch_size=vbatch, sample_weight=vsw,
                             steps_per_epoch=options.validation_steps)
             state["validation"], _ = readers.source(
-                graph, vx, vy, stream=readers.open_source(comm, vx, vy, **vreading), **vreading)
+                graph, vx, vy, stream=readers.open_source(comm, vx, vy, layout=layout,
+                                                          **vreading), **vreading)
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
@@ -142,9 +144,12 @@ def train(model, x, y, *, comm, layout, options):
         runtime = Runtime(model, comm, layout, graph=graph, sample=sample, cut=cut,
                           run_eagerly=options.run_eagerly, recompute=options.recompute,
                           trace=options.trace,
-                          facts={"samples": len(sample), "steps": source.steps,
+                          facts={"samples": getattr(source, "global_rows", len(sample)),
+                                 "steps": source.steps,
                                  "batch_size": options.batch_size, "epochs": options.epochs},
-                          batch_rows=min(effective, len(sample)), replica_sync=replica_sync,
+                          batch_rows=min(effective,
+                                         getattr(source, "global_rows", len(sample))),
+                          replica_sync=replica_sync,
                           embedding_sharding=options.embedding_sharding,
                           memory_limit=options.memory_limit,
                           communication_dtype=options.communication_dtype, hosts=hosts)
@@ -199,6 +204,9 @@ def train(model, x, y, *, comm, layout, options):
         if stop_flag is not None:
             stop_flag.restore()
         runtime.close()
+        for used in (source, state.get("validation")):
+            if hasattr(used, "close"):
+                used.close()
 
 
 def _resume(runtime, state):
@@ -281,7 +289,7 @@ def _loop(model, runtime, source, state, epochs, callbacks):
             replicas.restore()  # each replica's own weights, after the last epoch's report
         logs.reset()
         cbs.on_epoch_begin(epoch)
-        for step, (data, batch) in enumerate(source.epoch(epoch)):
+        for step, (data, micro, rows) in enumerate(readers.steps(source, epoch, runtime)):
             if epoch == first_epoch and step < skip:
                 continue  # done before the checkpoint this run resumed from
             cbs.on_train_batch_begin(step)
@@ -290,13 +298,12 @@ def _loop(model, runtime, source, state, epochs, callbacks):
                 # model this is the longest wait of the run, and looked like a hang.
                 print("hyparflow: compiling the stages (the first step traces each stage's "
                       "forward and backward; the steps after it reuse them) ...", flush=True)
-            micro = runtime.microbatches(batch)
-            contribution = executor.step(micro, len(batch), data, global_step, state["seed"])
+            contribution = executor.step(micro, rows, data, global_step, state["seed"])
             global_step += 1
             if replicas is not None:
                 replicas.after_step(global_step, contribution if runtime.counted else 0.0,
-                                    sum(len(m) for m in micro), len(batch))
-            logs.add(contribution, len(batch))
+                                    sum(len(m) for m in micro), rows)
+            logs.add(contribution, rows)
             if per_step:
                 cbs.on_train_batch_end(step, logs.result())
                 if comm.bcast_obj(bool(model.stop_training), 0):

@@ -4,32 +4,89 @@ the loop asks for once per step.
   columns  an input read by the rows a batch needs, cast then (memmaps, h5py)
   arrays   arrays: checked, in the model's input order, cut into global batches
   streams  tf.data, keras.utils.PyDataset, generators: read on one rank, broadcast
+  context  InputContext: what a dataset function is told
+  sharded  each replica reads its own part: a dataset function, or a tf.data.Dataset's
+           files dealt out to the replicas
 """
+
 
 from .._compat.adapters import is_stream
 from .arrays import (ArraySource, Data, check_finite, fit_order, prepare_data,
                      validation_split)
+from .context import InputContext
+from .sharded import ShardedSource, file_shards
 from .streams import StreamSource
 
-__all__ = ["ArraySource", "Data", "StreamSource", "check_finite", "fit_order", "prepare_data",
-           "validation_split", "is_stream", "open_source", "source"]
+__all__ = ["ArraySource", "Data", "StreamSource", "ShardedSource", "InputContext",
+           "check_finite", "fit_order", "prepare_data", "validation_split", "is_stream",
+           "is_function", "open_source", "source", "steps"]
+
+
+def is_function(x):
+    """A dataset function `fn(ctx) -> tf.data.Dataset`."""
+    return callable(x) and not any(hasattr(x, a) for a in (
+        "__iter__", "__next__", "__getitem__", "__array__"))
 
 
 def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None,
-                shuffle=False, seed=0, steps_per_epoch=None, need_y=True):
-    """The reader of `x` before the model's graph is read: a StreamSource (its
-    `first_x` builds the model), or None for arrays (read once the graph is known)."""
-    if not is_stream(x):
+                shuffle=False, seed=0, steps_per_epoch=None, need_y=True, layout=None,
+                shard=True):
+    """The reader of `x` before the model's graph is read (collective): a ShardedSource
+    for a dataset function, or a dataset whose files can be dealt to the replicas; a
+    StreamSource for other streams; None for arrays (read once the graph is known).
+    A source's `first_x` builds the model. `shard=False`: one rank reads a dataset
+    whole (what hf.predict needs, to give the predictions in order)."""
+    function = is_function(x)
+    if not function and not is_stream(x):
         return None
+    if function and not shard:
+        raise ValueError(
+            "hf.predict gives the predictions in the order of `x`, and a dataset function "
+            "reads per replica: pass the dataset itself (one rank reads it) or arrays.")
     if y is not None or sample_weight is not None:
-        kind = type(x).__name__
+        kind = "dataset function" if function else type(x).__name__
         raise ValueError(
             f"When `x` is a {kind} (read batch by batch), `y` and `sample_weight` must be "
             f"None: each element it gives is (x, y) or (x, y, sample_weight). Received: "
             f"y={'None' if y is None else type(y).__name__}, "
             f"sample_weight={'None' if sample_weight is None else type(sample_weight).__name__}")
+    ranks = 1 if layout is None else layout.num_stages * layout.num_tensor
+    replicas = comm.size // ranks
+    make = x if function else (file_shards(x, replicas, batch_size)
+                               if shard and _is_dataset(x) else None)
+    if make is not None:
+        try:
+            return ShardedSource(comm, make, stages_x_tensor=ranks, batch_size=batch_size,
+                                 steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+                                 need_y=need_y, seed=seed,
+                                 what="the dataset function" if function else "the dataset")
+        except ValueError as error:
+            if function:
+                raise
+            if comm.rank == 0:
+                print(f"hyparflow: the dataset's files cannot be dealt to the {replicas} "
+                      f"replicas ({str(error).split(': ', 1)[-1][:200]}); rank 0 reads and "
+                      "decodes every global batch and sends each replica its rows. For each "
+                      "replica to read its own part, write at least as many files as "
+                      "replicas, or pass a dataset function (hf.InputContext).", flush=True)
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                         shuffle=shuffle, need_y=need_y)
+
+
+def _is_dataset(x):
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
+
+
+def steps(source, epoch, runtime):
+    """(Data, this replica's microbatches, the global batch's rows) for each step."""
+    if getattr(source, "local", False):
+        for data, rows, total in source.epoch(epoch):
+            yield data, runtime.local_microbatches(rows), total
+        return
+    for data, batch in source.epoch(epoch):
+        yield data, runtime.microbatches(batch), len(batch)
 
 
 def source(graph, x, y, *, batch_size, sample_weight=None, class_weight=None, shuffle=False,

@@ -121,8 +121,8 @@ def check_finite(data):
     arrays += [(f"sample_weight[{k}]" if len(data.sample_weight) > 1 else "sample_weight", a)
                for k, a in enumerate(data.sample_weight or [])]
     for name, a in arrays:
-        if np.dtype(a.dtype).kind != "f":
-            continue
+        if np.dtype(getattr(a, "array", a).dtype).kind != "f":
+            continue   # whole numbers (cast to floats or not) are always finite
         seen = 0
         for piece in chunks(a):   # an array read by rows is scanned in pieces
             piece = np.asarray(piece)

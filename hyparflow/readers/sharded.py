@@ -1,0 +1,173 @@
+"""Each replica reads its own part of the data, once: a dataset function
+`fn(ctx) -> tf.data.Dataset` (tf.distribute's `distribute_datasets_from_function`
+idiom), or a whole `tf.data.Dataset` that reads files, whose files are dealt out to
+the replicas (tf.data's FILE auto-shard) and whose global batches are cut to each
+replica's share (`Dataset.rebatch`).
+
+In each replica one rank reads (its first stage's first tensor rank) and hands each
+batch to the replica's other ranks (the last stage's targets and weights, the tensor
+ranks' inputs); middle stages decode nothing. Every step the replicas say how many
+rows they read (one small allgather): a step's global batch is their batches put
+together, in replica order; a replica whose part ended sits the step out (no rows),
+and the epoch ends when every part has.
+"""
+
+import numpy as np
+
+from .._compat import adapters
+from .arrays import prepare_data
+from .context import InputContext, per_replica
+
+__all__ = ["ShardedSource", "file_shards"]
+
+
+class _Failed:
+    def __init__(self, message):
+        self.message = message
+
+
+def file_shards(dataset, num_replicas, batch_size):
+    """A function (ctx -> dataset) giving replica r its files of `dataset` (a global
+    batch of `batch_size`) cut to its share of each batch, or None where the dataset
+    reads no files or turned auto-sharding off (its options' auto_shard_policy OFF)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import input_ops
+
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if num_replicas == 1 or policy in (tf.data.experimental.AutoShardPolicy.OFF,
+                                       tf.data.experimental.AutoShardPolicy.DATA):
+        return None
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+
+    def make(ctx):
+        mine = input_ops.auto_shard_dataset(dataset.with_options(options), num_replicas,
+                                            ctx.input_pipeline_id, num_replicas)
+        return mine.rebatch(ctx.per_replica_batch_size)
+
+    return make
+
+
+class ShardedSource:
+    """Batches read per replica. `first_x`, `bind(graph)` and `sample` as a
+    StreamSource's; `epoch(e)` yields (this replica's Data, its rows, the global rows)."""
+
+    relative = True   # batch indices count from each batch's start
+    local = True      # a rank holds its replica's rows only
+
+    def __init__(self, comm, make, *, stages_x_tensor, batch_size, steps_per_epoch=None,
+                 class_weight=None, need_y=True, seed=0, what="the dataset function"):
+        import keras
+
+        self.comm, self.make, self.what = comm, make, what
+        self.batch_size, self.steps = batch_size, steps_per_epoch
+        self.class_weight, self.need_y, self.seed = class_weight, need_y, seed
+        rank = comm.rank
+        self.num_replicas = comm.size // stages_x_tensor
+        self.replica = rank // stages_x_tensor
+        self.reader = rank % stages_x_tensor == 0
+        self.group = comm.split(self.replica, rank)   # the reader is its rank 0
+        self.graph, self.sample, self._pass, self._first = None, None, None, None
+        self._ended = False
+        self.global_rows = batch_size
+        found = None
+        if self.reader:
+            try:
+                # The first pass, kept: its first batch is the first step's too, so
+                # that nothing is decoded twice.
+                self._pass = adapters.numpy_batches(self._dataset(0), class_weight)
+                found = self._first = next(self._pass)
+            except StopIteration:
+                found = _Failed(f"{what} gave replica {self.replica} no batch")
+            except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                found = _Failed(f"{type(error).__name__}: {error}")
+        found = self.group.bcast_obj(found, 0)
+        failures = [f for f in comm.allgather_obj(found if isinstance(found, _Failed) else None)
+                    if f is not None]
+        if failures:
+            self.close()
+            raise ValueError(f"Reading the first batch of {what} failed: {failures[0].message}")
+        self.first = found
+        self.first_x = keras.utils.unpack_x_y_sample_weight(found)[0]
+
+    def context(self, epoch):
+        return InputContext(self.replica, self.num_replicas, self.batch_size, epoch, self.seed)
+
+    def _dataset(self, epoch):
+        import tensorflow as tf
+
+        dataset = self.make(self.context(epoch))
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(f"{self.what} must return a tf.data.Dataset. Received: "
+                            f"{type(dataset).__name__}")
+        return dataset
+
+    def _prepare(self, element, class_weight=None):
+        import keras
+
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(element)
+        data = prepare_data(self.graph, x, y, sw, class_weight, need_y=self.need_y)
+        share = per_replica(self.batch_size, self.num_replicas, self.replica)
+        if len(data) > share:
+            raise ValueError(
+                f"Replica {self.replica}'s batch from {self.what} holds {len(data)} samples, "
+                f"more than its share of the global batch, {share} (batch_size="
+                f"{self.batch_size} over {self.num_replicas} replicas). Batch the dataset by "
+                "ctx.per_replica_batch_size.")
+        return data
+
+    def bind(self, graph):
+        self.graph = graph
+        self.sample = self._prepare(self.first, self.class_weight)
+        return self.sample
+
+    def _read(self, epoch):
+        """The reader's next element, None at the end of a pass (an epoch, without
+        `steps_per_epoch`; with it a pass goes on across epochs, as in model.fit)."""
+        if self._first is not None:
+            found, self._first = self._first, None
+            return found
+        if self._ended:
+            return None   # this replica's part ended this epoch; the others go on
+        if self._pass is None:
+            self._pass = adapters.numpy_batches(self._dataset(epoch), self.class_weight)
+        try:
+            return next(self._pass)
+        except StopIteration:
+            self._pass, self._ended = None, True
+            return None
+
+    def epoch(self, epoch):
+        self._ended = False
+        step = 0
+        while self.steps is None or step < self.steps:
+            element = None
+            if self.reader:
+                try:
+                    element = self._read(epoch)
+                except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                    element = _Failed(f"{type(error).__name__}: {error}")
+            element = self.group.bcast_obj(element, 0)
+            data, failed = None, None
+            if isinstance(element, _Failed):
+                failed = element.message
+            elif element is not None:
+                try:
+                    data = self._prepare(element)
+                except (ValueError, TypeError) as error:
+                    failed = str(error)
+            rows = len(data) if data is not None else 0
+            # Rows counted once per replica (by its reader); a failure by any rank.
+            counts = self.comm.allgather_obj(failed or (rows if self.reader else 0))
+            for r, c in enumerate(counts):
+                if isinstance(c, str):
+                    raise RuntimeError(f"Reading {self.what} failed on rank {r}: {c}")
+            if not sum(counts):
+                return
+            step += 1
+            yield (data if data is not None else self.sample), rows, sum(counts)
+
+    def close(self):
+        if self.group is not None:
+            self.group.free()
+            self.group = None
