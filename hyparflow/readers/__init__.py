@@ -52,11 +52,11 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
             f"sample_weight={'None' if sample_weight is None else type(sample_weight).__name__}")
     ranks = 1 if layout is None else layout.num_stages * layout.num_tensor
     replicas = comm.size // ranks
-    make = x if function else (file_shards(x, replicas, batch_size)
-                               if shard and _is_dataset(x) else None)
-    if make is not None:
+    dealt = (x, batch_size) if function else (
+        file_shards(x, replicas) if shard and _is_dataset(x) else None)
+    if dealt is not None:
         try:
-            return ShardedSource(comm, make, stages_x_tensor=ranks, batch_size=batch_size,
+            return ShardedSource(comm, dealt[0], stages_x_tensor=ranks, batch_size=dealt[1],
                                  steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                                  need_y=need_y, seed=seed,
                                  what="the dataset function" if function else "the dataset")

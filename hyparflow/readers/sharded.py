@@ -26,16 +26,21 @@ class _Failed:
         self.message = message
 
 
-def file_shards(dataset, num_replicas, batch_size):
-    """A function (ctx -> dataset) giving replica r its files of `dataset` (a global
-    batch of `batch_size`) cut to its share of each batch, or None where the dataset
-    reads no files or turned auto-sharding off (its options' auto_shard_policy OFF)."""
+def file_shards(dataset, num_replicas):
+    """(ctx -> replica r's dataset, the global batch): replica r's files of `dataset`,
+    each batch cut to its share (as tf.distribute deals a dataset out); None where the
+    dataset turned auto-sharding off (its options' auto_shard_policy OFF or DATA), or
+    its batch size cannot be read off its batching (as tf.distribute needs it)."""
     import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import distribute
     from tensorflow.python.distribute import input_ops
 
     policy = dataset.options().experimental_distribute.auto_shard_policy
     if num_replicas == 1 or policy in (tf.data.experimental.AutoShardPolicy.OFF,
                                        tf.data.experimental.AutoShardPolicy.DATA):
+        return None
+    batch_size = int(distribute.compute_batch_size(dataset))
+    if batch_size < num_replicas:
         return None
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
@@ -45,7 +50,7 @@ def file_shards(dataset, num_replicas, batch_size):
                                             ctx.input_pipeline_id, num_replicas)
         return mine.rebatch(ctx.per_replica_batch_size)
 
-    return make
+    return make, batch_size
 
 
 class ShardedSource:

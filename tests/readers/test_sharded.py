@@ -56,3 +56,84 @@ def test_dataset_function_trains_to_model_fit_on_the_replicas_batches(
     # Each record once an epoch across all ranks (the first batch, read at the start to
     # build the model and size the stages, is the first step's).
     assert np.bincount(records.DECODED, minlength=files * 24).tolist() == [EPOCHS] * (files * 24)
+
+
+def dealt(paths, replicas):
+    """What FILE auto-sharding gives replica r of the whole pipeline: files r, r + R, ...
+    batched by the global batch, each batch cut to the replica's share (`rebatch`)."""
+    from hyparflow.readers.context import per_replica
+
+    parts = []
+    for r in range(replicas):
+        share = per_replica(B, replicas, r)
+        mine = pipeline_of(paths[r::replicas]).rebatch(share)
+        parts.append(list(mine.as_numpy_iterator()))
+    return parts
+
+
+def pipeline_of(paths):
+    return records.pipeline(paths, B)
+
+
+@pytest.mark.parametrize("stages,replicas,micro", [(1, 2, 1), (2, 2, 2)])
+def test_a_dataset_of_files_is_dealt_to_the_replicas(stages, replicas, micro, tmp_path):
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    expect = want(records.global_batches(dealt(paths, replicas)), start)
+    records.DECODED.clear()
+    out = train_ranks(model, records.pipeline(paths, B), None, num_stages=stages,
+                      num_replicas=replicas, num_microbatches=micro, weights=start,
+                      epochs=EPOCHS)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert np.bincount(records.DECODED, minlength=4 * 24).tolist() == [EPOCHS] * (4 * 24)
+
+
+def test_fewer_files_than_replicas_read_whole_on_one_rank_with_a_note(tmp_path, capfd):
+    paths = records.write(tmp_path, files=1)
+    start = model().get_weights()
+    expect = want(list(records.pipeline(paths, B).as_numpy_iterator()), start)
+    records.DECODED.clear()
+    out = train_ranks(model, records.pipeline(paths, B), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert "cannot be dealt to the 2 replicas" in capfd.readouterr().out
+
+
+def test_auto_shard_off_keeps_model_fits_batches(tmp_path):
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    expect = want(list(records.pipeline(paths, B).as_numpy_iterator()), start)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    out = train_ranks(model, records.pipeline(paths, B).with_options(options), None,
+                      num_stages=1, num_replicas=2, num_microbatches=1, weights=start,
+                      epochs=EPOCHS)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+
+
+def test_batches_larger_than_a_replicas_share_are_refused(tmp_path):
+    paths = records.write(tmp_path, files=2)
+    with pytest.raises((ValueError, RuntimeError), match=r"more than its share .* "
+                       r"ctx.per_replica_batch_size"):
+        train_ranks(model, lambda ctx: records.pipeline(paths, B), None, num_stages=1,
+                    num_replicas=2, num_microbatches=1, weights=model().get_weights(),
+                    batch_size=B)
+
+
+def test_evaluate_reads_per_replica_too(tmp_path):
+    paths = records.write(tmp_path, files=4)
+    plain = model()
+    batches = records.global_batches(records.replica_batches(paths, B, 2))
+    x, y, w = (np.concatenate([b[k] for b in batches]) for k in range(3))
+    # The mean over all samples does not depend on how they were batched.
+    expect = plain.evaluate(x, y, sample_weight=w, batch_size=len(x), verbose=0)
+
+    def body(comm):
+        mine = model()   # a model per thread-rank, as each process has its own
+        mine.set_weights(plain.get_weights())
+        return hf.evaluate(mine, by_files(paths), batch_size=B, comm=comm, verbose=0,
+                           num_replicas=2, num_stages=1)
+
+    from hyparflow.engine.local import run_ranks
+    for got in run_ranks(2, body, timeout=300):
+        assert np.allclose(got, expect, rtol=1e-5)
