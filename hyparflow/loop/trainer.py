@@ -190,6 +190,7 @@ def train(model, x, y, *, comm, layout, options):
         history.kept_per_sample = getattr(runtime.stage, "kept_per_sample", None)
         history.memory = memory_of(runtime, model.optimizer)
         history.exchanges = runtime.exchanges()
+        history.data_wait = state["waits"].summary()
         if runtime.replicas is not None:
             _report_replicas(runtime, history, verbose=state["verbose"])
         return history
@@ -284,12 +285,15 @@ def _loop(model, runtime, source, state, epochs, callbacks):
     first_epoch, skip, global_step = state["start"]
     checkpointer, flag = state.get("checkpointer"), state.get("stop_flag")
     replicas = runtime.replicas  # None: allreduce (every replica takes the same step)
+    waits = readers.Waits(runtime.timeline, warn=comm.rank == 0)
+    state["waits"] = waits
     for epoch in range(first_epoch, epochs):
         if replicas is not None:
             replicas.restore()  # each replica's own weights, after the last epoch's report
         logs.reset()
         cbs.on_epoch_begin(epoch)
-        for step, (data, micro, rows) in enumerate(readers.steps(source, epoch, runtime)):
+        for step, (data, micro, rows) in enumerate(
+                waits.over(readers.steps(source, epoch, runtime))):
             if epoch == first_epoch and step < skip:
                 continue  # done before the checkpoint this run resumed from
             cbs.on_train_batch_begin(step)
@@ -299,6 +303,7 @@ def _loop(model, runtime, source, state, epochs, callbacks):
                 print("hyparflow: compiling the stages (the first step traces each stage's "
                       "forward and backward; the steps after it reuse them) ...", flush=True)
             contribution = executor.step(micro, rows, data, global_step, state["seed"])
+            waits.stepped()
             global_step += 1
             if replicas is not None:
                 replicas.after_step(global_step, contribution if runtime.counted else 0.0,

@@ -7,6 +7,7 @@ the loop asks for once per step.
   context  InputContext: what a dataset function is told
   sharded  each replica reads its own part: a dataset function, or a tf.data.Dataset's
            files dealt out to the replicas
+  wait     the time each step waits for its batch: History, the trace, a warning
 """
 
 
@@ -16,10 +17,11 @@ from .arrays import (ArraySource, Data, check_finite, fit_order, prepare_data,
 from .context import InputContext
 from .sharded import ShardedSource, file_shards
 from .streams import StreamSource
+from .wait import Waits
 
 __all__ = ["ArraySource", "Data", "StreamSource", "ShardedSource", "InputContext",
            "check_finite", "fit_order", "prepare_data", "validation_split", "is_stream",
-           "is_function", "open_source", "source", "steps"]
+           "is_function", "open_source", "source", "steps", "Waits"]
 
 
 def is_function(x):

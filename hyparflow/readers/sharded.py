@@ -18,7 +18,22 @@ from .._compat import adapters
 from .arrays import prepare_data
 from .context import InputContext, per_replica
 
-__all__ = ["ShardedSource", "file_shards"]
+__all__ = ["ShardedSource", "file_shards", "within_budget"]
+
+
+def within_budget(dataset):
+    """`dataset` decoding on a pool of this rank's threads: by default tf.data's pool
+    has a thread per core in every rank, and the ranks of a node would oversubscribe
+    its cores. A pool the user sized is kept."""
+    import tensorflow as tf
+
+    from .. import _env
+
+    if dataset.options().threading.private_threadpool_size:
+        return dataset
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = _env.threads_per_rank()
+    return dataset.with_options(options)
 
 
 class _Failed:
@@ -105,7 +120,7 @@ class ShardedSource:
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"{self.what} must return a tf.data.Dataset. Received: "
                             f"{type(dataset).__name__}")
-        return dataset
+        return within_budget(dataset)
 
     def _prepare(self, element, class_weight=None):
         import keras
