@@ -5,7 +5,7 @@ workers and `on_epoch_end` behave as they do there."""
 
 from typing import Any
 
-__all__ = ["epoch_iterator", "first_element", "is_stream", "numpy_batches"]
+__all__ = ["epoch_iterator", "is_stream", "numpy_batches"]
 
 
 def is_stream(x: Any) -> bool:
@@ -23,18 +23,6 @@ def epoch_iterator(x: Any, *, steps_per_epoch: Any = None, class_weight: Any = N
 
     return EpochIterator(x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                          shuffle=shuffle)
-
-
-def first_element(adapter: Any) -> Any:
-    """The first element the adapter will give, without taking it from the stream."""
-    from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-
-    if isinstance(adapter, GeneratorDataAdapter):
-        return adapter._first_batches[0]   # what it peeked, and will give again
-    if isinstance(adapter, PyDatasetAdapter):
-        return adapter.py_dataset[0]
-    return next(iter(adapter.get_numpy_iterator()))   # a dataset starts again each pass
 
 
 def numpy_batches(dataset: Any, class_weight: Any = None) -> Any:

@@ -67,10 +67,15 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
                 raise
             if comm.rank == 0:
                 print(f"hyparflow: the dataset's files cannot be dealt to the {replicas} "
-                      f"replicas ({str(error).split(': ', 1)[-1][:200]}); rank 0 reads and "
+                      f"replicas ({str(error).split(': ', 1)[-1][:160]}); rank 0 reads and "
                       "decodes every global batch and sends each replica its rows. For each "
                       "replica to read its own part, write at least as many files as "
                       "replicas, or pass a dataset function (hf.InputContext).", flush=True)
+    elif function is False and shard and _is_dataset(x) and replicas > 1 and comm.rank == 0:
+        print(f"hyparflow: the dataset reads no files to deal to the {replicas} replicas "
+              "(or turned auto-sharding off): rank 0 reads and decodes every global batch "
+              "and sends each replica its rows. For each replica to decode its own part, "
+              "pass a dataset function (hf.InputContext).", flush=True)
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                         shuffle=shuffle, need_y=need_y)
 

@@ -41,6 +41,22 @@ class _Failed:
         self.message = message
 
 
+# The datasets that read files, which tf.data's FILE auto-shard deals out.
+READERS = {"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
+           "FixedLengthRecordDataset", "FixedLengthRecordDatasetV2", "ArrayRecordDataset"}
+
+
+def reads_files(dataset):
+    """Whether `dataset`'s graph has a file reader for FILE sharding to deal out."""
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    ops = {node.op for node in graph.node}
+    ops |= {node.op for function in graph.library.function for node in function.node_def}
+    return bool(ops & READERS)
+
+
 def file_shards(dataset, num_replicas):
     """(ctx -> replica r's dataset, the global batch): replica r's files of `dataset`,
     each batch cut to its share (as tf.distribute deals a dataset out); None where the
@@ -55,7 +71,7 @@ def file_shards(dataset, num_replicas):
                                        tf.data.experimental.AutoShardPolicy.DATA):
         return None
     batch_size = int(distribute.compute_batch_size(dataset))
-    if batch_size < num_replicas:
+    if batch_size < num_replicas or not reads_files(dataset):
         return None
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE

@@ -42,15 +42,22 @@ class StreamSource:
 
         self.comm, self.class_weight, self.need_y = comm, class_weight, need_y
         self.reader, self.graph, self.sample = None, None, None
-        found = None
+        found, self._held = None, None
         if comm.rank == 0:
             try:
                 self.reader = adapters.epoch_iterator(
                     x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                     shuffle=shuffle)
-                found = (_compat.tree.map_structure(
-                    np.asarray, adapters.first_element(self.reader.data_adapter)),
-                    self.reader.num_batches)
+                self.reader.reset()   # as model.fit, once before the first epoch
+                # The first epoch's pass, begun: its first batch sizes the stages and is
+                # its first step's, so that nothing is decoded twice.
+                elements = self._elements()
+                first = next(elements)
+                self._held = (first, elements)
+                found = (_compat.tree.map_structure(np.asarray, first),
+                         self.reader.num_batches)
+            except StopIteration:
+                found = ValueError(f"The {type(x).__name__} gave no batch.")
             except (ValueError, TypeError) as error:
                 found = error
         found = comm.bcast_obj(found, 0)
@@ -58,8 +65,6 @@ class StreamSource:
             raise found
         self.first, self.steps = found
         self.first_x = keras.utils.unpack_x_y_sample_weight(self.first)[0]
-        if self.reader is not None:
-            self.reader.reset()   # as model.fit, once before the first epoch
 
     def _prepare(self, element, class_weight=None):
         import keras
@@ -79,8 +84,17 @@ class StreamSource:
         for _, _, buffer in self.reader:
             yield from buffer
 
+    def _begun(self):
+        """The first epoch's pass with its first element put back, then new passes."""
+        if self._held is not None:
+            (first, rest), self._held = self._held, None
+            yield first
+            yield from rest
+        else:
+            yield from self._elements()
+
     def epoch(self, epoch):
-        elements = self._elements() if self.reader is not None else None
+        elements = self._begun() if self.reader is not None else None
         while True:
             element = None
             if elements is not None:

@@ -84,3 +84,39 @@ def test_string_columns_and_int_ids_train_to_model_fit(layout):
         hf.fit(model, pairs, target, batch_size=16, epochs=2, shuffle=False, verbose=0,
                num_replicas=replicas)
         assert max_diff(model.get_weights(), plain.get_weights()) < 2e-6
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("form", ["function", "dataset"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: "S{}R{}M{}".format(*s))
+def test_each_replica_reads_its_part_once(form, layout, tmp_path_factory):
+    """A dataset function, or a dataset of files dealt to the replicas: model.fit's
+    weights on the replicas' batches put together, each record decoded once an epoch
+    across the job (counted in every process, summed)."""
+    import records
+    from test_sharded import B, EPOCHS, by_files, dealt, model, want
+
+    stages, replicas, micro = layout
+    comm = MPI.COMM_WORLD
+    tmp = comm.bcast(str(tmp_path_factory.mktemp("records")) if comm.rank == 0 else None, 0)
+    if comm.rank == 0:
+        records.write(tmp, files=4)
+    comm.Barrier()
+    paths = sorted(os.path.join(tmp, f) for f in os.listdir(tmp))
+    parts = (records.replica_batches(paths, B, replicas) if form == "function"
+             else dealt(paths, replicas))
+    start = model().get_weights()
+    expect = want(records.global_batches(parts), start)
+    records.DECODED.clear()
+    trained = model()
+    trained.set_weights(start)
+    hf.fit(trained, by_files(paths) if form == "function" else records.pipeline(paths, B),
+           batch_size=B, epochs=EPOCHS, verbose=0, num_stages=stages, num_replicas=replicas,
+           num_microbatches=micro)
+    diff = max_diff(trained.get_weights(), expect)
+    decoded = np.bincount(np.concatenate([np.array(d, np.int64) for d in comm.allgather(
+        records.DECODED)]), minlength=4 * 24)
+    print(f"{form} S={stages} R={replicas} M={micro}: max weight difference {diff:.2e}, "
+          f"decodes per record {sorted(set(decoded.tolist()))}")
+    assert diff < 2e-6
+    assert decoded.tolist() == [EPOCHS] * (4 * 24)

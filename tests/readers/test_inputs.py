@@ -69,9 +69,9 @@ def test_pydataset_epoch_ends_as_in_model_fit_and_each_batch_read_once():
     train_ranks(mlp, data, None, num_stages=1, num_replicas=2, num_microbatches=1,
                 weights=mlp().get_weights(), epochs=EPOCHS, shuffle=False)
     assert data.ends == plain.ends >= EPOCHS
-    # Across both ranks, each batch once an epoch, and the first once more to size the
-    # stages (model.fit reads some more than once: its adapter peeks to learn the specs).
-    assert sorted(data.reads) == sorted([0] + list(range(len(data))) * EPOCHS)
+    # Across both ranks, each batch once an epoch: the first, read to size the stages, is
+    # the first step's (model.fit reads some twice: its adapter peeks to learn the specs).
+    assert sorted(data.reads) == sorted(list(range(len(data))) * EPOCHS)
 
 
 def test_memmap_is_read_by_rows_never_cast_whole(tmp_path, monkeypatch):
@@ -105,3 +105,24 @@ def test_evaluate_and_predict_take_pydatasets_and_generators():
     assert np.allclose(hf.predict(model, Batches(x, y, w), verbose=0), want_pred, atol=1e-6)
     assert np.allclose(hf.predict(model, generator(x, y, w, repeat=False), verbose=0),
                        want_pred, atol=1e-6)
+
+
+def test_data_wait_is_in_history_and_a_slow_reader_is_named(capfd):
+    """A generator that takes 40 ms a batch against a step of a few ms."""
+    import time
+
+    def slow():
+        for x, y, w in generator(*arrays()):
+            time.sleep(0.04)
+            yield x, y, w
+
+    model = mlp()
+    history = hf.fit(model, slow(), steps_per_epoch=10, epochs=1, verbose=0)
+    wait = history.data_wait
+    # (Keras peeks at a generator's first batches when it opens it: those come at once.)
+    assert len(wait["seconds"]) == 10 and min(wait["seconds"][3:]) >= 0.035
+    assert wait["fraction"] > 0.5
+    assert "waiting for data took" in capfd.readouterr().err
+    fast = hf.fit(mlp(), *arrays()[:2], batch_size=B, epochs=1, verbose=0)
+    assert fast.data_wait["fraction"] < 0.2
+    assert "waiting for data took" not in capfd.readouterr().err
