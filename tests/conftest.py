@@ -84,6 +84,9 @@ _take_turns()
 # minutes on two cores. Node ids below the tests directory, a parametrisation's start
 # enough to pick it; every entry must pick a test.
 QUICK = [
+    "readers/test_inputs.py::test_input_form_trains_to_model_fit[2-1-2-pydataset]",
+    "readers/test_sharded.py::test_dataset_function_trains_to_model_fit_on_the_replicas_batches[4-1-2-1]",
+    "readers/test_dtypes.py::test_string_columns_train_to_model_fit[2-1-2-tf.string]",
     "engine/test_equivalence.py::test_mlp[adam",
     "engine/test_equivalence.py::test_two_inputs_two_outputs",
     "engine/test_equivalence.py::test_sample_and_class_weight",

@@ -20,6 +20,9 @@ CASES = {
     "digits_resnet.py": (["--epochs", "1"],
                          r"^test accuracy [0-9.]+ \(loss [0-9.]+\) on 360 held-out digits, "
                          r"1 stages x 2 replicas$"),
+    "image_files.py": (["--epochs", "1", "--size", "16", "--crop", "16"],
+                       r"^image_files: held-out accuracy [0-9.]+; waiting for data: [0-9.]+% "
+                       r"of each step on rank 0 \([0-9.]+ ms a step\)$"),
     "wide_mlp.py": (["--samples", "256", "--epochs", "1"],
                     r"^wide_mlp: with 2 stage\(s\) every rank fits the 80 MiB budget \(largest "
                     r"[0-9.]+ MiB\); one rank without stages would need [0-9.]+ MiB \(over budget\)$"),
