@@ -16,7 +16,7 @@ from . import _env
 
 __version__ = "0.1.0"
 __all__ = ["fit", "evaluate", "predict", "sweep", "rank", "size", "is_main", "LocalSGD",
-           "LeaderSGD", "layers", "__version__"]
+           "LeaderSGD", "layers", "BatchCouplingWarning", "__version__"]
 
 # The modules' names before the package had wings (a folder per part, docs/
 # architecture.md): `import hyparflow.local`, `from hyparflow import checkpoint` keep
@@ -106,6 +106,7 @@ if not _COMMAND:
     from .loop.api import evaluate, fit, is_main, predict, rank, size  # noqa: E402,F401
     from .sweeps import sweep  # noqa: E402,F401
     from . import layers  # noqa: E402,F401
+    from .engine.coupling import BatchCouplingWarning  # noqa: E402,F401
 
 
 def __getattr__(name: str) -> Any:   # a function or a module, by name
@@ -118,6 +119,10 @@ def __getattr__(name: str) -> Any:   # a function or a module, by name
         from .sweeps import sweep
 
         return sweep
+    if name == "BatchCouplingWarning":
+        from .engine.coupling import BatchCouplingWarning
+
+        return BatchCouplingWarning
     if name == "layers":
         import importlib
 
