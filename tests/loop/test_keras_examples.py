@@ -79,14 +79,25 @@ def _hf(make, start, x, y, s, r, m):
 
 CASES = [(name, s, r, m) for name in sorted(set(E.RUNNABLE) - E.BATCH_NORM)
          for s, r, m in ((2, 1, 2), (1, 2, 1))]
+# Two stacked Bidirectional LSTMs over 12 steps carry float32 round-off to 1.9e-5 of
+# the weights (1.6e-4 of the update) at both layouts: compared in float64, at the gate
+# of test_batch_norm_examples, not with a tolerance at the edge of that.
+FLOAT64 = {"bidirectional_lstm"}
 
 
 @pytest.mark.parametrize("name,s,r,m", CASES)
 def test_example_trains_to_model_fits_weights(name, s, r, m):
     make = E.RUNNABLE[name]
-    start, model, x, y = _reference(make)
-    got = _hf(make, start, x, y, s, r, m)
-    assert max(max_diff(w, model.get_weights()) for w in got) <= 2e-5
+    if name in FLOAT64:
+        with float64():
+            start, model, x, y = _reference(make)
+            got = _hf(make, start, x, y, s, r, m)
+        gate = 1e-6 * max_diff(start, model.get_weights())
+    else:
+        start, model, x, y = _reference(make)
+        got = _hf(make, start, x, y, s, r, m)
+        gate = 2e-5
+    assert max(max_diff(w, model.get_weights()) for w in got) <= gate
 
 
 @pytest.mark.parametrize("name", sorted(E.BATCH_NORM))
