@@ -155,8 +155,9 @@ def message(model, layer, layout):
         f"samples). With num_replicas={layout.num_replicas} and "
         f"num_microbatches={layout.num_microbatches} each of the R x M = "
         f"{layout.num_replicas * layout.num_microbatches} slices of a batch runs the forward "
-        "on its own, so training differs from model.fit (it trains as model.fit with a batch "
-        "of B / (R x M) and gradient_accumulation_steps = R x M would). To train it as "
-        "model.fit does, use num_replicas=1 and num_microbatches=1 (any num_stages); if the "
+        "on its own, so training differs from model.fit (it trains as model.fit on batches "
+        "of B / (R x M) with their gradients averaged, one step per batch, would), and "
+        "predict and evaluate from Keras's. To train it as model.fit does, use "
+        "num_replicas=1 and num_microbatches=1 (any num_stages); if the "
         "per-slice interaction is what you want, silence this with warnings.filterwarnings("
         "'ignore', category=hyparflow.BatchCouplingWarning).")

@@ -50,8 +50,9 @@ def _accumulated(make, parts):
     """Plain Keras on one process, what per-microbatch statistics (or a forward that sums
     over the batch) train as: each batch in `parts` contiguous slices, each slice's
     model.fit loss and gradient (BatchNorm's moving statistics updated slice by slice),
-    the mean gradient applied once per batch. (The optimizer's gradient_accumulation_steps
-    would count Adam's steps per slice, not per batch.) Start and end weights."""
+    the mean gradient applied once per batch, an Embedding's kept sparse. (The
+    optimizer's gradient_accumulation_steps densifies them, and Keras's Adam steps a dense
+    gradient otherwise than model.fit's sparse one.) Start and end weights."""
     import tensorflow as tf
 
     model, x, y = make()
