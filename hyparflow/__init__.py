@@ -16,7 +16,7 @@ from . import _env
 
 __version__ = "0.1.0"
 __all__ = ["fit", "evaluate", "predict", "sweep", "rank", "size", "is_main", "LocalSGD",
-           "LeaderSGD", "layers", "InputContext", "__version__"]
+           "LeaderSGD", "layers", "InputContext", "BatchCouplingWarning", "__version__"]
 
 # The modules' names before the package had wings (a folder per part, docs/
 # architecture.md): `import hyparflow.local`, `from hyparflow import checkpoint` keep
@@ -107,6 +107,7 @@ if not _COMMAND:
     from .sweeps import sweep  # noqa: E402,F401
     from . import layers  # noqa: E402,F401
     from .readers.context import InputContext  # noqa: E402,F401
+    from .engine.coupling import BatchCouplingWarning  # noqa: E402,F401
 
 
 def __getattr__(name: str) -> Any:   # a function or a module, by name
@@ -119,6 +120,10 @@ def __getattr__(name: str) -> Any:   # a function or a module, by name
         from .sweeps import sweep
 
         return sweep
+    if name == "BatchCouplingWarning":
+        from .engine.coupling import BatchCouplingWarning
+
+        return BatchCouplingWarning
     if name == "layers":
         import importlib
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["refuse_steps", "Custom", "probe", "SHARE", "SUM"]
+__all__ = ["refuse_steps", "Custom", "probe", "parts", "rows", "forward_parts", "SHARE", "SUM"]
 
 SHARE, SUM = _compat.SHARE, _compat.SUM
 ROWS = 6  # rows of the sample the probe runs, cut 2 + 4
@@ -89,7 +89,7 @@ def _kind(full, first, rest, n_first, n_rest, what):
         "microbatches), or train with num_microbatches=1 and num_replicas=1.")
 
 
-def _rows(data, graph, lo, hi):
+def rows(data, graph, lo, hi):
     """(x, y, sample_weight) of rows lo:hi of `data`, in the model's structures."""
     xs = [a[lo:hi] for a in data.x]
     x = _compat.tree.pack_sequence_as(_compat.input_structure(graph.functional), xs) \
@@ -103,6 +103,26 @@ def _rows(data, graph, lo, hi):
         leaves = [a[lo:hi] for a in data.sample_weight]
         sw = _compat.pack_outputs(graph.functional, leaves) if data.per_output else leaves[0]
     return x, y, sw
+
+
+def parts(n):
+    """The probe's rows: all n, and two unequal parts of them (a third, the rest)."""
+    cut = n // 3 or 1
+    return [(0, n), (0, cut), (cut, n)]
+
+
+def forward_parts(model, graph, data, n, each):
+    """Run `model` in inference mode on rows 0:n of `data` and on each of their two
+    parts, calling `each(lo, hi, x, y, sample_weight, y_pred)` after each forward; the
+    metrics' states are left as they were."""
+    saved = [(v, v.numpy()) for m in model.metrics for v in m.variables]
+    try:
+        for lo, hi in parts(n):
+            x, y, sw = rows(data, graph, lo, hi)
+            each(lo, hi, x, y, sw, model(x, training=False))
+    finally:
+        for v, value in saved:
+            v.assign(value)
 
 
 def probe(model, graph, data):
@@ -120,25 +140,20 @@ def probe(model, graph, data):
     n = min(len(data), ROWS)
     if n < 2:
         return Custom(loss=SHARE if override else None)
-    cut = n // 3 or 1
-    parts = [(0, n), (0, cut), (cut, n)]
-    saved = [(v, v.numpy()) for m in model.metrics for v in m.variables]
     losses, values = [], []
-    try:
-        for lo, hi in parts:
-            x, y, sw = _rows(data, graph, lo, hi)
-            y_pred = model(x, training=False)
-            losses.append({i: [float(np.sum(l)) for l in op.losses] for i, op in
-                           ((id(op), op) for op in adding)})
-            if override:
-                with _compat.model_losses_replaced(model, [tf.zeros(())]):
-                    v0 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
-                with _compat.model_losses_replaced(model, [tf.ones(())]):
-                    v1 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
-                values.append((v0, v1))
-    finally:
-        for v, value in saved:
-            v.assign(value)
+
+    def measure(lo, hi, x, y, sw, y_pred):
+        losses.append({i: [float(np.sum(l)) for l in op.losses] for i, op in
+                       ((id(op), op) for op in adding)})
+        if override:
+            with _compat.model_losses_replaced(model, [tf.zeros(())]):
+                v0 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
+            with _compat.model_losses_replaced(model, [tf.ones(())]):
+                v1 = float(_compat.run_compute_loss(model, x, y, y_pred, sw, True))
+            values.append((v0, v1))
+
+    forward_parts(model, graph, data, n, measure)
+    cut = parts(n)[1][1]
     sizes = (cut, n - cut)
     kinds = {}
     for op in adding:

@@ -4,10 +4,11 @@ the model read as a layer graph, the model and optimizer checked, the compiled l
 built) is `prepare`'s."""
 
 
-import numpy as np
+import warnings
 
 from .. import _compat
 from ..engine import clipping as _clipping
+from ..engine import coupling as _coupling
 from ..engine import customised as _customised
 from ..engine import errors as errors_
 from .. import graph as _graph
@@ -97,6 +98,13 @@ class Runtime:
         # this process's model (every rank alike) that they add up over microbatches.
         self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
             else _customised.Custom()
+        # Rows that interact in the forward train differently when the batch is split:
+        # named once, by rank 0 (made an error, a ValueError every rank agrees on).
+        if layout.num_replicas * layout.num_microbatches > 1 and comm.rank == 0:
+            layer = _coupling.coupled(model, graph, sample)
+            if layer is not None:
+                warnings.warn(_coupling.message(model, layer, layout),
+                              _coupling.BatchCouplingWarning, stacklevel=2)
         y_specs = _prepare.target_specs(graph, sample)
         if self.custom.loss is not None:
             y_specs = y_specs + _prepare.input_specs(graph, sample)
@@ -414,11 +422,6 @@ class Runtime:
         """This rank's microbatches of a global batch (index arrays)."""
         return split_batch(indices, self.topo.num_replicas,
                            self.layout.num_microbatches)[self.replica]
-
-    def local_microbatches(self, rows):
-        """This rank's microbatches of its replica's own `rows` rows (a reader that
-        reads per replica: `readers.ShardedSource`)."""
-        return split_batch(np.arange(rows), 1, self.layout.num_microbatches)[0]
 
     def average_state(self):
         """Average this stage's state (e.g. BatchNorm statistics) over its replicas."""

@@ -11,7 +11,10 @@ the loop asks for once per step.
 """
 
 
+import numpy as np
+
 from .._compat.adapters import is_stream
+from ..engine.executor import split_batch
 from .arrays import (ArraySource, Data, check_finite, fit_order, prepare_data,
                      validation_split)
 from .context import InputContext
@@ -88,9 +91,9 @@ def _is_dataset(x):
 
 def steps(source, epoch, runtime):
     """(Data, this replica's microbatches, the global batch's rows) for each step."""
-    if getattr(source, "local", False):
+    if getattr(source, "local", False):   # this replica's own rows, cut into microbatches
         for data, rows, total in source.epoch(epoch):
-            yield data, runtime.local_microbatches(rows), total
+            yield data, split_batch(np.arange(rows), 1, runtime.layout.num_microbatches)[0], total
         return
     for data, batch in source.epoch(epoch):
         yield data, runtime.microbatches(batch), len(batch)

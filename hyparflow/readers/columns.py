@@ -67,9 +67,10 @@ def column(array, target, name):
     kind = np.dtype(array.dtype).kind
     if (target == "string") != (kind in "OSU"):
         given = "text" if kind in "OSU" else f"{np.dtype(array.dtype).name} numbers"
+        wanted = ("strings (numpy str/bytes/object arrays, tf.string tensors)"
+                  if target == "string" else "numbers")
         raise ValueError(
-            f"Input {name!r} takes {target} but the data holds {given}. Feed "
-            f"{'strings (numpy str/bytes/object arrays, tf.string tensors)' if target == 'string' else 'numbers'} "
+            f"Input {name!r} takes {target} but the data holds {given}. Feed {wanted} "
             f"for it, or change the model's keras.Input(dtype=...) for {name!r}.")
     if target in ("string", "bfloat16") or np.dtype(array.dtype) == np.dtype(target):
         return array if isinstance(array, np.ndarray) else Column(array, array.dtype)

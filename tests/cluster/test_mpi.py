@@ -470,3 +470,21 @@ def test_split_attention_in_two_branches_meets_with_one_inter_op_thread():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     diff = float(re.search(r"branches: max weight difference (\S+)", out.stdout).group(1))
     assert diff <= 1e-5, diff
+
+
+def test_rows_that_interact_are_warned_once_or_refused_on_every_rank():
+    """A forward that takes the batch mean, at R=2 under mpiexec: rank 0 warns once,
+    naming the layer; made an error by a warnings filter, every rank ends with it."""
+    script = os.path.join(HERE, "mpi", "coupling_script.py")
+    out, _ = mpiexec(2, script, "warn", timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert lines[0].startswith("rank 0 warned 1: The outputs of layer 'centre'"), lines
+    assert lines[1] == "rank 1 warned 0: ", lines
+    out, seconds = mpiexec(2, script, "error", timeout=180)
+    assert out.returncode != 0 and "warned" not in out.stdout
+    assert "BatchCouplingWarning: The outputs of layer 'centre'" in out.stderr, out.stderr[-3000:]
+    assert "set-up failed on rank 0 of 2; the other ranks stopped with it" in out.stderr, \
+        out.stderr[-3000:]
+    assert out.stderr.count("Traceback (most recent call last):") == 1, out.stderr[-3000:]
+    assert seconds < 120

@@ -79,7 +79,7 @@ LAYERS = {
                  "planning.dataset", "planning.shapes"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "comm", "calls", "local", "boundary", "kernels",
-        "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised",
+        "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised", "coupling",
         "timeline", "errors", "grads", "body", "compiled", "timing", "prepare", "wire", "shm",
         "node", "order", "clipping", "sparse", "fill", "deferred", "groups", "norms")},
     "kinds": {"kinds", "kinds.tensor", "kinds.mesh", "kinds.zero", "kinds.zero.step",
