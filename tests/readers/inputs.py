@@ -21,9 +21,9 @@ def mlp():
     keras.utils.set_random_seed(7)
     inp = keras.Input((FEATURES,))
     h = keras.layers.Rescaling(1 / 255.0)(inp)
-    h = keras.layers.Dense(16, activation="tanh")(h)
-    h = keras.layers.Dense(12, activation="relu")(h)
-    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    h = keras.layers.Dense(16, activation="tanh", name="hidden")(h)
+    h = keras.layers.Dense(12, activation="relu", name="middle")(h)
+    model = keras.Model(inp, keras.layers.Dense(3, name="logits")(h))
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])

@@ -137,3 +137,16 @@ def test_evaluate_reads_per_replica_too(tmp_path):
     from hyparflow.engine.local import run_ranks
     for got in run_ranks(2, body, timeout=300):
         assert np.allclose(got, expect, rtol=1e-5)
+
+
+def test_tensor_ranks_take_the_batch_from_one_reader(tmp_path):
+    """T=2 x R=2: each replica's first tensor rank reads, the other decodes nothing."""
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    expect = want(records.global_batches(records.replica_batches(paths, B, 2)), start)
+    records.DECODED.clear()
+    out = train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, batch_size=B,
+                      num_tensor=2, tensor_layers=["hidden", "middle"])
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert np.bincount(records.DECODED, minlength=4 * 24).tolist() == [EPOCHS] * (4 * 24)
