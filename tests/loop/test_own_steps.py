@@ -319,3 +319,60 @@ def test_options_it_cannot_honour_refused():
     with pytest.raises(Exception) as info:
         run_ranks(1, body, timeout=120)
     assert "checkpoint_dir with a model that overrides train_step" in str(info.value)
+
+
+class KerasStep(keras.Model):
+    """A Functional subclass whose train_step is Keras's own, through the override: the
+    compiled loss, its tracker and the compiled metrics, with (x, y, sample_weight)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def keras_step():
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="tanh")(inp)
+    model = KerasStep(inp, keras.layers.Dense(3)(h))
+    model.compile(keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_compiled_loss_and_metrics_with_sample_weights():
+    """Batches of 15 (8 and 7 rows a replica): the compiled loss tracker weighs by rows
+    and the compiled metrics sum their states, so even the logs are model.fit's."""
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(70, 4)).astype("float32"), rng.normal(size=(70, 3)).astype("float32")
+    sw = np.linspace(0.5, 2.0, 70).astype("float32")
+    model = keras_step()
+    start = model.get_weights()
+    history = model.fit(x, y, sample_weight=sw, batch_size=15, epochs=2, shuffle=False,
+                        verbose=0).history
+
+    def body(comm):
+        m = keras_step()
+        m.set_weights(start)
+        h = hf.fit(m, x, y, sample_weight=sw, batch_size=15, epochs=2, shuffle=False,
+                   num_stages=1, num_microbatches=1, comm=comm, verbose=0)
+        return m.get_weights(), h.history
+
+    for weights, got in run_ranks(2, body, timeout=300):
+        assert max_diff(weights, model.get_weights()) <= 1e-6
+        check_history(got, history)
+
+
+def test_a_dataset_of_global_batches():
+    x = gan_data()
+    start, expected, history = reference(gan, tf.data.Dataset.from_tensor_slices(x).batch(16),
+                                         epochs=2)
+
+    def body(comm):
+        m = gan()
+        m.set_weights(start)
+        h = hf.fit(m, tf.data.Dataset.from_tensor_slices(x).batch(16), epochs=2,
+                   num_stages=1, num_microbatches=1, comm=comm, verbose=0)
+        return m.get_weights(), h.history
+
+    for weights, got in run_ranks(2, body, timeout=300):
+        assert max_diff(weights, expected) <= 1e-6
+        check_history(got, history)
