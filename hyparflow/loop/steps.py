@@ -198,16 +198,12 @@ class _Seeds:
         _weights.broadcast(self.comm, [g.state for g in self.gens], 0)
 
 
-def _build(model, fn, data):
+def _build(model, method, data):
     """Trace the step once (creating the variables a subclassed model, and each
-    optimizer, make at their first call), so that rank 0's weights can start every
-    replica before the first update."""
-    if hasattr(fn, "get_concrete_function"):
-        fn.get_concrete_function(data)
-    elif not model.built:
-        raise ValueError(f"Model {model.name!r} is not built: with run_eagerly=True, build it "
-                         "(call it on a batch) before hf.fit, so that every replica starts "
-                         "from rank 0's weights.")
+    optimizer, make at their first call; a traced function's variables outlive it), so
+    that rank 0's weights can start every replica before the first update. Eager runs
+    too: their first call would make the variables only inside the first step."""
+    tf.function(getattr(model, method)).get_concrete_function(data)
 
 
 def evaluate_rows(model, comm, sums, batches, fn, callbacks=None, per_step=False):
@@ -278,7 +274,7 @@ def _train(model, comm, sums, state, options):
     test_fn = _function(model, "test_step", options.run_eagerly) if "validation" in state \
         else None
     sums.active = True
-    _build(model, train_fn, batches.first(comm))
+    _build(model, "train_step", batches.first(comm))
     sums.active = False
     _weights.broadcast(comm, model.weights, 0)
     seeds = _Seeds(model, comm)
@@ -287,34 +283,33 @@ def _train(model, comm, sums, state, options):
     model.stop_training = False
     cbs.on_train_begin()
     epoch_logs = {}
-    try:
-        for epoch in range(options.initial_epoch, options.epochs):
-            model.reset_metrics()
-            cbs.on_epoch_begin(epoch)
-            last = {}
-            for step, (data, mine, total) in enumerate(batches.epoch(epoch, comm)):
-                cbs.on_train_batch_begin(step)
-                sums.rows(mine, total)
-                sums.active = True
-                last = _python(train_fn(data))
-                sums.active = False
-                if per_step:
-                    cbs.on_train_batch_end(step, last)
-                    if comm.bcast_obj(bool(model.stop_training), 0):
-                        model.stop_training = True
-                        break
-            epoch_logs = _epoch_logs(sums, model, last)
-            if test_fn is not None and epoch in state["val_epochs"]:
-                val = evaluate_rows(model, comm, sums, state["validation"], test_fn)
-                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
-            cbs.on_epoch_end(epoch, epoch_logs)
-            model.stop_training = comm.bcast_obj(bool(model.stop_training), 0)
-            if model.stop_training:
-                break
-        if options.epochs > options.initial_epoch:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
-    finally:
-        seeds.close()
+    for epoch in range(options.initial_epoch, options.epochs):
+        model.reset_metrics()
+        cbs.on_epoch_begin(epoch)
+        last = {}
+        for step, (data, mine, total) in enumerate(batches.epoch(epoch, comm)):
+            cbs.on_train_batch_begin(step)
+            sums.rows(mine, total)
+            sums.active = True
+            last = _python(train_fn(data))
+            sums.active = False
+            if per_step:
+                cbs.on_train_batch_end(step, last)
+                if comm.bcast_obj(bool(model.stop_training), 0):
+                    model.stop_training = True
+                    break
+        epoch_logs = _epoch_logs(sums, model, last)
+        if test_fn is not None and epoch in state["val_epochs"]:
+            val = evaluate_rows(model, comm, sums, state["validation"], test_fn)
+            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        cbs.on_epoch_end(epoch, epoch_logs)
+        model.stop_training = comm.bcast_obj(bool(model.stop_training), 0)
+        if model.stop_training:
+            break
+    if options.epochs > options.initial_epoch:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    # Collective: never in a `finally` (a rank that failed mid-step must not wait in it).
+    seeds.close()
     cbs.on_train_end(epoch_logs)
     return model.history
 
@@ -337,7 +332,7 @@ def evaluate(model, x, y, *, comm, layout, batch_size, sample_weight, steps, ver
         try:
             fn = _function(model, "test_step", None)
             sums.active = True
-            _build(model, fn, batches.first(comm))
+            _build(model, "test_step", batches.first(comm))
             sums.active = False
             _weights.broadcast(comm, model.weights, 0)
             cbs, per_step = callback_list(model, comm, callbacks, verbose, epochs=1,

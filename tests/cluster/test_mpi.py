@@ -127,6 +127,18 @@ def test_failure_on_one_rank_ends_all_quickly(fail_rank):
     assert seconds < 60, f"took {seconds:.0f} s to stop"
 
 
+def test_failure_in_an_own_train_step_ends_all_quickly():
+    """Rank 1's own train_step raises at its third step while rank 0 waits in the
+    optimizer's sum of the replicas' gradients."""
+    out, seconds = mpiexec(2, os.path.join(HERE, "mpi", "own_step_failing_script.py"), "1",
+                           "2", timeout=120)
+    assert out.returncode != 0
+    assert "finished without the failure" not in out.stdout
+    assert out.stderr.count("injected failure in the own train_step") >= 1
+    assert out.stderr.count("hyparflow: rank 1 failed with the error above") == 1
+    assert seconds < 60, f"took {seconds:.0f} s to stop"
+
+
 @pytest.mark.parametrize("how", ["mpiexec", "hyparflow run", "srun", "sbatch template"])
 def test_a_script_choosing_its_stages_runs_however_launched(how, tmp_path):
     """`hf.fit(num_stages=2)` with the replicas left out, on 2 ranks: no launcher imposes
