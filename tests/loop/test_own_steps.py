@@ -376,3 +376,43 @@ def test_a_dataset_of_global_batches():
     for weights, got in run_ranks(2, body, timeout=300):
         assert max_diff(weights, expected) <= 1e-6
         check_history(got, history)
+
+
+class OwnTest(keras.Model):
+    """Keras's own train_step, its own test_step."""
+
+    def test_step(self, data):
+        return super().test_step(data)
+
+
+def own_test():
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((4,))
+    model = OwnTest(inp, keras.layers.Dense(3)(keras.layers.Dense(8, name="h")(inp)))
+    model.compile(keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("call,said", [
+    # hf.evaluate runs a test_step override at S=1 only.
+    ("evaluate", "overrides test_step (in OwnTest), which hyparflow runs only whole"),
+    # fit with hyparflow's own step cannot validate through it, at any layout.
+    ("fit", "overrides test_step (in OwnTest), but hyparflow runs its own evaluation"),
+])
+def test_test_step_refused_where_it_cannot_run(call, said):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+
+    def body(comm):
+        model = own_test()
+        if call == "evaluate":
+            hf.evaluate(model, x, y, batch_size=16, num_stages=2, num_microbatches=2,
+                        comm=comm, verbose=0)
+        else:
+            hf.fit(model, x, y, batch_size=16, num_stages=2, num_microbatches=2, comm=comm,
+                   verbose=0, validation_data=(x, y))
+
+    with pytest.raises(Exception) as info:
+        run_ranks(2, body, timeout=120)
+    assert said in str(info.value)
+    assert "num_stages=1, num_tensor=1, num_microbatches=1" in str(info.value)
