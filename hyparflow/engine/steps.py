@@ -59,38 +59,42 @@ def seed_generators_of(model: Any) -> List[Any]:
 
 class ReplicaSums:
     """The replicas' sums for one `fit` or `evaluate` of a model with its own step over
-    `comm` (one rank per replica). `share` is this replica's rows over the global
+    `comm` (one rank per replica). `shares`: each replica's rows over the global
     batch's, set before each step (`rows`). Use as a context manager: the model's
     optimizers and metrics are wrapped inside it and as they were after it."""
 
     def __init__(self, comm: Any, model: Any) -> None:
         self.comm, self.model = comm, model
-        self.share = 1.0 / comm.size
+        self.shares = [1.0 / comm.size] * comm.size
         # While False (outside the step's functions) a metric's result is the
         # replica's own; the loop sets it around the calls that must be global.
         self.active = False
         self._optimizers: List[Any] = []
         self._metrics: List[Any] = []
 
-    def rows(self, mine: int, total: int) -> None:
-        self.share = mine / total
-
-    # -- the sums ---------------------------------------------------------------------
+    def rows(self, sizes: Sequence[int]) -> None:
+        """The rows of every replica's slice of this step's global batch (every rank
+        knows them all: the same split everywhere)."""
+        total = sum(sizes)
+        self.shares = [n / total for n in sizes]
 
     def combine(self, arrays: Sequence[np.ndarray], weighted: bool) -> List[np.ndarray]:
-        """sum over replicas of (share_r if `weighted` else 1) * arrays_r, in rank order
-        in float64, each back in its dtype: the same bits on every rank."""
+        """sum over replicas of (share_r if `weighted` else 1) * arrays_r, added in rank
+        order in float64, each back in its dtype: the same bits on every rank. The
+        values travel in their own precision (float32 gradients as float32)."""
         comm = self.comm
-        flat = np.concatenate([[self.share if weighted else 1.0]] + [
-            np.asarray(a, np.float64).reshape(-1) for a in arrays])
-        everyone = np.empty(flat.size * comm.size, np.float64)
+        wire = np.result_type(np.float32, *[np.asarray(a).dtype for a in arrays])
+        wire = wire if wire.kind == "f" else np.dtype(np.float64)   # integer states
+        flat = np.concatenate([np.asarray(a, wire).reshape(-1) for a in arrays])
+        everyone = np.empty(flat.size * comm.size, wire)
         wait_all([comm.iallgatherv(flat, everyone, [flat.size] * comm.size)],
                  timeout_seconds(), "the other replicas' gradients or metric states "
                  "(a model's own train_step: every replica must reach the same apply)")
         parts = everyone.reshape(comm.size, flat.size)
-        total = parts[0, 1:] * parts[0, 0]
+        weights = self.shares if weighted else [1.0] * comm.size
+        total = parts[0].astype(np.float64) * weights[0]
         for r in range(1, comm.size):
-            total += parts[r, 1:] * parts[r, 0]   # rank order: the same bits everywhere
+            total += parts[r].astype(np.float64) * weights[r]   # rank order: same bits
         out, at = [], 0
         for a in arrays:
             a = np.asarray(a)

@@ -110,7 +110,8 @@ class Batches:
             self.shuffle = keep
 
     def epoch(self, epoch, comm):
-        """(rows, global rows) of each step of `epoch` for this replica (`comm.rank`)."""
+        """(this replica's rows, every replica's row count) of each step of `epoch`
+        (the replica: `comm.rank`)."""
         r = comm.rank
         if self.dataset is not None:
             dataset = self.dataset.take(self.steps) if self.steps else self.dataset
@@ -122,9 +123,10 @@ class Batches:
                         f"A batch of {total} rows from the dataset leaves some of the "
                         f"{self.replicas} replicas without rows. Batch it by at least "
                         f"{self.replicas} (drop_remainder=True for the last batch).")
-                lo, hi = _bounds(total, self.replicas, r)
+                sizes = [len(p) for p in np.array_split(np.arange(total), self.replicas)]
+                lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])
                 mine = keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], element)
-                yield _tensors(mine), hi - lo, total
+                yield _tensors(mine), sizes
             return
         order = np.arange(self.n)
         if self.shuffle:
@@ -132,15 +134,11 @@ class Batches:
                      else np.random.default_rng([self.seed, epoch]).permutation(self.n))
         for step in range(self.steps):
             batch = order[step * self.batch_size:(step + 1) * self.batch_size]
-            mine = np.array_split(batch, self.replicas)[r]   # as `executor.split_batch`
+            parts = np.array_split(batch, self.replicas)   # as `executor.split_batch`
             x, y, sw = keras.tree.map_structure(
-                lambda a: None if a is None else a[mine], self.data)
-            yield _tensors(keras.utils.pack_x_y_sample_weight(x, y, sw)), len(mine), len(batch)
-
-
-def _bounds(total, replicas, r):
-    sizes = [len(p) for p in np.array_split(np.arange(total), replicas)]
-    return sum(sizes[:r]), sum(sizes[:r + 1])
+                lambda a: None if a is None else a[parts[r]], self.data)
+            yield (_tensors(keras.utils.pack_x_y_sample_weight(x, y, sw)),
+                   [len(p) for p in parts])
 
 
 def _numpy(value):
@@ -211,10 +209,10 @@ def evaluate_rows(model, comm, sums, batches, fn, callbacks=None, per_step=False
     model.reset_metrics()
     last = {}
     sums.active = True
-    for step, (data, mine, total) in enumerate(batches.epoch(0, comm)):
+    for step, (data, sizes) in enumerate(batches.epoch(0, comm)):
         if callbacks is not None:
             callbacks.on_test_batch_begin(step)
-        sums.rows(mine, total)
+        sums.rows(sizes)
         last = _python(fn(data))
         if callbacks is not None and per_step:
             callbacks.on_test_batch_end(step, last)
@@ -287,9 +285,9 @@ def _train(model, comm, sums, state, options):
         model.reset_metrics()
         cbs.on_epoch_begin(epoch)
         last = {}
-        for step, (data, mine, total) in enumerate(batches.epoch(epoch, comm)):
+        for step, (data, sizes) in enumerate(batches.epoch(epoch, comm)):
             cbs.on_train_batch_begin(step)
-            sums.rows(mine, total)
+            sums.rows(sizes)
             sums.active = True
             last = _python(train_fn(data))
             sums.active = False
