@@ -186,6 +186,18 @@ def seed_generators(layer):
     return out
 
 
+def flatten_logs(model, logs):
+    """What `model.evaluate(return_dict=False)` returns for a logs dict."""
+    return model._flatten_metrics_in_order(logs)
+
+
+def global_seed_generator():
+    """Keras's generator for random draws given no seed (made if there is none yet)."""
+    from keras.src.random import seed_generator
+
+    return seed_generator.global_seed_generator()
+
+
 def check_optimizer_knows(optimizer, variables):
     """An optimizer built before (by an earlier fit) steps only the variables it was
     built for; the parts of split layers are new to one built with other settings."""

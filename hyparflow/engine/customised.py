@@ -4,8 +4,9 @@ what it refuses (docs/models.md, "Customised training").
 hyparflow runs its own step: the forward cut into stages and microbatches, the
 backward, the gradient sums over replicas and one optimizer step. So:
 
-- a `train_step` (or, for evaluation, `test_step`) override cannot run, and is
-  refused at the start with the reason;
+- a `train_step` (or `test_step`) override cannot run inside that step: it runs
+  whole, on each replica's rows, at S = T = M = 1 (`loop.steps`, `engine.steps`), and
+  is refused elsewhere with the reason;
 - a `compute_loss` override is run on the last stage, once per microbatch, with
   the microbatch's `x`, `y`, `y_pred` and `sample_weight`; hyparflow adds the
   layers' own losses (`self.losses`) on the stages that hold those layers;
@@ -29,22 +30,24 @@ SHARE, SUM = _compat.SHARE, _compat.SUM
 ROWS = 6  # rows of the sample the probe runs, cut 2 + 4
 
 
-def refuse_steps(model, methods=("train_step",)):
-    """Raise when the model overrides one of `methods`, saying why and what to do."""
+def refuse_steps(model, methods=("test_step",)):
+    """Raise when the model overrides one of `methods` where hyparflow's own step runs
+    (a `train_step` override trains through `loop.steps` instead, at S = T = M = 1)."""
     for method in methods:
         cls = _compat.overrider(model, method)
         if cls is None:
             continue
         what = "training" if method == "train_step" else "evaluation"
         raise NotImplementedError(
-            f"Model {model.name!r} overrides {method} (in {cls.__qualname__}). hyparflow runs "
-            f"its own {what} step (the forward cut into stages and microbatches, the "
-            "backward, gradient sums over replicas, one optimizer step), so a custom "
-            f"{method} would not run and the results would silently differ from "
-            f"model.{'fit' if method == 'train_step' else 'evaluate'}. Put the custom loss in "
-            "compute_loss(x, y, y_pred, sample_weight, training), which hyparflow runs on the "
-            "last stage for each microbatch, and metrics in compile(metrics=...); or train "
-            f"this model with model.{'fit' if method == 'train_step' else 'evaluate'}.")
+            f"Model {model.name!r} overrides {method} (in {cls.__qualname__}), but hyparflow "
+            f"runs its own {what} step here (the forward cut into stages and microbatches, "
+            "sums over replicas), so the custom step would not run and the results would "
+            "differ from Keras's. hyparflow runs a model's own train_step and test_step at "
+            "num_stages=1, num_tensor=1, num_microbatches=1 (any num_replicas): each "
+            "replica runs it on its rows. Use that layout (a model that overrides "
+            "train_step gets it in fit, validation included; hf.evaluate runs test_step), "
+            "or put the custom loss in compute_loss(x, y, y_pred, sample_weight, training) "
+            "and the metrics in compile(metrics=...).")
 
 
 class Custom:

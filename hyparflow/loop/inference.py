@@ -6,11 +6,11 @@ import numpy as np
 
 from .. import _compat
 from .. import readers
-from ..engine.customised import refuse_steps
 from .logs import GlobalLogs
 from .progress import callback_list, resolve_verbose
 from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
 from .runtime import Runtime
+from . import steps as _steps
 
 __all__ = ["run_evaluation", "evaluate", "predict"]
 
@@ -27,8 +27,6 @@ def run_evaluation(model, runtime, source, logs=None):
 
 def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kind):
     check_positive(batch_size=batch_size)
-    if kind == "evaluate":
-        refuse_steps(model, ("test_step",))
     if layout.tensor_shares == "measure":
         # Shares change only the speed of inference, never its results.
         layout = dataclasses.replace(layout, tensor_shares=None)
@@ -73,6 +71,12 @@ def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, 
     if not _compat.is_compiled(model):
         raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
                          "hyparflow.evaluate, as before model.evaluate.")
+    if _steps.overrides(model, "test_step"):
+        # The model's own step, on each replica's rows (S = T = M = 1 only).
+        result = _steps.evaluate(model, x, y, comm=comm, layout=layout, batch_size=batch_size,
+                                 sample_weight=sample_weight, steps=steps, verbose=verbose,
+                                 callbacks=callbacks)
+        return result if return_dict else _compat.flatten_logs(model, result)
     verbose = resolve_verbose(verbose)
 
     def body(runtime, source):

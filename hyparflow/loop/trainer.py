@@ -18,6 +18,7 @@ from .logs import GlobalLogs
 from .progress import MAIN_ONLY_CALLBACKS, callback_list, resolve_verbose
 from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
 from .runtime import Runtime
+from . import steps as _steps
 from ..engine import node as _node
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
@@ -55,6 +56,9 @@ def train(model, x, y, *, comm, layout, options):
     """The body of `hyparflow.fit` for one rank (see its docstring), with its
     resolved `layout` (hyparflow.layout) and its other arguments, `options`
     (`options.FitOptions`)."""
+    if _steps.overrides(model, "train_step"):
+        # The model's own step, on each replica's rows (S = T = M = 1 only).
+        return _steps.fit(model, x, y, comm=comm, layout=layout, options=options)
     error, runtime, state = None, None, {}
     sample_weight, validation_data = options.sample_weight, options.validation_data
     replica_sync = options.replica_sync
@@ -81,8 +85,8 @@ def train(model, x, y, *, comm, layout, options):
         state["verbose"] = resolve_verbose(options.verbose)
         if options.threads_per_rank is not None:
             check_positive(threads_per_rank=options.threads_per_rank)
-        refuse_steps(model, ("train_step", "test_step") if (
-            validation_data is not None or options.validation_split) else ("train_step",))
+        if validation_data is not None or options.validation_split:
+            refuse_steps(model, ("test_step",))
         state["batch_size"] = options.batch_size
         if options.embedding_sharding is not None:
             _tables_whole.check_callbacks(options.callbacks)

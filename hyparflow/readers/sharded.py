@@ -12,7 +12,6 @@ together, in replica order; a replica whose part ended sits the step out (no row
 and the epoch ends when every part has.
 """
 
-import numpy as np
 
 from .._compat import adapters
 from .arrays import prepare_data

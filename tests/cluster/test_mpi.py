@@ -78,7 +78,8 @@ AT_FOUR = " or ".join([
     "heartbeat", "sharded_optimizer_step", "sharded_step_through_the_window",
     "keras_hub_encoder_decoder_blocks",
     "nodes_exchange_slices_only", "window_where_a_node_holds_more_than_two",
-    "local_sgd_every_step", "input_forms", "string_columns", "reads_its_part"])
+    "local_sgd_every_step", "input_forms", "string_columns", "reads_its_part",
+    "own_train_step"])
 
 
 @pytest.mark.timeout(900)
@@ -135,6 +136,18 @@ def test_a_failing_reader_ends_all_quickly_naming_the_error():
     assert out.returncode != 0
     assert "finished without the failure" not in out.stdout
     assert "injected: the data's disk is gone" in out.stderr
+    assert seconds < 60, f"took {seconds:.0f} s to stop"
+
+
+def test_failure_in_an_own_train_step_ends_all_quickly():
+    """Rank 1's own train_step raises at its third step while rank 0 waits in the
+    optimizer's sum of the replicas' gradients."""
+    out, seconds = mpiexec(2, os.path.join(HERE, "mpi", "own_step_failing_script.py"), "1",
+                           "2", timeout=120)
+    assert out.returncode != 0
+    assert "finished without the failure" not in out.stdout
+    assert out.stderr.count("injected failure in the own train_step") >= 1
+    assert out.stderr.count("hyparflow: rank 1 failed with the error above") == 1
     assert seconds < 60, f"took {seconds:.0f} s to stop"
 
 

@@ -7,7 +7,8 @@
 - Sample weights of every shape `model.fit` takes: per sample, per token, per output.
 - A position table looked up with the same ids for every sample: Adam must see the
   batch's summed pair per id, as in `model.fit`'s one IndexedSlices.
-- Customised training: `compute_loss` honoured, `train_step` refused, `add_loss` sums
+- Customised training: `compute_loss` honoured, `train_step` refused at S=2 (it runs at
+  S=1: tests/loop/test_own_steps.py), `add_loss` sums
   exact, anything else refused."""
 
 import keras
