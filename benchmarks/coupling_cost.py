@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import zoo  # noqa: E402
 from hyparflow import graph as G  # noqa: E402
 from hyparflow.engine import coupling  # noqa: E402
-from hyparflow.loop import data as _data  # noqa: E402
+from hyparflow import readers as _data  # noqa: E402
 
 for name, make in sorted(zoo.ZOO.items()):
     model, (x, y) = make()

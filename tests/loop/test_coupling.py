@@ -14,7 +14,7 @@ import zoo
 from hyparflow import graph as G
 from hyparflow.engine import coupling
 from hyparflow.engine.local import run_ranks
-from hyparflow.loop import data as _data
+from hyparflow import readers as _data
 
 L = keras.layers
 
