@@ -41,6 +41,7 @@ OPTIMIZER = ["adam"]
 def build(name, accumulate=None, floatx="float32"):
     keras.utils.set_random_seed(1)
     keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(floatx)
     base = getattr(keras.applications, name)(include_top=False, weights=None,
                                              input_shape=(32, 32, 3), pooling="avg")
     model = keras.Model(base.input, keras.layers.Dense(10)(base.output))
@@ -48,6 +49,7 @@ def build(name, accumulate=None, floatx="float32"):
         if isinstance(layer, keras.layers.Dropout):
             layer.rate = 0.0
     keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
     model.compile(optimizer=OPTIMIZERS[OPTIMIZER[0]](accumulate),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
