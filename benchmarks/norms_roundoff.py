@@ -73,7 +73,7 @@ def leak(dx):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", type=int, nargs="+",
-                        default=[2, 4, 8, 16, 64, 256, 1024, 4096, 16384])
+                        default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384])
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--offset", type=float, default=0.5)
     parser.add_argument("--scale", type=float, default=1.0)
