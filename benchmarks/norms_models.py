@@ -5,13 +5,14 @@ BatchNormalization (`engine/norms.py`), in process, at S=2 M=2.
     python benchmarks/norms_models.py --model DenseNet121 --steps 1
 
 The model: `--model` at 32x32 from raw pixels (no weights, average pooling, a Dense(10)
-head), Adam(1e-3), float32. hf.fit with S=2 M=2 on `--batch` rows per step against
-`model.fit(batch_size=batch // 2)` accumulating two batches' gradients (BatchNormalization
+head), Adam(1e-3) (`--optimizer sgd`: SGD(0.01)), float32. hf.fit with S=2 M=2 on
+`--batch` rows per step against `model.fit(batch_size=batch // 2)` accumulating two batches' gradients (BatchNormalization
 normalises each microbatch by its own statistics). Rows: the fused path (the default),
 `HYPARFLOW_FUSED_NORM=0`, and Keras's own sensitivity: model.fit again on inputs moved
 by 1e-7 of themselves. Each row's distance is given from model.fit and from the same
-model.fit in float64 (the truth each float32 run rounds away from). Each distance is the largest weight difference (trainable and
-moving statistics).
+model.fit in float64 (the truth each float32 run rounds away from). Each distance is the
+largest weight difference (trainable and moving statistics); the three variables farthest
+from model.fit follow.
 """
 
 import argparse
@@ -107,8 +108,8 @@ def main():
     start, want = reference(args.model, x, y, args.batch)
     update = max_diff(want, start)
     truth = reference(args.model, x, y, args.batch, "float64", start)[1]
-    print(f"{args.model} 32x32, batch {args.batch}, {args.steps} {args.optimizer} steps, S={args.stages} "
-          f"M={args.micro}; largest update {update:.3g} "
+    print(f"{args.model} 32x32, batch {args.batch}, {args.steps} {args.optimizer} steps, "
+          f"S={args.stages} M={args.micro}; largest update {update:.3g} "
           f"(model.fit {time.perf_counter() - began:.0f} s); model.fit in float32 is "
           f"{max_diff(want, truth):.3g} from model.fit in float64", flush=True)
     for row in args.rows:

@@ -10,8 +10,9 @@ count of values per channel n (a batch of n/HW samples on HW-pixel maps), the ta
 each float32 path's largest error against the truth, relative to the largest value of that
 quantity: the output y, the gradients of x, gamma and beta, and the moving variance after
 the call, and "sum dx": what is left of the input gradient's sum over a channel (exactly
-0), relative to the sum of its magnitudes. Inputs are `offset + N(0, 1)` per channel, scaled per channel by `--scale`
-(a mean far from zero against the spread is what a one-pass variance would lose).
+0), relative to the sum of its magnitudes. Inputs are `(offset + N(0, 1)) * scale` (a mean
+far from zero against the spread is what a one-pass variance would lose). Both sides run
+inside a tf.function, as a stage does (TensorFlow may swap in oneDNN's kernels there).
 """
 
 import argparse
