@@ -9,9 +9,9 @@ head), Adam(1e-3) (`--optimizer sgd`: SGD(0.01)), float32. hf.fit with S=2 M=2 o
 `--batch` rows per step against `model.fit(batch_size=batch // 2)` accumulating two
 batches' gradients (BatchNormalization normalises each microbatch by its own statistics).
 Rows: the fused path (the default), `HYPARFLOW_FUSED_NORM=0`, and Keras's own
-sensitivity: model.fit again on inputs moved by 1e-7 of themselves. Each row's distance is given from model.fit and from the same
-model.fit in float64 (the truth each float32 run rounds away from). Each distance is the
-largest weight difference (trainable and moving statistics); the three variables farthest
+sensitivity: model.fit again on inputs moved by 1e-7 of themselves. Each row's distance
+is given from model.fit and from the same model.fit in float64 (the truth each float32
+run rounds away from). Each distance is the largest weight difference (trainable and moving statistics); the three variables farthest
 from model.fit follow.
 """
 
