@@ -11,8 +11,8 @@ batches' gradients (BatchNormalization normalises each microbatch by its own sta
 Rows: the fused path (the default), `HYPARFLOW_FUSED_NORM=0`, and Keras's own
 sensitivity: model.fit again on inputs moved by 1e-7 of themselves. Each row's distance
 is given from model.fit and from the same model.fit in float64 (the truth each float32
-run rounds away from). Each distance is the largest weight difference (trainable and moving statistics); the three variables farthest
-from model.fit follow.
+run rounds away from). Each distance is the largest weight difference (trainable and
+moving statistics); the three variables farthest from model.fit follow.
 """
 
 import argparse
