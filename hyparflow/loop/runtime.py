@@ -9,6 +9,7 @@ from ..engine import clipping as _clipping
 from ..engine import customised as _customised
 from ..engine import errors as errors_
 from .. import graph as _graph
+from .. import plan as _plan
 from .. import strategy as _strategy
 from ..cluster import heartbeat as _heartbeat
 from ..engine import normaliser as _normaliser
@@ -82,11 +83,11 @@ class Runtime:
                                               i: j % topo.num_stages
                                               for j, p in enumerate(part.stages)
                                               for i in p.nodes})
-        self.splits, split_names = self._choose_splits()
+        self.splits, split_calls = self._choose_splits()
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
-            "counts": part.counts, "tensor_layers": split_names,
+            "counts": part.counts, "tensor_layers": _prepare.identities(graph, split_calls),
             "embedding_sharding": embedding_sharding,
             "communication_dtype": communication_dtype,
         })
@@ -188,9 +189,13 @@ class Runtime:
         return self.part.owner.get(id(variable), 0) % self.topo.num_stages
 
     def _choose_splits(self):
-        """{node index: split} of this rank's stage, and the names of every split layer."""
+        """{node index: split} of this rank's stage, and the indices of every split call."""
         graph, layout, part, model = self.graph, self.layout, self.part, self.model
         num_tensor, tensor_layers = layout.num_tensor, layout.tensor_layers
+        # A plan file's names are its writer's: this graph's calls at their positions.
+        local = _plan.local_names(layout.plan, graph)
+        if tensor_layers is not None:
+            tensor_layers = [local.get(n, n) for n in tensor_layers]
         if num_tensor == 1:
             return {}, []
         if graph.functional is None:
@@ -222,11 +227,11 @@ class Runtime:
                 "can be. Name the layers to split with tensor_layers=[...], or use "
                 "num_tensor=1.")
         # A strategy file's named kinds must be the ones the engine splits by.
-        _strategy.check_kinds(layout.plan, {graph.nodes[i].name: sp.kind
-                                            for i, sp in every.items()})
+        theirs = {name: plan_name for plan_name, name in local.items()}
+        _strategy.check_kinds(layout.plan, {theirs.get(graph.nodes[i].name, graph.nodes[i].name):
+                                            sp.kind for i, sp in every.items()})
         mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
-        return ({i: sp for i, sp in every.items() if i in mine},
-                sorted(graph.nodes[i].op.name for i in every))
+        return {i: sp for i, sp in every.items() if i in mine}, sorted(every)
 
     @property
     def _kinds(self):
