@@ -30,7 +30,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from . import strategy as _strategy
 
-__all__ = ["Plan", "read", "write", "counts_for", "local_names"]
+__all__ = ["Plan", "read", "write", "counts_for", "local_names", "local_keys"]
 
 FORMAT, VERSION = "hyparflow-plan", 1
 
@@ -157,3 +157,12 @@ def local_names(plan: Optional[Mapping[str, Any]], graph: Any) -> Dict[str, str]
         names[theirs] = node.name
         names.setdefault(theirs.split("#")[0], node.op.name)
     return names
+
+
+def local_keys(mapping: Any, plan: Optional[Mapping[str, Any]], graph: Any) -> Any:
+    """`mapping` ({layer name: value}, as a plan's "tables") keyed by this graph's names
+    (`local_names`); anything else as it is."""
+    if not isinstance(mapping, dict) or plan is None:
+        return mapping
+    local = local_names(plan, graph)
+    return {local.get(k, k): v for k, v in mapping.items()}

@@ -73,7 +73,9 @@ class Runtime:
         named = isinstance(communication_dtype, dict) and "tables" in communication_dtype
         tables_dtype = self.wires["tables"] if embedding_sharding is not None or named \
             else None
-        self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
+        self.tables = _tables.Tables.make(model, graph, layout,
+                                          _plan.local_keys(embedding_sharding, layout.plan,
+                                                           graph),
                                           comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=tables_dtype,

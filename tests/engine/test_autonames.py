@@ -49,3 +49,5 @@ def test_a_plan_written_elsewhere_is_matched_by_position():
     assert local[written.nodes[1].name] == here.nodes[1].name != written.nodes[1].name
     with pytest.raises(ValueError, match="not this model's.*up2"):
         _plan.counts_for(plan, _graph.from_model(mlp(first="up2")))
+    assert _plan.local_keys({written.nodes[1].name: "row"}, plan, here) == {
+        here.nodes[1].name: "row"}
