@@ -15,7 +15,8 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "th
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "fused_norm", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
-           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length"]
+           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length",
+           "layout_warning"]
 
 
 class Variable(NamedTuple):
@@ -103,6 +104,10 @@ VARIABLES = (
              "`INITIAL[,GROWTH_STEPS]`: the dynamic loss scale of gradients exchanged in "
              "float16 (`communication_dtype`): its first value, and the steps without an "
              "overflow after which it doubles"),
+    Variable("HYPARFLOW_LAYOUT_WARNING", "1",
+             "`0`: `fit` does not warn of a layout whose one-thread ranks share a node and "
+             "that the quick cost model predicts at under 0.8x of the node's best ranks x "
+             "threads (docs/planning.md)"),
     Variable("HYPARFLOW_PROFILE_LENGTH", "8",
              "the size profiles and cost estimates give a model's unknown (None) "
              "dimensions, such as a sequence length (`hyparflow plan --length`)"),
@@ -202,6 +207,11 @@ def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 def pin() -> Optional[bool]:
     """HYPARFLOW_PIN: False ("0") leaves unbound ranks unpinned."""
     return _flag("HYPARFLOW_PIN")
+
+
+def layout_warning() -> bool:
+    """HYPARFLOW_LAYOUT_WARNING: False ("0") silences fit's warning of a slow layout."""
+    return _flag("HYPARFLOW_LAYOUT_WARNING") is not False
 
 
 def inter_op_threads() -> int:

@@ -22,6 +22,7 @@ RULES = {
     "hyparflow.planning.planner": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.planning.costmodel": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.nodecost": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.schedules": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
@@ -68,7 +69,7 @@ LAYERS = {
             "sweeps.members", "sweeps.table", "sweeps.attention", "sweeps.registry",
             "sweeps.conv"},
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.data", "loop.progress",
-             "loop.logs", "loop.costs", "loop.options", "loop.runtime"},
+             "loop.logs", "loop.costs", "loop.options", "loop.runtime", "loop.slow"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
                 "cluster.heartbeat", "cluster.restart", "cluster.report", "cluster.dialect"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
@@ -92,7 +93,8 @@ LAYERS = {
     "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
                                                              "lower", "simulate")},
     "base": {"_compat", "_compat.loss", "_env", "graph"},
-    "pure": {"layout", "plan", "strategy", "balance", "topology", "sync", "settings", "clock", "flat"},
+    "pure": {"layout", "plan", "strategy", "balance", "topology", "sync", "settings", "clock", "flat",
+             "nodecost"},
 }
 # What a training process runs: it must not reach the planning wing, by any import.
 TRAINING = {"layers"} | LAYERS["loop"] | LAYERS["engine"] | LAYERS["kinds"] \
