@@ -16,7 +16,7 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "th
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "fused_norm", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length",
-           "layout_warning"]
+           "layout_warning", "plan_cache", "capture"]
 
 
 class Variable(NamedTuple):
@@ -108,6 +108,13 @@ VARIABLES = (
              "`0`: `fit` does not warn of a layout whose one-thread ranks share a node and "
              "that the quick cost model predicts at under 0.8x of the node's best ranks x "
              "threads (docs/planning.md)"),
+    Variable("HYPARFLOW_PLAN_CACHE", "~/.cache/hyparflow/plans ($XDG_CACHE_HOME's)",
+             "where `hyparflow run` without `-n` keeps the plans it made, one per model "
+             "structure, batch, core count and CPU model (docs/planning.md)"),
+    Variable("HYPARFLOW_CAPTURE", "unset",
+             "set by `hyparflow run` without `-n` for one run of the script: its first "
+             "`fit` writes the model and the batch size to this directory and ends the "
+             "process, for the planner"),
     Variable("HYPARFLOW_PROFILE_LENGTH", "8",
              "the size profiles and cost estimates give a model's unknown (None) "
              "dimensions, such as a sequence length (`hyparflow plan --length`)"),
@@ -174,6 +181,21 @@ def profile_length(environ: Optional[Mapping[str, str]] = None) -> int:
     """HYPARFLOW_PROFILE_LENGTH: the size given to unknown dimensions in profiles."""
     value = _number("HYPARFLOW_PROFILE_LENGTH", int, environ, minimum=1)
     return 8 if value is None else int(value)
+
+
+def plan_cache(environ: Optional[Mapping[str, str]] = None) -> str:
+    """HYPARFLOW_PLAN_CACHE: the directory of `hyparflow run`'s plans."""
+    environ = os.environ if environ is None else environ
+    given = _raw("HYPARFLOW_PLAN_CACHE", environ)
+    if given is not None:
+        return os.path.expanduser(given)
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hyparflow", "plans")
+
+
+def capture(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_CAPTURE: the directory a capturing run's `fit` writes to, if set."""
+    return _raw("HYPARFLOW_CAPTURE", environ)
 
 
 def plan(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
