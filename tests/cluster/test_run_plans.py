@@ -10,6 +10,8 @@ import pytest
 
 from hyparflow.cluster import launch
 
+from test_mpi import FAKE_SRUN, launcher_words
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "autoplan_script.py")
 
@@ -17,12 +19,12 @@ pytestmark = [pytest.mark.mpiexec,
               pytest.mark.skipif(launch.find_mpiexec() is None, reason="no mpiexec")]
 
 
-def _run(cache):
+def _run(cache, **extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "HYPARFLOW_NUM_", "HYPARFLOW_THREADS"))}
+           if not k.startswith(("SLURM_", "HYPARFLOW_NUM_", "HYPARFLOW_THREADS"))
+           and k != "HYPARFLOW_PLAN"}
     env.update(HYPARFLOW_PLAN_CACHE=str(cache), HYPARFLOW_TIMEOUT="120",
-               HYPARFLOW_INTER_OP_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("HYPARFLOW_PLAN", None)
+               HYPARFLOW_INTER_OP_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return subprocess.run([sys.executable, "-m", "hyparflow", "run", SCRIPT], env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -53,3 +55,19 @@ def test_run_without_ranks_plans_launches_and_reuses_the_plan(tmp_path):
     assert os.path.getmtime(cache / logs[0]) == made
     assert [line for line in again if line.startswith("trained:")][0].startswith(
         f"trained: {ranks} ranks x {threads} threads")
+
+    # Inside a one-node Slurm allocation that fixed no task count: the same plan (the
+    # allocation's CPUs are this machine's), started by srun with its threads per task.
+    srun = tmp_path / "srun"
+    shebang, rest = FAKE_SRUN.format(mpiexec=launcher_words()).split("\n", 1)
+    srun.write_text(f'{shebang}\necho "srun $*" >> {tmp_path / "srun.log"}\n{rest}')
+    srun.chmod(0o755)
+    third = _run(cache, SLURM_JOB_ID="42", SLURM_NNODES="1",
+                 SLURM_CPUS_ON_NODE=str(launch.usable_cores()),
+                 PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "the cached plan" in third.stdout.splitlines()[0]
+    started = (tmp_path / "srun.log").read_text()
+    assert f"-n {ranks} --cpus-per-task={threads} " in started, started
+    assert [line for line in third.stdout.splitlines() if line.startswith("trained:")][0] \
+        .startswith(f"trained: {ranks} ranks x {threads} threads")
