@@ -6,12 +6,14 @@ that the command can plan the node (`planning/auto.py`) before it launches the r
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
+from .. import _compat
 from .. import graph as _graph
 from ..engine import prepare
 
@@ -27,6 +29,21 @@ def structure(graph: Any) -> str:
     calls = [(type(n.op).__name__, [list(graph.tensors[t].shape) for t in n.outputs],
               n.params) for n in graph.nodes]
     return hashlib.sha256(json.dumps(calls, default=str).encode()).hexdigest()[:16]
+
+
+def _modules(model: Any) -> dict[str, str]:
+    """{module: file} of the classes of `model` and its layers defined outside Keras,
+    TensorFlow and hyparflow."""
+    found: dict[str, str] = {}
+    for layer in [model, *_compat.sublayers(model)]:
+        module = type(layer).__module__
+        if module.split(".")[0] in ("keras", "tensorflow", "hyparflow", "keras_hub", "__main__"):
+            continue
+        try:
+            found[module] = inspect.getfile(type(layer))
+        except TypeError:   # a class without a file (built at run time)
+            pass
+    return found
 
 
 def write(directory: str, model: Any, x: Any, batch_size: int,
@@ -45,6 +62,10 @@ def write(directory: str, model: Any, x: Any, batch_size: int,
               "model": os.path.join(directory, "model.keras"), "saved": None}
     try:
         model.save(record["model"])
+        # The modules of the model's own layer classes, which the planner's processes
+        # import before they load it (a class of the script itself, `__main__`, cannot be).
+        with open(record["model"] + ".modules.json", "w") as f:
+            json.dump(_modules(model), f)
     except Exception as error:  # noqa: BLE001 - said to the command, which says the fix
         record["saved"] = f"{type(error).__name__}: {error}"
     with open(os.path.join(directory, CAPTURED), "w") as f:
