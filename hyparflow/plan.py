@@ -141,9 +141,8 @@ def _same_call(listed: str, node: Any) -> bool:
     before, and so numbered its names otherwise ('dense_4' here is 'dense_1' there)."""
     if listed == node.name:
         return True
-    call = lambda name: name.partition("#")[2]  # noqa: E731
     return (not node.given and _auto_base(listed) == _auto_base(node.name)
-            and call(listed) == call(node.name))
+            and listed.partition("#")[2] == str(node.name).partition("#")[2])
 
 
 def local_names(plan: Optional[Mapping[str, Any]], graph: Any) -> Dict[str, str]:

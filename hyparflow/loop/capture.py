@@ -56,15 +56,17 @@ def write(directory: str, model: Any, x: Any, batch_size: int,
     graph = _graph.from_model(model, prepare.x_shapes(x))
     shapes = prepare.x_shapes(x)
     given = {k: v for k, v in arguments.items() if v is not None}
-    record = {"batch_size": int(batch_size), "structure": structure(graph),
-              "given": {k: str(v) for k, v in given.items()},
-              "length": (int(shapes[0][1]) if shapes and len(shapes[0]) >= 2 else None),
-              "model": os.path.join(directory, "model.keras"), "saved": None}
+    saved = os.path.join(directory, "model.keras")
+    record: dict[str, Any] = {
+        "batch_size": int(batch_size), "structure": structure(graph),
+        "given": {k: str(v) for k, v in given.items()},
+        "length": (int(shapes[0][1]) if shapes and len(shapes[0]) >= 2 else None),
+        "model": saved, "saved": None}
     try:
-        model.save(record["model"])
+        model.save(saved)
         # The modules of the model's own layer classes, which the planner's processes
         # import before they load it (a class of the script itself, `__main__`, cannot be).
-        with open(record["model"] + ".modules.json", "w") as f:
+        with open(saved + ".modules.json", "w") as f:
             json.dump(_modules(model), f)
     except Exception as error:  # noqa: BLE001 - said to the command, which says the fix
         record["saved"] = f"{type(error).__name__}: {error}"
