@@ -54,7 +54,9 @@ def check(comm: Any, graph: Any, layout: Any, batch: int, local: int,
     share it: measure the rates and print the warning if there is one (returned too)."""
     global _warned
     threads = _env.configured_threads()
-    if (comm.rank != 0 or _warned or local < 2 or threads != 1
+    # Ranks as threads of one process (tests) are no layout anyone launches: MPI's only.
+    mpi = getattr(getattr(comm, "comm", None), "Split_type", None) is not None
+    if (comm.rank != 0 or _warned or local < 2 or threads != 1 or not mpi
             or not settings.layout_warning()):
         return None
     _warned = True
