@@ -31,7 +31,10 @@ def _add_run(sub: Subparsers) -> None:
                     "arguments win); sets HYPARFLOW_THREADS_PER_RANK, PYTHONUNBUFFERED=1 and "
                     "TF_CPP_MIN_LOG_LEVEL=2; exits with the run's code.")
     p.add_argument("-n", "--ranks", type=int, default=None,
-                   help="number of ranks (default: $SLURM_NTASKS inside a Slurm job)")
+                   help="number of ranks (default: $SLURM_NTASKS inside a Slurm job that "
+                        "set it; else, with no other count, plan or --hosts: the node is "
+                        "planned for the script's model, ranks x threads, the plan cached "
+                        "per model, batch, cores and CPU; docs/planning.md)")
     p.add_argument("--stages", type=int,
                    help="pipeline stages S, for scripts that do not choose them (default: "
                         "the script's num_stages, else $HYPARFLOW_NUM_STAGES, else 1)")
@@ -77,8 +80,35 @@ def _add_run(sub: Subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def _plans_the_node(args: argparse.Namespace) -> Optional[int]:
+    """The cores to plan for when `hyparflow run` is given no count, no plan and no
+    hosts: this machine's, or inside a one-node Slurm allocation that fixed no task
+    count, its CPUs on the node; None where the old rules hold (-n from SLURM_NTASKS,
+    or the error asking for -n)."""
+    if (args.ranks is not None or args.plan is not None or args.hosts is not None
+            or args.hostfile is not None or args.dry_run or args.restarts
+            or any(v is not None for v in (args.stages, args.replicas, args.microbatches,
+                                            args.tensor, args.tensor_mesh))):
+        return None
+    if launch.in_slurm_allocation() or args.launcher == "srun":
+        cpus, nodes = os.environ.get("SLURM_CPUS_ON_NODE", ""), os.environ.get("SLURM_NNODES",
+                                                                                 "1")
+        if (os.environ.get("SLURM_NTASKS") or "").isdigit() or not cpus.isdigit() \
+                or nodes != "1":
+            return None
+        return int(cpus)
+    return launch.usable_cores()
+
+
 def _run(args: argparse.Namespace) -> int:
     args.tensor, args.tensor_mesh = launch.mesh_flag(args.tensor_mesh, args.tensor)
+    cores = _plans_the_node(args)
+    if cores is not None:
+        from .planning import auto
+
+        choice = auto.choose(args.script, args.args, cores)
+        print(choice.line, flush=True)
+        args.plan = choice.plan
     if args.plan is not None:
         args.ranks, args.threads, args.plan = launch.from_plan(args.plan, args.ranks,
                                                                args.threads)
@@ -190,7 +220,8 @@ def _add_slurm(sub: Subparsers) -> None:
     p.add_argument("--account")
     p.add_argument("--job-name", help="default: the script's name")
     p.add_argument("--template", help="single (one node, the default), hybrid (several nodes, "
-                   "the default for --nodes > 1), array (with --array), or a template file")
+                   "the default for --nodes > 1), array (with --array), node (one node, no "
+                   "task count: `hyparflow run` plans its ranks x threads), or a template file")
     p.add_argument("--launcher", choices=slurm.LAUNCHERS, default="srun",
                    help="srun --mpi=pmi2 (default) or the MPI's mpiexec")
     p.add_argument("--array", help="job array spec for a sweep, e.g. 0-7 or 0-15%%4; the task "

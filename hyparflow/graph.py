@@ -52,6 +52,9 @@ class Node:
     outputs: List[int]
     params: int
     cost: float
+    # False where the layer's name is Keras's auto-name (`_compat.auto_named`): it
+    # depends on what else the process built, so ranks match such a call by position.
+    given: bool = True
 
 
 @dataclass
@@ -221,7 +224,8 @@ def from_model(model: Any, x_shapes: Optional[Sequence[Sequence[Optional[int]]]]
         name = op.name if calls[id(op)] == 1 else f"{op.name}#{calls[id(op)]}"
         params = _param_count(op) if calls[id(op)] == 1 else 0
         cost = _estimate_cost(op, [tensors[t].shape for t in outs], _param_count(op))
-        nodes.append(Node(index, name, op, kn, ins, outs, params, cost))
+        nodes.append(Node(index, name, op, kn, ins, outs, params, cost,
+                          given=not _compat.auto_named(op)))
 
     outputs: List[int] = []
     for kt in flat_outputs:

@@ -25,11 +25,12 @@ and later calls.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from . import strategy as _strategy
 
-__all__ = ["Plan", "read", "write", "counts_for"]
+__all__ = ["Plan", "read", "write", "counts_for", "local_names", "local_keys"]
 
 FORMAT, VERSION = "hyparflow-plan", 1
 
@@ -117,7 +118,7 @@ def counts_for(plan: Mapping[str, Any], graph: Any) -> list[int]:
     """The plan's stage sizes, after checking its layer calls are the model's, in order."""
     names = [n.name for n in graph.nodes]
     listed = [name for stage in plan["stages"] for name in stage["layers"]]
-    if listed != names:
+    if len(listed) != len(names) or not all(map(_same_call, listed, graph.nodes)):
         missing = sorted(set(names) - set(listed))[:5]
         unknown = sorted(set(listed) - set(names))[:5]
         raise ValueError(
@@ -126,3 +127,41 @@ def counts_for(plan: Mapping[str, Any], graph: Any) -> list[int]:
             + (f"; not in the model: {unknown}" if unknown else "")
             + ". Write the plan for this model with `hyparflow plan`.")
     return [len(s["layers"]) for s in plan["stages"]]
+
+
+def _auto_base(name: str) -> str:
+    """A Keras auto-name without its call number and its `_N` ('dense_3#2': 'dense')."""
+    return re.sub(r"_[0-9]+$", "", name.split("#")[0])
+
+
+def _same_call(listed: str, node: Any) -> bool:
+    """Whether a plan's layer call `listed` is `node` (at the same position): by name,
+    or, where Keras made the node's name up (`Node.given`), by the auto-name's class
+    and call number: the process that wrote the plan may have built other models
+    before, and so numbered its names otherwise ('dense_4' here is 'dense_1' there)."""
+    if listed == node.name:
+        return True
+    return (not node.given and _auto_base(listed) == _auto_base(node.name)
+            and listed.partition("#")[2] == str(node.name).partition("#")[2])
+
+
+def local_names(plan: Optional[Mapping[str, Any]], graph: Any) -> Dict[str, str]:
+    """{the plan's name of a layer call or layer: this graph's name}, matched by
+    position (`counts_for` checked they are the same calls); empty without a plan."""
+    if plan is None:
+        return {}
+    listed = [name for stage in plan["stages"] for name in stage["layers"]]
+    names: Dict[str, str] = {}
+    for theirs, node in zip(listed, graph.nodes):
+        names[theirs] = node.name
+        names.setdefault(theirs.split("#")[0], node.op.name)
+    return names
+
+
+def local_keys(mapping: Any, plan: Optional[Mapping[str, Any]], graph: Any) -> Any:
+    """`mapping` ({layer name: value}, as a plan's "tables") keyed by this graph's names
+    (`local_names`); anything else as it is."""
+    if not isinstance(mapping, dict) or plan is None:
+        return mapping
+    local = local_names(plan, graph)
+    return {local.get(k, k): v for k, v in mapping.items()}

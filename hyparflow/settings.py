@@ -15,7 +15,8 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "th
            "inter_op_threads", "jit", "show_tf_logs", "timeout", "spin_seconds", "order_seconds",
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "fused_norm", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
-           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length"]
+           "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length",
+           "layout_warning", "plan_cache", "capture"]
 
 
 class Variable(NamedTuple):
@@ -103,6 +104,17 @@ VARIABLES = (
              "`INITIAL[,GROWTH_STEPS]`: the dynamic loss scale of gradients exchanged in "
              "float16 (`communication_dtype`): its first value, and the steps without an "
              "overflow after which it doubles"),
+    Variable("HYPARFLOW_LAYOUT_WARNING", "1",
+             "`0`: `fit` does not warn of a layout whose one-thread ranks share a node and "
+             "that the quick cost model predicts at under 0.8x of the node's best ranks x "
+             "threads (docs/planning.md)"),
+    Variable("HYPARFLOW_PLAN_CACHE", "~/.cache/hyparflow/plans ($XDG_CACHE_HOME's)",
+             "where `hyparflow run` without `-n` keeps the plans it made, one per model "
+             "structure, batch, core count and CPU model (docs/planning.md)"),
+    Variable("HYPARFLOW_CAPTURE", "unset",
+             "set by `hyparflow run` without `-n` for one run of the script: its first "
+             "`fit` writes the model and the batch size to this directory and ends the "
+             "process, for the planner"),
     Variable("HYPARFLOW_PROFILE_LENGTH", "8",
              "the size profiles and cost estimates give a model's unknown (None) "
              "dimensions, such as a sequence length (`hyparflow plan --length`)"),
@@ -171,6 +183,21 @@ def profile_length(environ: Optional[Mapping[str, str]] = None) -> int:
     return 8 if value is None else int(value)
 
 
+def plan_cache(environ: Optional[Mapping[str, str]] = None) -> str:
+    """HYPARFLOW_PLAN_CACHE: the directory of `hyparflow run`'s plans."""
+    environ = os.environ if environ is None else environ
+    given = _raw("HYPARFLOW_PLAN_CACHE", environ)
+    if given is not None:
+        return os.path.expanduser(given)
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hyparflow", "plans")
+
+
+def capture(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_CAPTURE: the directory a capturing run's `fit` writes to, if set."""
+    return _raw("HYPARFLOW_CAPTURE", environ)
+
+
 def plan(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """HYPARFLOW_PLAN, the path of a plan file, if set (checked where it is read)."""
     return _raw("HYPARFLOW_PLAN", environ)
@@ -202,6 +229,11 @@ def threads(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 def pin() -> Optional[bool]:
     """HYPARFLOW_PIN: False ("0") leaves unbound ranks unpinned."""
     return _flag("HYPARFLOW_PIN")
+
+
+def layout_warning() -> bool:
+    """HYPARFLOW_LAYOUT_WARNING: False ("0") silences fit's warning of a slow layout."""
+    return _flag("HYPARFLOW_LAYOUT_WARNING") is not False
 
 
 def inter_op_threads() -> int:

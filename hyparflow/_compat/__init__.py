@@ -1,7 +1,9 @@
 """The one place that touches Keras internals; every version branch lives here (the
 compiled loss's in `loss`)."""
 
+import re
 from typing import Any, Set  # Keras objects are untyped: Any
+
 import keras
 from keras.src import backend as _backend
 from keras.src import tree
@@ -14,8 +16,19 @@ __all__ = [
     "functional_of", "graph_nodes", "producer_node", "call_order", "fill_in", "call_operation",
     "pack_outputs", "output_structure", "input_structure", "symbolic", "dtype_name", "compile_loss",
     "compile_metrics", "loss_tracker", "is_compiled", "tree", "fit_shuffle_order",
-    "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot",
+    "dropout_rows", "own_loss_count", "learning_rate", "optimizer_slot", "auto_named",
 ]
+
+
+def auto_named(op: Any) -> bool:
+    """Whether `op`'s name is one Keras made up (`keras.src.utils.naming.auto_name`:
+    the class in snake case, then `_N` for the N-th before it in this process), not
+    one the user gave. Keras keeps no record of which it was, so the name's form
+    decides: a user who names a Dense "dense_3" is taken as unnamed."""
+    from keras.src.utils import naming
+
+    base = naming.to_snake_case(type(op).__name__)
+    return re.fullmatch(re.escape(base) + r"(_[0-9]+)?", str(op.name)) is not None
 
 
 def functional_of(model: Any) -> Any:

@@ -261,7 +261,9 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
     if ranks is None and (environ.get("SLURM_NTASKS") or "").isdigit() and in_slurm_allocation(environ):
         ranks = int(environ["SLURM_NTASKS"])
     if ranks is None:
-        raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py`.")
+        raise LaunchError("give the number of ranks, e.g. `hyparflow run -n 4 train.py` "
+                          "(without -n, --dry-run and the counts, `hyparflow run train.py` "
+                          "plans the node and launches its best ranks x threads).")
     ranks = layout(ranks, stages, replicas, microbatches, environ, tensor).ranks
     # Export only the flags: a count in the environment already reaches the ranks.
     flags = requested(stages, replicas, microbatches, tensor, environ={})
@@ -310,7 +312,10 @@ def command_line(script: str, script_args: Sequence[str] = (), *, ranks: Optiona
             launcher = "mpiexec"
             reason += "; Open MPI and no PMIx in this Slurm: its mpiexec, in the allocation"
         else:
-            argv = [srun, f"--mpi={mpi}", "-n", str(ranks), "--kill-on-bad-exit=1", *command]
+            # A plan's threads per rank: each task gets as many CPUs of the allocation.
+            cpus = [f"--cpus-per-task={threads}"] if plan is not None and threads else []
+            argv = [srun, f"--mpi={mpi}", "-n", str(ranks), *cpus, "--kill-on-bad-exit=1",
+                    *command]
             ranks_on_node = None  # srun may spread the ranks over several nodes
     if launcher == "mpiexec":
         mpiexec = find_mpiexec(environ, python)

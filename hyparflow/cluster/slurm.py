@@ -19,7 +19,7 @@ from .. import settings
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
            "parse_time", "signal_lead", "read_sweep", "render", "submit"]
 
-TEMPLATES = ("single", "hybrid", "array", "sweep")
+TEMPLATES = ("single", "hybrid", "array", "sweep", "node")
 LAUNCHERS = ("srun", "mpiexec")
 TASK_TOKEN = "{task}"          # in script arguments: replaced by the array task's index
 _PLACEHOLDER = re.compile(r"\$(?:\{([a-z_][a-z0-9_]*)\}|([a-z_][a-z0-9_]*))")
@@ -249,6 +249,10 @@ def render(spec: JobSpec) -> Tuple[str, List[str]]:
         raise LaunchError("--sweep runs one job of hf.sweep: it takes no --array, --stages, "
                           "--microbatches or --tensor (use --replicas for data parallelism "
                           "within each member).")
+    if spec.template == "node" and (spec.nodes != 1 or spec.stages or spec.tensor
+                                    or spec.microbatches or spec.array or spec.sweep):
+        raise LaunchError("the node template plans one node's ranks x threads: it takes "
+                          "no --nodes, --stages, --tensor, --microbatches, --array or --sweep.")
     ntasks = spec.nodes * spec.tasks_per_node
     shape = layout(ntasks, spec.stages, None, spec.microbatches, environ={}, tensor=spec.tensor)
     stages, replicas = shape.num_stages, shape.num_replicas
@@ -301,6 +305,10 @@ def render(spec: JobSpec) -> Tuple[str, List[str]]:
             options.append(option if option.startswith("#SBATCH") else f"#SBATCH {option}")
     activate, python = _environment_lines()
     launch, other = _launch_lines(spec, _command(spec, python, array))
+    if template == "node":   # `hyparflow run` plans the node and starts its ranks
+        script = _command(spec, python, False).split(" ", 1)[1]
+        launch = f"{shlex.quote(python)} -m hyparflow run {script}"
+        other = f"or with the ranks fixed: {shlex.quote(python)} -m hyparflow run -n N {script}"
     values: Dict[str, Union[str, int]] = {
         "job_name": job_name, "nodes": spec.nodes, "tasks_per_node": spec.tasks_per_node,
         "ntasks": ntasks, "stages": spec.stages or "S",

@@ -18,12 +18,14 @@ per-microbatch behaviour and are not flagged, and nor is any coupling that acts 
 in training (the check does not see it).
 """
 
+import warnings
+
 import numpy as np
 
 from .. import _compat
 from . import customised
 
-__all__ = ["BatchCouplingWarning", "coupled", "message"]
+__all__ = ["BatchCouplingWarning", "coupled", "message", "check"]
 
 # Round-off between batch sizes (another kernel blocking) is a few units of the last
 # place; a tolerance of 1e-4 of the values' scale, or 8 units of a 16-bit float's
@@ -161,3 +163,13 @@ def message(model, layer, layout):
         "num_replicas=1 and num_microbatches=1 (any num_stages); if the "
         "per-slice interaction is what you want, silence this with warnings.filterwarnings("
         "'ignore', category=hyparflow.BatchCouplingWarning).")
+
+
+def check(model, graph, sample, layout, rank):
+    """Rows that interact in the forward train differently when the batch is split:
+    named once, by rank 0, when it is (a warnings filter may make it an error, a
+    ValueError every rank agrees on)."""
+    if layout.num_replicas * layout.num_microbatches > 1 and rank == 0:
+        layer = coupled(model, graph, sample)
+        if layer is not None:
+            warnings.warn(message(model, layer, layout), BatchCouplingWarning, stacklevel=3)

@@ -86,3 +86,31 @@ def _settle(comm: Any, threads: Optional[int]) -> Tuple[int, str]:
                      f"HYPARFLOW_THREADS_PER_RANK={derived} would fit them (the launcher "
                      "did not say how many ranks share the node)")
     return local, line
+
+
+def rates(size: int = 256, nbytes: int = 1 << 25) -> Tuple[float, float]:
+    """This rank's multiply-adds per second in a `size`-square matrix product (with
+    the threads TensorFlow started with) and bytes per second of a numpy copy of
+    `nbytes`, each the best of three after a warm-up: tens of milliseconds, for the
+    quick cost model (`nodecost.Rates`)."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    a = tf.random.normal((size, size))
+    src = np.ones(nbytes // 4, "float32")
+    dst = np.empty_like(src)
+
+    def best(call: Any) -> float:
+        call()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return max(min(times), 1e-9)
+
+    product = best(lambda: tf.linalg.matmul(a, a).numpy())
+    copy = best(lambda: np.copyto(dst, src))
+    return size ** 3 / product, nbytes / copy

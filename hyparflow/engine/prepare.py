@@ -14,7 +14,7 @@ from . import errors as errors_
 
 __all__ = ["check_positive", "agree_on_error", "fail", "x_leaves", "data_dtype", "is_dataset", "read_graph",
            "build_like_fit", "check_model", "check_optimizer", "loss_scale_refusal",
-           "check_parted", "check_agreement",
+           "check_parted", "check_agreement", "identities",
            "build_compiled", "target_specs", "input_specs", "weight_specs"]
 
 
@@ -200,6 +200,15 @@ def input_specs(graph, sample):
 def weight_specs(sample):
     """(shape, dtype) of each sample-weight array, the batch dimension None."""
     return [((None,) + a.shape[1:], a.dtype) for a in sample.sample_weight or ()]
+
+
+def identities(graph, indices):
+    """How ranks compare layer calls (`indices`, of `graph`) in the set-up check: by
+    position in the graph and class, and by name only where the user gave it. A
+    name Keras made up ('add_1') depends on what else the process built before (an
+    evaluation copy on rank 0), so it is no part of a call's identity."""
+    return [(i, type(graph.nodes[i].op).__name__,
+             graph.nodes[i].name if graph.nodes[i].given else None) for i in sorted(indices)]
 
 
 def check_agreement(comm, facts):

@@ -7,6 +7,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 from . import inference, trainer
 from .options import FitOptions
 from .. import layout as _layout
+from .. import settings
 from ..engine.errors import user_errors
 from ..engine.comm import wrap
 from ..engine.prepare import agree_on_error
@@ -241,6 +242,11 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, 
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,
         tensor_layers=tensor_layers, tensor_shares=tensor_shares, plan=plan,
         tensor_mesh=tensor_mesh)
+    captured = settings.capture()
+    if captured is not None:   # `hyparflow run` without -n: its planner's model, then exit
+        from . import capture
+
+        capture.write(captured, model, x, batch_size, layout_arguments)
     return _call("hf.fit", comm, layout_arguments, lambda communicator, layout: trainer.train(
         model, x, y, comm=communicator, layout=layout, options=options))
 

@@ -4,7 +4,6 @@ the model read as a layer graph, the model and optimizer checked, the compiled l
 built) is `prepare`'s."""
 
 
-import warnings
 
 from .. import _compat
 from ..engine import clipping as _clipping
@@ -12,6 +11,7 @@ from ..engine import coupling as _coupling
 from ..engine import customised as _customised
 from ..engine import errors as errors_
 from .. import graph as _graph
+from .. import plan as _plan
 from .. import strategy as _strategy
 from ..cluster import heartbeat as _heartbeat
 from ..engine import normaliser as _normaliser
@@ -75,7 +75,9 @@ class Runtime:
         named = isinstance(communication_dtype, dict) and "tables" in communication_dtype
         tables_dtype = self.wires["tables"] if embedding_sharding is not None or named \
             else None
-        self.tables = _tables.Tables.make(model, graph, layout, embedding_sharding,
+        self.tables = _tables.Tables.make(model, graph, layout,
+                                          _plan.local_keys(embedding_sharding, layout.plan,
+                                                           graph),
                                           comm.rank, memory_limit=memory_limit,
                                           sync=self.sync, training=training,
                                           communication_dtype=tables_dtype,
@@ -85,11 +87,11 @@ class Runtime:
                                               i: j % topo.num_stages
                                               for j, p in enumerate(part.stages)
                                               for i in p.nodes})
-        self.splits, split_names = self._choose_splits()
+        self.splits, split_calls = self._choose_splits()
         self.facts = dict(facts or {}, **{
             "x_shapes": [a.shape[1:] for a in sample.x],
             "weights": [tuple(v.shape) for v in model.weights], "layout": layout,
-            "counts": part.counts, "tensor_layers": split_names,
+            "counts": part.counts, "tensor_layers": _prepare.identities(graph, split_calls),
             "embedding_sharding": embedding_sharding,
             "communication_dtype": communication_dtype,
         })
@@ -98,13 +100,7 @@ class Runtime:
         # this process's model (every rank alike) that they add up over microbatches.
         self.custom = _customised.probe(model, graph, sample) if sample.y is not None \
             else _customised.Custom()
-        # Rows that interact in the forward train differently when the batch is split:
-        # named once, by rank 0 (made an error, a ValueError every rank agrees on).
-        if layout.num_replicas * layout.num_microbatches > 1 and comm.rank == 0:
-            layer = _coupling.coupled(model, graph, sample)
-            if layer is not None:
-                warnings.warn(_coupling.message(model, layer, layout),
-                              _coupling.BatchCouplingWarning, stacklevel=2)
+        _coupling.check(model, graph, sample, layout, comm.rank)
         y_specs = _prepare.target_specs(graph, sample)
         if self.custom.loss is not None:
             y_specs = y_specs + _prepare.input_specs(graph, sample)
@@ -198,9 +194,13 @@ class Runtime:
         return self.part.owner.get(id(variable), 0) % self.topo.num_stages
 
     def _choose_splits(self):
-        """{node index: split} of this rank's stage, and the names of every split layer."""
+        """{node index: split} of this rank's stage, and the indices of every split call."""
         graph, layout, part, model = self.graph, self.layout, self.part, self.model
         num_tensor, tensor_layers = layout.num_tensor, layout.tensor_layers
+        # A plan file's names are its writer's: this graph's calls at their positions.
+        local = _plan.local_names(layout.plan, graph)
+        if tensor_layers is not None:
+            tensor_layers = [local.get(n, n) for n in tensor_layers]
         if num_tensor == 1:
             return {}, []
         if graph.functional is None:
@@ -232,11 +232,11 @@ class Runtime:
                 "can be. Name the layers to split with tensor_layers=[...], or use "
                 "num_tensor=1.")
         # A strategy file's named kinds must be the ones the engine splits by.
-        _strategy.check_kinds(layout.plan, {graph.nodes[i].name: sp.kind
-                                            for i, sp in every.items()})
+        theirs = {name: plan_name for plan_name, name in local.items()}
+        _strategy.check_kinds(layout.plan, {theirs.get(graph.nodes[i].name, graph.nodes[i].name):
+                                            sp.kind for i, sp in every.items()})
         mine = set(part.stages[self.topo.stage(self.comm.rank)].nodes)
-        return ({i: sp for i, sp in every.items() if i in mine},
-                sorted(graph.nodes[i].op.name for i in every))
+        return {i: sp for i, sp in every.items() if i in mine}, sorted(every)
 
     @property
     def _kinds(self):

@@ -20,6 +20,7 @@ from ..engine.prepare import agree_on_error, check_positive, fail, read_graph
 from .runtime import Runtime
 from . import steps as _steps
 from ..engine import node as _node
+from . import slow as _slow
 
 __all__ = ["train", "resolve_verbose", "MAIN_ONLY_CALLBACKS"]
 
@@ -132,9 +133,14 @@ def train(model, x, y, *, comm, layout, options):
     try:
         # The node's ranks and threads (collective; a threads_per_rank TensorFlow did
         # not start with is refused after it, on every rank alike).
-        _, line = _node.settle(comm, options.threads_per_rank)
+        local, line = _node.settle(comm, options.threads_per_rank)
         if state["verbose"] and comm.rank == 0:
             print(line, flush=True)
+        try:
+            _slow.check(comm, graph, layout, options.batch_size, local,
+                        getattr(model, "optimizer", None))
+        except Exception:  # noqa: BLE001 - a warning that fails must never end a run
+            pass
         # Collective (profiling, calibration): every rank reaches it, or none does.
         cut = _costs.resolve(graph, model, comm, cut, layout, speeds=options.speeds,
                              memory_limit=options.memory_limit,

@@ -86,8 +86,34 @@ def load_model(source: str, function: str = "build_model") -> Any:
     import keras
 
     if source.endswith(".keras"):
+        _import_modules(source + ".modules.json")
         return keras.saving.load_model(source)
     return load_function(source, function)()
+
+
+def _import_modules(listed: str) -> None:
+    """Import the modules a captured model's own layer classes come from
+    (`loop/capture.py` lists them beside the .keras file), each under its name, so that
+    Keras finds their classes when it loads the model."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    if not os.path.exists(listed):
+        return
+    with open(listed) as f:
+        modules: Dict[str, str] = json.load(f)
+    for name, path in modules.items():
+        if name in sys.modules or not os.path.exists(path):
+            continue
+        sys.path.insert(0, os.path.dirname(path))
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
 
 
 def load_function(source: str, function: str, flag: str = "--function") -> Any:

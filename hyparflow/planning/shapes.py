@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from .._env import derive_threads
+from ..nodecost import shapes
 from .costmodel import Compute, Network, Row
 from .planner import search
 
@@ -60,14 +61,6 @@ class Phase:
 
         if kind is None:
             print(f"  done in {time.monotonic() - self.start:.1f} s", flush=True)
-
-
-def shapes(cores: int) -> List[int]:
-    """The ranks on a node of `cores` cores that `--ranks auto` tries, each rank with
-    cores // ranks threads: every power of two from 2, and one per core (one rank
-    with all cores is the baseline every choice is held to)."""
-    found = [n for n in (2 ** k for k in range(1, cores.bit_length())) if cores % n == 0]
-    return sorted(set(found + [cores])) if cores > 1 else []
 
 
 def choose(candidates: Sequence["Candidate"], one: Mapping[str, Any]) -> Optional["Candidate"]:

@@ -395,6 +395,18 @@ def test_every_template_is_in_the_repository():
         assert slurm.template_path(name).is_file()
 
 
+def test_the_node_template_lets_hyparflow_run_plan_the_node(clean_env, capsys):
+    """`--template node`: the whole node, no task count (so that `hyparflow run` plans
+    it: tests/cluster/test_run_plans.py), launched by `hyparflow run` without -n."""
+    text, _ = render(capsys, "--template", "node", EXAMPLE, "--epochs", "2")
+    assert "#SBATCH --exclusive" in text and "--ntasks" not in text.split("srun")[0]
+    launch_line = next(line for line in text.splitlines() if line.endswith(" &"))
+    assert launch_line.split()[1:4] == ["-m", "hyparflow", "run"]
+    assert launch_line.endswith(f"{EXAMPLE} --epochs 2 &") and " -n " not in launch_line
+    assert cli.main(["slurm", "--template", "node", "--stages", "2", EXAMPLE]) == 2
+    assert "plans one node's ranks x threads" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_cluster_script_usage():
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm-cluster.sh")],

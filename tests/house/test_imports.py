@@ -22,6 +22,7 @@ RULES = {
     "hyparflow.planning.planner": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.planning.costmodel": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.clock": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.nodecost": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.schedules": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.topology": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.sync": ["tensorflow", "mpi4py", "keras"],
@@ -69,7 +70,7 @@ LAYERS = {
             "sweeps.conv"},
     "loop": {"loop", "loop.api", "loop.trainer", "loop.inference", "loop.progress",
              "loop.logs", "loop.costs", "loop.options", "loop.runtime",
-             "loop.steps"},
+             "loop.steps", "loop.slow", "loop.capture"},
     "readers": {"readers", "readers.columns", "readers.arrays", "readers.streams",
                 "readers.context", "readers.sharded", "readers.wait"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
@@ -77,7 +78,7 @@ LAYERS = {
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command",
                  "planning.schedule_csv", "planning.strategy_command", "planning.search",
-                 "planning.dataset", "planning.shapes"},
+                 "planning.dataset", "planning.shapes", "planning.auto"},
     "engine": {"engine"} | {f"engine.{m}" for m in (
         "stage", "executor", "comm", "calls", "local", "boundary", "kernels",
         "overlap", "weights", "checkpoint", "partition", "masks", "normaliser", "customised", "coupling",
@@ -95,7 +96,8 @@ LAYERS = {
     "schedules": {"schedules"} | {f"schedules.{m}" for m in ("actions", "builders", "table",
                                                              "lower", "simulate")},
     "base": {"_compat", "_compat.loss", "_compat.adapters", "_env", "graph"},
-    "pure": {"layout", "plan", "strategy", "balance", "topology", "sync", "settings", "clock", "flat"},
+    "pure": {"layout", "plan", "strategy", "balance", "topology", "sync", "settings", "clock", "flat",
+             "nodecost"},
 }
 # What a training process runs: it must not reach the planning wing, by any import.
 TRAINING = {"layers"} | LAYERS["loop"] | LAYERS["readers"] | LAYERS["engine"] | LAYERS["kinds"] \
