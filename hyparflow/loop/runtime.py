@@ -9,8 +9,6 @@ from .. import _compat
 from ..engine import clipping as _clipping
 from ..engine import coupling as _coupling
 from ..engine import customised as _customised
-from ..engine import errors as errors_
-from .. import graph as _graph
 from .. import plan as _plan
 from .. import strategy as _strategy
 from ..cluster import heartbeat as _heartbeat
