@@ -246,7 +246,7 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, 
     if captured is not None:   # `hyparflow run` without -n: its planner's model, then exit
         from . import capture
 
-        capture.write(captured, model, x, batch_size, layout_arguments)
+        capture.write(captured, model, x, batch_size or 32, layout_arguments)
     return _call("hf.fit", comm, layout_arguments, lambda communicator, layout: trainer.train(
         model, x, y, comm=communicator, layout=layout, options=options))
 

@@ -53,8 +53,9 @@ def write(directory: str, model: Any, x: Any, batch_size: int,
     os.makedirs(directory, exist_ok=True)
     if not model.built:
         prepare.build_like_fit(model, x, batch_size)
-    graph = _graph.from_model(model, prepare.x_shapes(x))
-    shapes = prepare.x_shapes(x)
+    leaves = prepare.x_leaves(x)
+    shapes = [tuple(getattr(a, "shape", ())) for a in leaves]
+    graph = _graph.from_model(model, shapes, [prepare.data_dtype(a) for a in leaves])
     given = {k: v for k, v in arguments.items() if v is not None}
     saved = os.path.join(directory, "model.keras")
     record: dict[str, Any] = {
