@@ -78,7 +78,7 @@ AT_FOUR = " or ".join([
     "heartbeat", "sharded_optimizer_step", "sharded_step_through_the_window",
     "keras_hub_encoder_decoder_blocks",
     "nodes_exchange_slices_only", "window_where_a_node_holds_more_than_two",
-    "local_sgd_every_step", "input_forms", "string_columns", "reads_its_part",
+    "local_sgd_every_step", "string_columns", "reads_its_part",
     "own_train_step"])
 
 
