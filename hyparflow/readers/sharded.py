@@ -16,6 +16,7 @@ and the epoch ends when every part has.
 from .._compat import adapters
 from .arrays import prepare_data
 from .context import InputContext, per_replica
+from .streams import Failed
 
 __all__ = ["ShardedSource", "file_shards", "within_budget"]
 
@@ -33,11 +34,6 @@ def within_budget(dataset):
     options = tf.data.Options()
     options.threading.private_threadpool_size = _env.threads_per_rank()
     return dataset.with_options(options)
-
-
-class _Failed:
-    def __init__(self, message):
-        self.message = message
 
 
 # The datasets that read files, which tf.data's FILE auto-shard deals out.
@@ -113,11 +109,11 @@ class ShardedSource:
                 self._pass = adapters.numpy_batches(self._dataset(0), class_weight)
                 found = self._first = next(self._pass)
             except StopIteration:
-                found = _Failed(f"{what} gave replica {self.replica} no batch")
+                found = Failed(f"{what} gave replica {self.replica} no batch")
             except Exception as error:  # noqa: BLE001 - every rank must hear of it
-                found = _Failed(f"{type(error).__name__}: {error}")
+                found = Failed(f"{type(error).__name__}: {error}")
         found = self.group.bcast_obj(found, 0)
-        failures = [f for f in comm.allgather_obj(found if isinstance(found, _Failed) else None)
+        failures = [f for f in comm.allgather_obj(found if isinstance(found, Failed) else None)
                     if f is not None]
         if failures:
             self.close()
@@ -181,10 +177,10 @@ class ShardedSource:
                 try:
                     element = self._read(epoch)
                 except Exception as error:  # noqa: BLE001 - every rank must hear of it
-                    element = _Failed(f"{type(error).__name__}: {error}")
+                    element = Failed(f"{type(error).__name__}: {error}")
             element = self.group.bcast_obj(element, 0)
             data, failed = None, None
-            if isinstance(element, _Failed):
+            if isinstance(element, Failed):
                 failed = element.message
             elif element is not None:
                 try:

@@ -22,8 +22,8 @@ class _End:
     """The stream has no more batches this epoch."""
 
 
-class _Failed:
-    """Reading failed on rank 0: what it said."""
+class Failed:
+    """Reading failed on a reader: what it said (sent to the ranks it feeds)."""
 
     def __init__(self, message):
         self.message = message
@@ -103,12 +103,12 @@ class StreamSource:
                 except StopIteration:
                     element = _End()
                 except Exception as error:  # noqa: BLE001 - every rank must hear of it
-                    self.comm.bcast_obj(_Failed(f"{type(error).__name__}: {error}"), 0)
+                    self.comm.bcast_obj(Failed(f"{type(error).__name__}: {error}"), 0)
                     raise
             element = self.comm.bcast_obj(element, 0)
             if isinstance(element, _End):
                 return
-            if isinstance(element, _Failed):
+            if isinstance(element, Failed):
                 raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
             data = self._prepare(element)
             yield data, np.arange(len(data))

@@ -166,7 +166,7 @@ FIRST_BATCHES = 8  # the batches whose ids "auto" reads for the owners' load
 def first_ids(graph: Any, sample: Any, batch_size: Optional[int]) -> Dict[str, np.ndarray]:
     """{Embedding layer: the ids of the data's first `FIRST_BATCHES` batches}, for
     the Embedding layers whose ids are a model input (others: uniform). `sample` is
-    what `fit` already holds (`loop.data.source`): the arrays (all of them), or a
+    what `fit` already holds (`readers.source`): the arrays (all of them), or a
     dataset's first batch (nothing more is read from it)."""
     out: Dict[str, np.ndarray] = {}
     xs = getattr(sample, "x", None) or []
