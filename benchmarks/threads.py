@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = {"mlp": 256, "gpt": 64, "resnet56": 64}
@@ -25,23 +24,15 @@ BATCH = {"mlp": 256, "gpt": 64, "resnet56": 64}
 
 def step(workload, batch, steps, keras_only):
     import hyparflow as hf
-    import keras
 
     sys.path.insert(0, HERE)
     import workloads
 
     model, x, y = workloads.make(workload, batch * (steps + 1))
     times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, b, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, b, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     fit = model.fit if keras_only else (lambda *a, **k: hf.fit(model, *a, **k))
-    fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[Timer()])
+    fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+        callbacks=[workloads.BatchTimer(times)])
     median = statistics.median(times[1:])
     if keras_only or hf.is_main():
         print("RESULT " + json.dumps({"step_s": median, "samples_s": batch / median}),

@@ -12,7 +12,6 @@ import sys
 import time
 
 import hyparflow as hf
-import keras
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -31,16 +30,8 @@ def baseline(workload, batch, steps):
     model, x, y = workloads.make(workload, batch * (steps + 1))
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)  # trace + warm up
     times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, b, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, b, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     model.fit(x[batch:], y[batch:], batch_size=batch, epochs=1, verbose=0, shuffle=False,
-              callbacks=[Timer()])
+              callbacks=[workloads.BatchTimer(times)])
     step = statistics.median(times)
     state = state_mb(model.trainable_weights) + state_mb(model.optimizer.variables)
     return {"step_s": step, "samples_s": batch / step, "peak_mb": peak_mb(), "state_mb": state}

@@ -4,6 +4,7 @@ text classifier with a 200,000-row embedding (synthetic ids)."""
 
 import os
 import sys
+import time
 
 import keras
 import numpy as np
@@ -153,3 +154,17 @@ def make(name, samples):
     else:
         y = rng.integers(0, 10, samples)
     return model, x, y
+
+
+class BatchTimer(keras.callbacks.Callback):
+    """Appends each training batch's seconds to `times`."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.times = times
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
