@@ -178,6 +178,8 @@ def train(model, x, y, *, comm, layout, options):
     state["start"] = (options.initial_epoch, 0, options.initial_epoch * (source.steps or 0))
     if options.resume:
         _resume(runtime, state)
+        if hasattr(source, "restore"):   # a reader that starts mid-epoch by index
+            source.restore(state["start"][0], state.get("reader"))
     if isinstance(source, readers.ArraySource):
         source.seed = state["seed"]
         if options.seed is None:
@@ -247,6 +249,7 @@ def _resume(runtime, state):
         runtime.executor.adopt(choices)  # same layout: the same products, the same bits
     state["seed"] = manifest["seed"]
     state["start"] = (manifest["epoch"], manifest["step"], manifest["global_step"])
+    state["reader"] = manifest.get("reader")
     if comm.rank == 0:
         print(f"hyparflow: resuming from {path} (epoch {manifest['epoch'] + 1}, step "
               f"{manifest['step']}).", flush=True)
@@ -276,9 +279,10 @@ def _choices_key(runtime, state):
 
 def _checkpoint(runtime, state, epoch, step, global_step):
     choices = dict(runtime.executor.choices(), **{"for": _choices_key(runtime, state)})
+    reading = state.get("reading")
     state["checkpointer"].write(runtime, {
         "epoch": epoch, "step": step, "global_step": global_step, "seed": state["seed"],
-        "choices": choices})
+        "choices": choices, "reader": reading(epoch_end=step == 0) if reading else None})
 
 
 def _loop(model, runtime, source, state, epochs, callbacks):
@@ -297,15 +301,16 @@ def _loop(model, runtime, source, state, epochs, callbacks):
     replicas = runtime.replicas  # None: allreduce (every replica takes the same step)
     waits = readers.Waits(runtime.timeline, warn=comm.rank == 0)
     state["waits"] = waits
+    state["reading"] = getattr(source, "state", None)
     for epoch in range(first_epoch, epochs):
         if replicas is not None:
             replicas.restore()  # each replica's own weights, after the last epoch's report
         logs.reset()
         cbs.on_epoch_begin(epoch)
+        # Resuming: the steps done before the checkpoint are not read again.
+        start = skip if epoch == first_epoch else 0
         for step, (data, micro, rows) in enumerate(
-                waits.over(readers.steps(source, epoch, runtime))):
-            if epoch == first_epoch and step < skip:
-                continue  # done before the checkpoint this run resumed from
+                waits.over(readers.steps(source, epoch, runtime, start)), start):
             cbs.on_train_batch_begin(step)
             if global_step == state["start"][2] and verbose and comm.rank == 0:
                 # The first step traces and compiles every stage's functions: for a large

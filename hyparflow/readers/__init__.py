@@ -4,6 +4,8 @@ the loop asks for once per step.
   columns  an input read by the rows a batch needs, cast then (memmaps, h5py)
   arrays   arrays: checked, in the model's input order, cut into global batches
   streams  tf.data, keras.utils.PyDataset, generators: read on one rank, broadcast
+  indexed  a PyDataset of known length, read by index, each batch by one replica's
+           reader in turn
   context  InputContext: what a dataset function is told
   sharded  each replica reads its own part: a dataset function, or a tf.data.Dataset's
            files dealt out to the replicas
@@ -18,11 +20,12 @@ from ..engine.executor import split_batch
 from .arrays import (ArraySource, Data, check_finite, fit_order, prepare_data,
                      validation_split)
 from .context import InputContext
+from .indexed import IndexedSource, indexable
 from .sharded import ShardedSource, file_shards
 from .streams import StreamSource
 from .wait import Waits
 
-__all__ = ["ArraySource", "Data", "StreamSource", "ShardedSource", "InputContext",
+__all__ = ["ArraySource", "Data", "StreamSource", "IndexedSource", "ShardedSource", "InputContext",
            "check_finite", "fit_order", "prepare_data", "validation_split", "is_stream",
            "is_function", "open_source", "source", "steps", "Waits"]
 
@@ -79,6 +82,9 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
               "(or turned auto-sharding off): rank 0 reads and decodes every global batch "
               "and sends each replica its rows. For each replica to decode its own part, "
               "pass a dataset function (hf.InputContext).", flush=True)
+    if steps_per_epoch is None and indexable(x):
+        return IndexedSource(comm, x, stages_x_tensor=ranks, class_weight=class_weight,
+                             shuffle=shuffle, need_y=need_y)
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                         shuffle=shuffle, need_y=need_y)
 
@@ -89,13 +95,14 @@ def _is_dataset(x):
     return isinstance(x, tf.data.Dataset)
 
 
-def steps(source, epoch, runtime):
-    """(Data, this replica's microbatches, the global batch's rows) for each step."""
+def steps(source, epoch, runtime, start=0):
+    """(Data, this replica's microbatches, the global batch's rows) for each step of
+    `epoch` from step `start`."""
     if getattr(source, "local", False):   # this replica's own rows, cut into microbatches
-        for data, rows, total in source.epoch(epoch):
+        for data, rows, total in source.epoch(epoch, start):
             yield data, split_batch(np.arange(rows), 1, runtime.layout.num_microbatches)[0], total
         return
-    for data, batch in source.epoch(epoch):
+    for data, batch in source.epoch(epoch, start):
         yield data, runtime.microbatches(batch), len(batch)
 
 

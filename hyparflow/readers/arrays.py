@@ -183,7 +183,7 @@ class ArraySource:
         full = math.ceil(len(data) / batch_size)
         self.steps = min(full, steps_per_epoch) if steps_per_epoch else full
 
-    def epoch(self, epoch):
+    def epoch(self, epoch, start=0):
         n = len(self.data)
         if not self.shuffle:
             order = np.arange(n)
@@ -191,5 +191,5 @@ class ArraySource:
             order = self.order(epoch)
         else:
             order = np.random.default_rng([self.seed, epoch]).permutation(n)
-        for step in range(self.steps):
+        for step in range(start, self.steps):   # resuming: by index, nothing read again
             yield self.data, order[step * self.batch_size:(step + 1) * self.batch_size]

@@ -16,7 +16,7 @@ and the epoch ends when every part has.
 from .._compat import adapters
 from .arrays import prepare_data
 from .context import InputContext, per_replica
-from .streams import Failed
+from .streams import Failed, replay
 
 __all__ = ["ShardedSource", "file_shards", "within_budget"]
 
@@ -168,9 +168,12 @@ class ShardedSource:
             self._pass, self._ended = None, True
             return None
 
-    def epoch(self, epoch):
+    def epoch(self, epoch, start=0):
         self._ended = False
-        step = 0
+        step = start
+        if self.reader and start:
+            replay(iter(lambda: self._read(epoch), None), start, self.what,
+                   say=self.comm.rank == 0)
         while self.steps is None or step < self.steps:
             element = None
             if self.reader:

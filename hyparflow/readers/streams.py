@@ -29,6 +29,19 @@ class Failed:
         self.message = message
 
 
+def replay(elements, count, what, say=True):
+    """Resuming mid-epoch: `count` elements read and dropped on a reader (a stream
+    has no index to start from), said once."""
+    if say:
+            print(f"hyparflow: resuming mid-epoch, {what} is read again up to step {count} "
+              f"(its {count} earlier batches decoded and dropped): a stream cannot start "
+              "mid-way. A PyDataset of known length or arrays start there by index.",
+              flush=True)
+    for _ in range(count):
+        if next(elements, None) is None:
+            return
+
+
 class StreamSource:
     """Global batches of a stream, read on rank 0 and broadcast. `first_x` is the
     first batch's inputs (to read and build the model from), `bind(graph)` makes
@@ -41,6 +54,7 @@ class StreamSource:
         import keras
 
         self.comm, self.class_weight, self.need_y = comm, class_weight, need_y
+        self.kind = type(x).__name__
         self.reader, self.graph, self.sample = None, None, None
         found, self._held = None, None
         if comm.rank == 0:
@@ -93,8 +107,10 @@ class StreamSource:
         else:
             yield from self._elements()
 
-    def epoch(self, epoch):
+    def epoch(self, epoch, start=0):
         elements = self._begun() if self.reader is not None else None
+        if elements is not None and start:
+            replay(elements, start, f"the {self.kind}")
         while True:
             element = None
             if elements is not None:

@@ -72,7 +72,7 @@ LAYERS = {
              "loop.logs", "loop.costs", "loop.options", "loop.runtime",
              "loop.steps", "loop.slow", "loop.capture"},
     "readers": {"readers", "readers.columns", "readers.arrays", "readers.streams",
-                "readers.context", "readers.sharded", "readers.wait"},
+                "readers.context", "readers.sharded", "readers.wait", "readers.indexed"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
                 "cluster.heartbeat", "cluster.restart", "cluster.report", "cluster.dialect"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",

@@ -120,3 +120,34 @@ def test_each_replica_reads_its_part_once(form, layout, tmp_path_factory):
           f"decodes per record {sorted(set(decoded.tolist()))}")
     assert diff < 2e-6
     assert decoded.tolist() == [EPOCHS] * (4 * 24)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: "S{}R{}M{}".format(*s))
+def test_pydataset_read_by_index_once_by_the_readers_in_turn(layout):
+    """A shuffled PyDataset (Python's random, as model.fit shuffles it): model.fit's
+    weights; each batch read once an epoch across the job, by each replica's reader in
+    turn (reads counted in every process: its own copy of the PyDataset)."""
+    import random
+
+    stages, replicas, micro = layout
+    comm = MPI.COMM_WORLD
+    x, y, w = arrays()
+    reference = mlp()
+    start = reference.get_weights()
+    random.seed(5)
+    reference.fit(Batches(x, y, w), epochs=2, shuffle=True, verbose=0)
+    model = mlp()
+    model.set_weights(start)
+    data = Batches(x, y, w, workers=2)
+    random.seed(5)
+    hf.fit(model, data, epochs=2, shuffle=True, verbose=0, num_stages=stages,
+           num_replicas=replicas, num_microbatches=micro)
+    diff = max_diff(model.get_weights(), reference.get_weights())
+    reads = comm.allgather(list(data.reads))
+    print(f"pydataset S={stages} R={replicas} M={micro}: max weight difference {diff:.2e}, "
+          f"reads per rank {[len(r) for r in reads]}")
+    assert diff < 2e-6
+    assert sorted(sum(reads, [])) == sorted(list(range(len(data))) * 2)
+    readers = [r * stages for r in range(replicas)]
+    assert all(bool(reads[r]) == (r in readers) for r in range(comm.size)), reads
