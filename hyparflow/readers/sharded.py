@@ -18,7 +18,7 @@ from .arrays import prepare_data
 from .context import InputContext, per_replica
 from .streams import Failed, replay
 
-__all__ = ["ShardedSource", "file_shards", "within_budget"]
+__all__ = ["ShardedSource", "file_shards", "unseeded_order", "within_budget"]
 
 
 def within_budget(dataset):
@@ -43,13 +43,69 @@ READERS = {"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
 
 def reads_files(dataset):
     """Whether `dataset`'s graph has a file reader for FILE sharding to deal out."""
+    graph = _graph(dataset)
+    ops = {node.op for node in graph.node}
+    ops |= {node.op for function in graph.library.function for node in function.node_def}
+    return bool(ops & READERS)
+
+
+def _graph(dataset):
     from tensorflow.core.framework import graph_pb2
 
     graph = graph_pb2.GraphDef()
     graph.ParseFromString(dataset._as_serialized_graph().numpy())
-    ops = {node.op for node in graph.node}
-    ops |= {node.op for function in graph.library.function for node in function.node_def}
-    return bool(ops & READERS)
+    return graph
+
+
+def unseeded_order(dataset, before):
+    """Whether a shuffle without a seed comes before a node of `before` ("read": a
+    file reader, or a function that holds one; "shard"): each process would draw its
+    own order there, and the replicas' parts would overlap and miss records."""
+    graph = _graph(dataset)
+    nodes = {n.name: n for n in graph.node}
+    reading, grew = set(), True
+    while grew:   # the functions that read, through the functions they call
+        known = len(reading)
+        reading |= {f.signature.name for f in graph.library.function if any(
+            n.op in READERS or any(a.func.name in reading for a in n.attr.values())
+            for n in f.node_def)}
+        grew = len(reading) > known
+
+    def inputs(node):
+        names = (i.lstrip("^").split(":")[0] for i in node.input)
+        return [nodes[n] for n in names if n in nodes]
+
+    def target(node):
+        if before == "shard":
+            return node.op == "ShardDataset"
+        return node.op in READERS or any(a.func.name in reading for a in node.attr.values())
+
+    def unseeded(node):
+        if not node.op.startswith("ShuffleDataset") and not node.op.startswith(
+                "ShuffleAndRepeatDataset"):
+            return False
+        seeds = inputs(node)[2:4]
+        return all(s.op == "Const" and list(s.attr["value"].tensor.int64_val) in ([], [0])
+                   for s in seeds)
+
+    for start in (n for n in graph.node if target(n)):
+        seen, todo = set(), inputs(start)
+        while todo:
+            node = todo.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if unseeded(node):
+                return True
+            todo += inputs(node)
+    return False
+
+
+UNSEEDED = ("shuffles its {what} without a seed (tf.data.Dataset.list_files shuffles by "
+            "default) before {where}: each replica's reader would draw its own order, and "
+            "the replicas' parts would overlap and miss records. Give the shuffle a seed "
+            "(list_files(pattern, seed=...), shuffle(n, seed=...) or tf.random.set_seed), "
+            "or list the files with shuffle=False and shuffle the records after reading.")
 
 
 def file_shards(dataset, num_replicas):
@@ -68,6 +124,9 @@ def file_shards(dataset, num_replicas):
     batch_size = int(distribute.compute_batch_size(dataset))
     if batch_size < num_replicas or not reads_files(dataset):
         return None
+    if unseeded_order(dataset, "read"):
+        raise ValueError("The dataset " + UNSEEDED.format(
+            what="files", where=f"they are dealt to the {num_replicas} replicas"))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
 
@@ -131,6 +190,9 @@ class ShardedSource:
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"{self.what} must return a tf.data.Dataset. Received: "
                             f"{type(dataset).__name__}")
+        if epoch == 0 and self.num_replicas > 1 and unseeded_order(dataset, "shard"):
+            raise ValueError("The dataset function's dataset " + UNSEEDED.format(
+                what="input", where="its shard(ctx.num_input_pipelines, ...)"))
         return within_budget(dataset)
 
     def _prepare(self, element, class_weight=None):

@@ -150,3 +150,30 @@ def test_tensor_ranks_take_the_batch_from_one_reader(tmp_path):
                       num_tensor=2, tensor_layers=["hidden", "middle"])
     assert max(max_diff(w, expect) for w, _ in out) < 2e-6
     assert np.bincount(records.DECODED, minlength=4 * 24).tolist() == [EPOCHS] * (4 * 24)
+
+
+def test_files_shuffled_without_a_seed_are_refused_before_dealing(tmp_path):
+    """list_files shuffles unseeded by default: each reader would deal its own order of
+    the files (overlapping parts). Refused naming the fix; seeded, or shuffled after
+    reading, it trains."""
+    records.write(tmp_path, files=4)
+    pattern = str(tmp_path / "*")
+
+    def listed(seed=None, shuffle=None):
+        tf.random.set_seed(None)   # the models' builds set a global seed (which seeds it)
+        files = tf.data.Dataset.list_files(pattern, seed=seed, shuffle=shuffle)
+        return files.interleave(tf.data.TFRecordDataset).map(records.decode)
+
+    def fit(data):
+        built = [model() for _ in range(2)]   # not in the ranks: they seed TF globally
+        return train_ranks(built.pop, data, None, num_stages=1, num_replicas=2,
+                           num_microbatches=1, weights=built[0].get_weights(), batch_size=B)
+
+    for unseeded in (listed().batch(B),
+                     lambda ctx: listed().shard(ctx.num_input_pipelines,
+                                                ctx.input_pipeline_id).batch(8)):
+        with pytest.raises((ValueError, RuntimeError),
+                           match=r"without a seed .*list_files\(pattern, seed=\.\.\.\)"):
+            fit(unseeded)
+    fit(listed(seed=3).batch(B))
+    fit(listed(shuffle=False).shuffle(32).batch(B))
