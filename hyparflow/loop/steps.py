@@ -4,17 +4,21 @@ global batch, and `engine.steps.ReplicaSums` makes the R steps one (docs/models.
 "Customised training"). The loop is Keras's own: epochs, callbacks, History,
 validation, as `model.fit` runs them."""
 
+import itertools
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from .. import _compat
+from .._compat import adapters as _adapters
 from .. import sync as _sync
 from ..engine import node as _node
 from ..engine import weights as _weights
-from ..engine.prepare import agree_on_error, check_positive, fail, is_dataset
+from ..engine.prepare import agree_on_error, check_positive, fail
 from ..engine.steps import ReplicaSums, seed_generators_of
 from .. import readers as _data
+from ..readers.streams import Failed
 from .progress import callback_list, resolve_verbose
 
 __all__ = ["overrides", "check_layout", "fit", "evaluate"]
@@ -63,21 +67,29 @@ def _refuse_options(options):
             "compute_loss(...) to train with hyparflow's step.")
 
 
+class _End:
+    """The stream has no more batches this epoch."""
+
+
 class Batches:
-    """numpy data (x, y, sample_weight in the structures `model.fit` takes) or a batched
-    tf.data.Dataset, as each replica's rows of every global batch, packed as Keras
-    hands them to `train_step` (`keras.utils.pack_x_y_sample_weight`)."""
+    """numpy data (x, y, sample_weight in the structures `model.fit` takes) or a stream
+    of global batches (a tf.data.Dataset, a keras.utils.PyDataset, a generator: read on
+    rank 0 through Keras's own epoch iterator and broadcast), as each replica's rows of
+    every global batch, packed as Keras hands them to `train_step`
+    (`keras.utils.pack_x_y_sample_weight`)."""
 
     def __init__(self, x, y, sample_weight, *, batch_size, replicas, shuffle=False,
                  seed=None, steps=None):
         self.replicas, self.shuffle, self.seed = replicas, shuffle, seed
-        self.dataset = x if is_dataset(x) else None
-        if self.dataset is not None:
-            if y is not None:
-                raise ValueError("When `x` is a tf.data.Dataset, `y` must be None: the dataset "
-                                 "yields (x, y) or (x, y, sample_weight).")
-            known = int(self.dataset.cardinality())
-            self.steps = steps or (known if known >= 0 else None)
+        self.stream = x if _data.is_stream(x) else None
+        if self.stream is not None:
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    f"When `x` is a {type(x).__name__} (read batch by batch), `y` and "
+                    "`sample_weight` must be None: each element it gives is (x, y) or "
+                    "(x, y, sample_weight).")
+            self.steps, self._asked = steps, steps
+            self.reader, self._pending = None, None
             return
         self.data = keras.tree.map_structure(_numpy, (x, y, sample_weight))
         leaves = [a for a in keras.tree.flatten(self.data) if a is not None]
@@ -98,11 +110,43 @@ class Batches:
                 "a train_step's mean over no rows is NaN. Use a batch_size whose last batch "
                 f"holds at least {replicas} rows, or drop the last samples.")
 
+    def _read(self, comm):
+        """One epoch's global batches of the stream, read on rank 0 (Keras's epoch
+        iterator: `steps_per_epoch` goes on across epochs, as in model.fit) and
+        broadcast (collective)."""
+        elements = None
+        if comm.rank == 0:
+            if self.reader is None:
+                self.reader = _adapters.epoch_iterator(
+                    self.stream, steps_per_epoch=self._asked, shuffle=self.shuffle)
+                self.reader.reset()   # as model.fit, once before the first epoch
+            elements = (e for _, _, buffer in self.reader for e in buffer)
+        while True:
+            element = None
+            if elements is not None:
+                try:
+                    element = next(elements, _End())
+                except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                    element = Failed(f"{type(error).__name__}: {error}")
+            element = comm.bcast_obj(element, 0)
+            if isinstance(element, _End):
+                return
+            if isinstance(element, Failed):
+                raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
+            yield keras.tree.map_structure(_numpy, element)
+
     def first(self, comm):
         """This replica's rows of the first batch in the data's own order (to build the
-        model from, drawing no shuffling from Keras's generator)."""
-        if self.dataset is not None:
-            return next(iter(self.epoch(0, comm)))[0]
+        model from, drawing no shuffling from Keras's generator); a stream's is kept
+        for the first step."""
+        if self.stream is not None:
+            elements = self._read(comm)
+            head = next(elements, None)
+            if head is None:
+                raise ValueError(f"The {type(self.stream).__name__} gave no batch.")
+            self._pending = itertools.chain([head], elements)
+            self.steps = comm.bcast_obj(self.reader.num_batches if comm.rank == 0 else None, 0)
+            return self._rows(head, comm.rank)[0]
         keep, self.shuffle = self.shuffle, False
         try:
             return next(iter(self.epoch(0, comm)))[0]
@@ -113,20 +157,10 @@ class Batches:
         """(this replica's rows, every replica's row count) of each step of `epoch`
         (the replica: `comm.rank`)."""
         r = comm.rank
-        if self.dataset is not None:
-            dataset = self.dataset.take(self.steps) if self.steps else self.dataset
-            for element in dataset:
-                element = keras.tree.map_structure(_numpy, element)
-                total = len(keras.tree.flatten(element)[0])
-                if total < self.replicas:
-                    raise ValueError(
-                        f"A batch of {total} rows from the dataset leaves some of the "
-                        f"{self.replicas} replicas without rows. Batch it by at least "
-                        f"{self.replicas} (drop_remainder=True for the last batch).")
-                sizes = [len(p) for p in np.array_split(np.arange(total), self.replicas)]
-                lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])
-                mine = keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], element)
-                yield _tensors(mine), sizes
+        if self.stream is not None:
+            pending, self._pending = self._pending, None
+            for element in pending if pending is not None else self._read(comm):
+                yield self._rows(element, r)
             return
         order = np.arange(self.n)
         if self.shuffle:
@@ -139,6 +173,19 @@ class Batches:
                 lambda a: None if a is None else a[parts[r]], self.data)
             yield (_tensors(keras.utils.pack_x_y_sample_weight(x, y, sw)),
                    [len(p) for p in parts])
+
+    def _rows(self, element, r):
+        """Replica r's rows of a global batch, and every replica's row count."""
+        total = len(keras.tree.flatten(element)[0])
+        if total < self.replicas:
+            raise ValueError(
+                f"A batch of {total} rows from the {type(self.stream).__name__} leaves some "
+                f"of the {self.replicas} replicas without rows. Batch it by at least "
+                f"{self.replicas} (drop_remainder=True for the last batch).")
+        sizes = [len(p) for p in np.array_split(np.arange(total), self.replicas)]
+        lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])
+        mine = keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], element)
+        return _tensors(mine), sizes
 
 
 def _numpy(value):
@@ -233,9 +280,9 @@ def fit(model, x, y, *, comm, layout, options):
         state["verbose"] = resolve_verbose(options.verbose)
         validation = options.validation_data
         if options.validation_split and validation is None:
-            if is_dataset(x):
-                raise ValueError("`validation_split` needs numpy inputs; with a tf.data.Dataset "
-                                 "pass `validation_data`.")
+            if _data.is_stream(x):
+                raise ValueError(f"`validation_split` needs numpy inputs; with a "
+                                 f"{type(x).__name__} pass `validation_data`.")
             (x, y, sw), validation = _data.validation_split(
                 x, y, options.sample_weight, options.validation_split)
         else:

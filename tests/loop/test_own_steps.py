@@ -378,6 +378,55 @@ def test_a_dataset_of_global_batches():
         check_history(got, history)
 
 
+class Rows(keras.utils.PyDataset):
+    """A PyDataset of (x, y, sample_weight) batches of 15 rows, counting its reads."""
+
+    def __init__(self, x, y, sw, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.sw, self.reads = x, y, sw, []
+
+    def __len__(self):
+        return -(-len(self.x) // 15)
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        s = slice(15 * i, 15 * (i + 1))
+        return self.x[s], self.y[s], self.sw[s]
+
+
+@pytest.mark.parametrize("form", ["pydataset", "generator"])
+def test_a_pydataset_or_generator_read_once_on_rank_0(form):
+    """Keras's own step through the override, fed by a PyDataset (threads) or a
+    generator: model.fit's weights and logs; each batch read once in the job."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(70, 4)).astype("float32"), rng.normal(size=(70, 3)).astype("float32")
+    sw = np.linspace(0.5, 2.0, 70).astype("float32")
+
+    def data():
+        if form == "pydataset":
+            return Rows(x, y, sw, workers=2), {}
+        return (Rows(x, y, sw)[i % 5] for i in range(10)), {"steps_per_epoch": 5}
+
+    model = keras_step()
+    start = model.get_weights()
+    given, kwargs = data()
+    history = model.fit(given, epochs=2, shuffle=False, verbose=0, **kwargs).history
+    given, kwargs = data()
+
+    def body(comm):
+        m = keras_step()
+        m.set_weights(start)
+        h = hf.fit(m, given, epochs=2, shuffle=False, num_stages=1, num_microbatches=1,
+                   comm=comm, verbose=0, **kwargs)
+        return m.get_weights(), h.history
+
+    for weights, got in run_ranks(2, body, timeout=300):
+        assert max_diff(weights, model.get_weights()) <= 1e-6
+        check_history(got, history)
+    if form == "pydataset":
+        assert sorted(given.reads) == sorted(list(range(5)) * 2)
+
+
 class OwnTest(keras.Model):
     """Keras's own train_step, its own test_step."""
 
