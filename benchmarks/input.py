@@ -9,7 +9,8 @@ pixels square), decoded, resized to `--resize` and cropped to `--crop` by
 plain `model.fit` on every core, on the pipeline and on the same images decoded into
 arrays; then hf.fit under `mpiexec -n N` (threads per rank derived for the node): on
 the arrays, on the whole dataset (its files dealt to the replicas), on a dataset
-function (each replica its own files), and two stages on the dataset. Samples/s over
+function (each replica its own files), on a PyDataset read by index (`model.fit` on it
+too), and two stages on the dataset. Samples/s over
 the epochs after the first (which traces and compiles); "x Keras": against plain
 model.fit on the pipeline. "wait": the share of rank 0's step spent waiting for data.
 """
@@ -64,6 +65,8 @@ def worker(args):
             mine = paths[ctx.input_pipeline_id::ctx.num_input_pipelines]
             return pipeline(mine, ctx.per_replica_batch_size, args.resize, args.crop)
         data = dict(x=files, batch_size=args.batch)
+    elif args.how.endswith("pydataset"):
+        data = dict(x=_jpegs(paths, args))
     else:
         data = dict(x=pipeline(paths, args.batch, args.resize, args.crop))
     times = []
@@ -90,6 +93,29 @@ def worker(args):
     n = args.images
     print("RESULT " + json.dumps({"samples_s": n * (len(times) - 1) / sum(times[1:]),
                                   "wait": wait}), flush=True)
+
+
+def _jpegs(paths, args):
+    """The records as a PyDataset read by index (the encoded images held in memory, as
+    files of a folder would be read): each batch decoded when asked for, on 2 threads."""
+    import keras
+    import tensorflow as tf
+    from image_files import decoder
+
+    records = [r.numpy() for r in tf.data.TFRecordDataset(paths)]
+    decode = decoder(args.resize, args.crop)
+    batch_decode = tf.function(lambda rs: tf.map_fn(
+        decode, rs, fn_output_signature=(tf.float32, tf.int64)))
+
+    class Jpegs(keras.utils.PyDataset):
+        def __len__(self):
+            return -(-len(records) // args.batch)
+
+        def __getitem__(self, i):
+            x, y = batch_decode(tf.constant(records[i * args.batch:(i + 1) * args.batch]))
+            return x.numpy(), y.numpy()
+
+    return Jpegs(workers=2)
 
 
 def measure(args, how, ranks):
@@ -127,11 +153,14 @@ def main():
     if not os.listdir(args.dir):
         make_files(args, args.dir)
     rows = [("model.fit, pipeline", 0, measure(args, "keras-pipeline", 0)),
-            ("model.fit, decoded arrays", 0, measure(args, "keras-arrays", 0))]
+            ("model.fit, decoded arrays", 0, measure(args, "keras-arrays", 0)),
+            ("model.fit, PyDataset (2 threads)", 0, measure(args, "keras-pydataset", 0))]
     for n in args.ranks:
         rows.append(("hf.fit R=N, decoded arrays", n, measure(args, "hf-arrays", n)))
         rows.append(("hf.fit R=N, dataset (files dealt)", n, measure(args, "hf-dataset", n)))
         rows.append(("hf.fit R=N, dataset function", n, measure(args, "hf-function", n)))
+        rows.append(("hf.fit R=N, PyDataset (readers in turn)", n,
+                     measure(args, "hf-pydataset", n)))
         if n % 2 == 0:
             rows.append(("hf.fit S=2 M=2, dataset", n, measure(args, "hf-stages-dataset", n)))
     keras = rows[0][2]["samples_s"]
