@@ -12,7 +12,7 @@ WORKERS="${HYPARFLOW_TEST_WORKERS:-2}"
 
 status=0
 phase() {   # pytest's 5 is "nothing collected": a path may hold only one phase's tests
-    python -m pytest "$@"
+    python -m pytest --durations=25 "$@"
     local code=$?
     [ $code -eq 0 ] || [ $code -eq 5 ] || status=1
 }
