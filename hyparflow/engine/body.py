@@ -283,6 +283,11 @@ class StageBody:
         contribution, predictions, GLOBAL loss terms)."""
         inputs = self._inputs(inputs)
         _masks.of(self.graph, False)  # recorded here, not inside the function's trace
+        if sample_weight and not self._sw_specs and kind != "predict":
+            # Validation data with sample weights, training data without: Keras
+            # weighs the validation loss by them, so the evaluation takes them.
+            self._sw_specs = [tf.TensorSpec((None,) + tuple(np.shape(a)[1:]), tf.float32)
+                              for a in sample_weight]
         fn = self._function(kind, bool(sample_weight))
         if kind == "predict":
             y, sample_weight = (), ()

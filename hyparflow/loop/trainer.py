@@ -125,7 +125,8 @@ def train(model, x, y, *, comm, layout, options):
                             steps_per_epoch=options.validation_steps)
             state["validation"], _ = readers.source(
                 graph, vx, vy, stream=readers.open_source(comm, vx, vy, layout=layout,
-                                                          **vreading), **vreading)
+                                                          validation=True, **vreading),
+                **vreading)
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc

@@ -113,7 +113,7 @@ class IndexedSource:
     relative = True   # batch indices count from each batch's start
 
     def __init__(self, comm, dataset, *, stages_x_tensor, class_weight=None, shuffle=False,
-                 need_y=True):
+                 need_y=True, resets=False):
         import keras
         from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
@@ -125,7 +125,11 @@ class IndexedSource:
         self.mine = self.roots.index(comm.rank) if comm.rank in self.roots else None
         self.graph, self.sample, self._order, self._random = None, None, None, None
         self._adapter = PyDatasetAdapter(dataset, class_weight=class_weight)
-        self._epochs_begun = 0
+        self._hooks = {"begin": 0, "end": 0}   # the passes whose hook this reader called
+        self._open = False                       # a pass begun and not ended
+        # Validation data: Keras's evaluate resets its epoch iterator (on_epoch_end)
+        # before each run, and fit's validation reuses one.
+        self._resets = resets
         # The same for the ranks of this read (and new for each fit, evaluate, predict);
         # gathered, so that every rank has come this far (built its model) before rank 0
         # draws from Python's random, which ranks as threads of one process share.
@@ -138,7 +142,7 @@ class IndexedSource:
             # step's, so nothing is decoded twice.
             order = self._draw(0)
             if comm.rank == 0:
-                self._begin(0)
+                self._hook("begin")
                 found = self._read(order[0])
         except Exception as error:  # noqa: BLE001 - every rank must hear of it
             found = Failed(f"{type(error).__name__}: {error}")
@@ -163,13 +167,13 @@ class IndexedSource:
         self._order = (epoch, order)
         return order
 
-    def _begin(self, epoch):
-        while self._epochs_begun <= epoch:   # each epoch's begin and end, in order
-            e = self._epochs_begun
-            if e > 0:
-                _once(self._token, ("end", e - 1), self.dataset.on_epoch_end)
-            _once(self._token, ("begin", e), self.dataset.on_epoch_begin)
-            self._epochs_begun += 1
+    def _hook(self, which):
+        """The PyDataset's on_epoch_begin or on_epoch_end for this reader's next pass
+        (an epoch, or a validation run), as Keras's epoch iterator calls them."""
+        count = self._hooks[which]
+        self._hooks[which] += 1
+        self._open = which == "begin"
+        _once(self._token, (which, count), getattr(self.dataset, f"on_epoch_{which}"))
 
     def _read(self, index):
         batch = self._adapter._standardize_batch(self.dataset[int(index)])
@@ -217,14 +221,21 @@ class IndexedSource:
         self._order, self._held = None, None
         if epoch > 0 or saved is not None:
             self._draw(epoch)
-        if self.mine is not None:
-            self._begin(epoch)
+        if self.mine is not None and epoch > 0:
+            if self._open:
+                self._hook("end")
+            while self._hooks["begin"] < epoch:
+                self._hook("begin")
+                self._hook("end")
 
     def epoch(self, epoch, start=0):
         order = self._draw(epoch)
         mine = None
         if self.mine is not None:
-            self._begin(epoch)
+            if not self._open:
+                if self._resets and self._hooks["begin"]:
+                    self._hook("end")
+                self._hook("begin")
             mine = self._mine(order, start)
         try:
             for s in range(start, self.steps):
@@ -247,7 +258,7 @@ class IndexedSource:
                 yield data, np.arange(len(data))
             self._held = None
             if self.mine is not None:
-                _once(self._token, ("end", epoch), self.dataset.on_epoch_end)
+                self._hook("end")
         finally:
             if mine is not None:
                 mine.close()

@@ -6,6 +6,7 @@ reading the epoch's earlier batches, bit-identical to the uninterrupted run."""
 import random
 
 import keras
+import numpy as np
 import pytest
 
 import hyparflow as hf
@@ -77,3 +78,26 @@ def test_resume_mid_epoch_reads_no_earlier_batch_and_is_bit_identical(tmp_path):
     assert max_diff(resumed, whole) == 0.0
     # The set-up's first batch, then only the steps not done: epoch 1's last 4, epoch 2.
     assert len(data.reads) == 1 + 4 + 6
+
+
+@pytest.mark.parametrize("form", ["pydataset", "arrays"])
+def test_weighted_validation_data_as_in_model_fit(form):
+    """Validation data with sample weights (training data without): the validation loss
+    weighed as model.fit weighs it; a validation PyDataset's hooks called each run as
+    model.fit's evaluate calls them, each of its batches read once a run."""
+    x, y, w = arrays()
+    plain = Batches(x, y, w) if form == "pydataset" else (x, y, w)
+    model = mlp()
+    start = model.get_weights()
+    history = model.fit(x, y, batch_size=16, epochs=EPOCHS, shuffle=False, verbose=0,
+                        validation_data=plain).history
+    val = Batches(x, y, w) if form == "pydataset" else (x, y, w)
+    out = train_ranks(built(2), x, y, num_stages=1, num_replicas=2, num_microbatches=1,
+                      weights=start, batch_size=16, epochs=EPOCHS, shuffle=False,
+                      validation_data=val)
+    for weights, got in out:
+        assert max_diff(weights, model.get_weights()) < 2e-6
+        assert np.allclose(got["val_loss"], history["val_loss"], rtol=1e-5), (got, history)
+    if form == "pydataset":
+        assert val.ends == plain.ends
+        assert sorted(val.reads) == sorted(list(range(len(val))) * EPOCHS)
