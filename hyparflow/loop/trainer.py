@@ -101,7 +101,8 @@ def train(model, x, y, *, comm, layout, options):
         reading = dict(batch_size=options.batch_size, sample_weight=sample_weight,
                        class_weight=options.class_weight, shuffle=options.shuffle,
                        seed=0, steps_per_epoch=options.steps_per_epoch)
-        stream = readers.open_source(comm, x, y, layout=layout, **reading)
+        stream = readers.open_source(comm, x, y, layout=layout, epoch=options.initial_epoch,
+                                     **reading)
         graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
                            options.batch_size)
         cut = layout.stage_counts(graph)

@@ -38,13 +38,13 @@ def is_function(x):
 
 def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None,
                 shuffle=False, seed=0, steps_per_epoch=None, need_y=True, layout=None,
-                shard=True, validation=False):
+                shard=True, validation=False, epoch=0):
     """The reader of `x` before the model's graph is read (collective): a ShardedSource
     for a dataset function, or a dataset whose files can be dealt to the replicas; a
     StreamSource for other streams; None for arrays (read once the graph is known).
     A source's `first_x` builds the model. `shard=False`: one rank reads a dataset
     whole (what hf.predict needs, to give the predictions in order). `validation`:
-    fit's validation data, read again for each run."""
+    fit's validation data, read again for each run. `epoch`: the first to run."""
     function = is_function(x)
     if not function and not is_stream(x):
         return None
@@ -85,7 +85,8 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
               "pass a dataset function (hf.InputContext).", flush=True)
     if steps_per_epoch is None and indexable(x):
         return IndexedSource(comm, x, stages_x_tensor=ranks, class_weight=class_weight,
-                             shuffle=shuffle, need_y=need_y, resets=validation)
+                             shuffle=shuffle, need_y=need_y, resets=validation,
+                             epoch=epoch)
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                         shuffle=shuffle, need_y=need_y)
 

@@ -113,7 +113,7 @@ class IndexedSource:
     relative = True   # batch indices count from each batch's start
 
     def __init__(self, comm, dataset, *, stages_x_tensor, class_weight=None, shuffle=False,
-                 need_y=True, resets=False):
+                 need_y=True, resets=False, epoch=0):
         import keras
         from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
@@ -138,9 +138,9 @@ class IndexedSource:
             _once(self._token, "reset", dataset.on_epoch_end)   # model.fit's reset()
         found = None
         try:
-            # Epoch 0's first batch, read by rank 0: it builds the model and is the first
-            # step's, so nothing is decoded twice.
-            order = self._draw(0)
+            # The first epoch's first batch, read by rank 0: it builds the model and is
+            # the first step's, so nothing is decoded twice.
+            order = self._draw(epoch)
             if comm.rank == 0:
                 self._hook("begin")
                 found = self._read(order[0])
@@ -165,6 +165,7 @@ class IndexedSource:
                 random.shuffle(order)
         order, self._random = self.comm.bcast_obj((order, state), 0)
         self._order = (epoch, order)
+        self._held = None   # the set-up's batch was the first of another draw
         return order
 
     def _hook(self, which):

@@ -101,3 +101,15 @@ def test_weighted_validation_data_as_in_model_fit(form):
     if form == "pydataset":
         assert val.ends == plain.ends
         assert sorted(val.reads) == sorted(list(range(len(val))) * EPOCHS)
+
+
+def test_initial_epoch_draws_as_model_fit():
+    x, y, w = arrays()
+    model = mlp()
+    start = model.get_weights()
+    random.seed(5)
+    model.fit(Batches(x, y, w), epochs=EPOCHS, initial_epoch=1, shuffle=True, verbose=0)
+    out = train_ranks(built(2), Batches(x, y, w), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, initial_epoch=1,
+                      shuffle=True)
+    assert max(max_diff(weights, model.get_weights()) for weights, _ in out) < 2e-6
