@@ -84,9 +84,11 @@ def worker(args):
         wait = None
     else:
         stages = 2 if args.how.startswith("hf-stages") else 1
+        service = dict(data_service=args.data_service,
+                       data_service_mode=args.data_service_mode) if args.data_service else {}
         history = hf.fit(model, **data, epochs=args.epochs, verbose=0, shuffle=False,
                          callbacks=[Clock()], num_stages=stages,
-                         num_microbatches=2 if stages == 2 else 1)
+                         num_microbatches=2 if stages == 2 else 1, **service)
         wait = history.data_wait["fraction"]
         if not hf.is_main():
             return
@@ -145,6 +147,9 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--dir", default=None)
     parser.add_argument("--worker", default=None)
+    # A tf.data service decodes for the worker (benchmarks/data_service.py).
+    parser.add_argument("--data-service", default=None)
+    parser.add_argument("--data-service-mode", default="exact")
     args = parser.parse_args()
     if args.worker:
         args.how = args.worker
