@@ -1,4 +1,4 @@
-"""The `hyparflow` command: run, info, slurm, export, trace."""
+"""The `hyparflow` command: run, info, slurm, export, trace, data-service."""
 
 from __future__ import annotations
 
@@ -274,6 +274,39 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_service(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "data-service", help="run a tf.data service dispatcher or worker until stopped",
+        description="Run a tf.data service's dispatcher (--dispatcher) or one of its "
+                    "workers (--worker DISPATCHER) until SIGTERM or SIGINT; it prints its "
+                    "address on one line. hf.fit(..., data_service=ADDRESS) (or "
+                    "HYPARFLOW_DATA_SERVICE) then has the workers decode the replicas' "
+                    "datasets (docs/training.md, 'Decoding on other nodes').")
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("--dispatcher", action="store_true", help="run the dispatcher")
+    role.add_argument("--worker", metavar="HOST:PORT",
+                      help="run a worker of the dispatcher at HOST:PORT (or grpc://HOST:PORT)")
+    p.add_argument("--port", type=int, default=0, help="the port to serve on (default: a "
+                   "free one, printed)")
+    p.add_argument("--host", help="the name the trainers (and workers) reach this process by "
+                   "(default: this machine's name)")
+    p.add_argument("--worker-timeout", type=float, metavar="SECONDS",
+                   help="with --dispatcher: a worker silent this long is lost (TensorFlow's "
+                        "default otherwise)")
+    p.set_defaults(func=_data_service)
+
+
+def _data_service(args: argparse.Namespace) -> int:
+    from .cluster import dataservice
+
+    if args.port < 0 or args.port > 65535:
+        raise launch.LaunchError(f"--port must be 0 (a free one) to 65535. Received: "
+                                 f"{args.port}")
+    if args.dispatcher:
+        return dataservice.dispatcher(args.port, args.host, args.worker_timeout)
+    return dataservice.worker(args.worker, args.port, args.host)
+
+
 def _add_export(sub: Subparsers) -> None:
     p = sub.add_parser("export", help="write the newest valid checkpoint as a .keras file",
                        description="Write the newest valid checkpoint in CHECKPOINT_DIR (or "
@@ -358,13 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace,plan,strategy}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{run,info,slurm,export,trace,data-service,plan,strategy}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
     _add_slurm(sub)
     _add_export(sub)
     _add_trace(sub)
+    _add_data_service(sub)
     for name in FORWARDED:
         _add_forwarded(sub, name)
     return parser

@@ -1,0 +1,137 @@
+"""A tf.data service decodes the replicas' parts (hf.fit(..., data_service=...)): a
+dispatcher and two workers started in this process, the ranks as threads. In exact
+mode each replica's part is one worker's whole stream, so the weights are those of
+reading in place (model.fit on the replicas' batches put together) and each record is
+decoded once an epoch; in dynamic mode the workers split the files, each read at most
+once; a dispatcher that cannot be reached is named within 30 s."""
+
+import os
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import max_diff, train_ranks
+import records
+from test_sharded import B, EPOCHS, by_files, dealt, model, want
+
+pytestmark = pytest.mark.timeout(600)
+JOURNAL = None
+
+
+def jobs():
+    """The names of the jobs hyparflow asked the dispatcher for: {(run, replica, epoch)}."""
+    found = set()
+    for root, _, files in os.walk(JOURNAL):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found |= set(re.findall(rb"hyparflow-(\w{12})-r(\d+)-e(\d+)-p\d+", f.read()))
+    return {(run.decode(), int(r), int(e)) for run, r, e in found}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A dispatcher and two workers in this process (the workers run the pipelines'
+    counting numpy_functions here, so decodes are counted as in place). The
+    dispatcher keeps a journal, where the jobs' names can be read."""
+    global JOURNAL
+    JOURNAL = str(tmp_path_factory.mktemp("dispatcher"))
+    dispatcher = tf.data.experimental.service.DispatchServer(
+        tf.data.experimental.service.DispatcherConfig(work_dir=JOURNAL,
+                                                      fault_tolerant_mode=True))
+    address = dispatcher.target.split("://")[1]
+    workers = [tf.data.experimental.service.WorkerServer(
+        tf.data.experimental.service.WorkerConfig(dispatcher_address=address))
+        for _ in range(2)]
+    yield dispatcher.target
+    for worker in workers:
+        worker._stop()
+    dispatcher._stop()
+
+
+@pytest.mark.parametrize("stages,replicas,micro", [(1, 2, 1), (2, 2, 2)])
+def test_exact_mode_trains_to_reading_in_place(stages, replicas, micro, service, tmp_path):
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    expect = want(records.global_batches(records.replica_batches(paths, B, replicas)), start)
+    records.DECODED.clear()
+    before = jobs()
+    out = train_ranks(model, by_files(paths), None, num_stages=stages, num_replicas=replicas,
+                      num_microbatches=micro, weights=start, epochs=EPOCHS, batch_size=B,
+                      data_service=service)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert np.bincount(records.DECODED, minlength=4 * 24).tolist() == [EPOCHS] * (4 * 24)
+    # Read from the service: a job per replica and epoch, named by one run id.
+    new = jobs() - before
+    assert len({run for run, _, _ in new}) == 1
+    assert {(r, e) for _, r, e in new} == {(r, e) for r in range(replicas) for e in range(EPOCHS)}
+
+
+def test_a_dataset_of_files_dealt_to_the_replicas_through_the_service(service, tmp_path):
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    expect = want(records.global_batches(dealt(paths, 2)), start)
+    records.DECODED.clear()
+    out = train_ranks(model, records.pipeline(paths, B), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, data_service=service)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert np.bincount(records.DECODED, minlength=4 * 24).tolist() == [EPOCHS] * (4 * 24)
+
+
+def test_a_dataset_rank_0_reads_whole_comes_from_the_service(service, tmp_path):
+    """One file for two replicas: rank 0 reads the whole dataset, as model.fit's."""
+    paths = records.write(tmp_path, files=1)
+    start = model().get_weights()
+    expect = want(list(records.pipeline(paths, B).as_numpy_iterator()), start)
+    records.DECODED.clear()
+    out = train_ranks(model, records.pipeline(paths, B), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, data_service=service)
+    assert max(max_diff(w, expect) for w, _ in out) < 2e-6
+    assert np.bincount(records.DECODED, minlength=24).tolist() == [EPOCHS] * 24
+
+
+def test_dynamic_mode_trains_and_reads_each_record_at_most_once(service, tmp_path):
+    paths = records.write(tmp_path, files=4)
+    start = model().get_weights()
+    records.DECODED.clear()
+    out = train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, batch_size=B,
+                      data_service=service, data_service_mode="dynamic")
+    weights, history = out[0]
+    assert all(max_diff(w, weights) == 0 for w, _ in out)   # the replicas agree
+    assert max_diff(weights, start) > 1e-3 and np.isfinite(history["loss"]).all()
+    counts = np.bincount(records.DECODED, minlength=4 * 24)
+    assert counts.max() <= EPOCHS
+    # No worker was lost: every file was read, once an epoch.
+    assert counts.tolist() == [EPOCHS] * (4 * 24)
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_dispatcher_is_named_within_30_seconds(tmp_path, monkeypatch):
+    paths = records.write(tmp_path, files=4)
+    address = f"grpc://localhost:{_closed_port()}"
+    monkeypatch.setenv("HYPARFLOW_DATA_SERVICE", address)
+    begun = time.monotonic()
+    with pytest.raises(ValueError, match=f"dispatcher at {address} cannot be reached"):
+        train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
+                    num_microbatches=1, weights=model().get_weights(), batch_size=B)
+    assert time.monotonic() - begun < 30
+
+
+def test_bad_addresses_and_modes_are_refused(tmp_path):
+    paths = records.write(tmp_path, files=2)
+    for kwargs, message in [(dict(data_service="http://x:1"), "grpc://HOST:PORT"),
+                            (dict(data_service="localhost:1", data_service_mode="static"),
+                             "data_service_mode must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
+                        num_microbatches=1, weights=model().get_weights(), batch_size=B,
+                        **kwargs)
