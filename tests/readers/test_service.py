@@ -135,3 +135,60 @@ def test_bad_addresses_and_modes_are_refused(tmp_path):
             train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
                         num_microbatches=1, weights=model().get_weights(), batch_size=B,
                         **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["exact", "dynamic"])
+def test_a_lost_worker_ends_every_rank_naming_the_service(mode, tmp_path, monkeypatch):
+    """The one worker, a process of its own, killed after the first steps: TensorFlow's
+    reader would wait for its task without end; every rank ends naming the service."""
+    import keras
+
+    paths = records.write(tmp_path, files=4)
+    dispatcher = tf.data.experimental.service.DispatchServer(
+        tf.data.experimental.service.DispatcherConfig(worker_timeout_ms=1000))
+    worker, _ = records.data_service("--worker", dispatcher.target, "--host", "localhost")
+    monkeypatch.setenv("HYPARFLOW_DATA_SERVICE_TIMEOUT", "5")
+    killed = []
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:   # the worker served the first steps
+                worker.kill()
+                killed.append(batch)
+
+    begun = time.monotonic()
+    try:
+        with pytest.raises((ValueError, RuntimeError),
+                           match=f"No batch of replica \\d's part .* came from the tf.data "
+                                 f"service at {dispatcher.target} \\({mode} mode\\) in 5 s"):
+            train_ranks(model, records.by_files_uncounted(paths), None, num_stages=1,
+                        num_replicas=2, num_microbatches=1, weights=model().get_weights(),
+                        batch_size=B, epochs=3, data_service=dispatcher.target,
+                        data_service_mode=mode, callbacks=[Kill()])
+        assert killed and time.monotonic() - begun < 60
+    finally:
+        worker.kill()
+        worker.wait()
+        dispatcher._stop()
+
+
+def test_the_processes_print_their_address_and_stop_cleanly_on_sigterm():
+    """`hyparflow data-service`: one line with the address, then SIGTERM / SIGINT stop
+    it with exit code 0, no process left behind."""
+    import signal
+
+    dispatcher, address = records.data_service("--dispatcher", "--host", "localhost")
+    worker, where = records.data_service("--worker", address, "--host", "localhost")
+    try:
+        assert address.startswith("grpc://localhost:") and where.startswith("localhost:")
+        got = tf.data.Dataset.range(6).apply(tf.data.experimental.service.distribute(
+            "parallel_epochs", address)).as_numpy_iterator()
+        assert sorted(got) == list(range(6))   # the worker serves
+        for process, signum in ((worker, signal.SIGINT), (dispatcher, signal.SIGTERM)):
+            process.send_signal(signum)
+            out, _ = process.communicate(timeout=30)
+            assert process.returncode == 0 and out.strip().endswith(": stopped")
+    finally:
+        for process in (worker, dispatcher):
+            process.kill()
+            process.wait()
