@@ -14,9 +14,9 @@ from __future__ import annotations
 import signal
 import socket
 import threading
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
-__all__ = ["dispatcher", "worker", "serve", "bare"]
+__all__ = ["dispatcher", "worker", "serve", "bare", "address", "start", "stop"]
 
 
 def bare(address: str) -> str:
@@ -70,3 +70,73 @@ def worker(dispatcher_address: str, port: int = 0, host: Optional[str] = None,
     chosen = server._address.rsplit(":", 1)[1]
     return serve(server, f"hyparflow data-service: worker {name}:{chosen} of "
                          f"grpc://{bare(dispatcher_address)}", stop)
+
+
+def address(text: str) -> str:
+    """"grpc://HOST:PORT" for "HOST:PORT" or "grpc://HOST:PORT"; ValueError otherwise."""
+    host, _, port = bare(text.strip()).rpartition(":")
+    if not host or not port.isdigit() or ("://" in text and not text.startswith("grpc://")):
+        raise ValueError(f"--data-service takes grpc://HOST:PORT (a dispatcher's address, "
+                         f"printed by `hyparflow data-service --dispatcher`). Received: {text!r}")
+    return f"grpc://{host}:{port}"
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (Linux), so that a killed
+    `hyparflow run` leaves no data service behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start(args: List[str], timeout: float) -> Tuple[Any, str]:
+    """`hyparflow data-service ARGS` as a child: (process, the address it printed)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "hyparflow", "data-service", *args],
+                               stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    timer = threading.Timer(timeout, process.kill)   # a process that prints nothing: no hang
+    timer.start()
+    try:
+        line = process.stdout.readline() if process.stdout is not None else ""
+    finally:
+        timer.cancel()
+    if "hyparflow data-service:" not in line:
+        process.kill()
+        raise RuntimeError(f"`hyparflow data-service {' '.join(args)}` did not start "
+                           f"(it printed {line.strip()!r})")
+    return process, line.split()[3]
+
+
+def start(workers: int, host: str = "localhost", timeout: float = 120) -> Tuple[List[Any], str]:
+    """A dispatcher and `workers` workers on this node, as children: (the processes,
+    the dispatcher's address). `stop` ends them."""
+    processes: List[Any] = []
+    try:
+        dispatcher, where = _start(["--dispatcher", "--host", host], timeout)
+        processes.append(dispatcher)
+        for _ in range(workers):
+            processes.append(_start(["--worker", where, "--host", host], timeout)[0])
+    except BaseException:
+        stop(processes)
+        raise
+    return processes, where
+
+
+def stop(processes: List[Any], grace: float = 30) -> None:
+    """SIGTERM to each (workers first), then SIGKILL to any still running after `grace`."""
+    import subprocess
+
+    for process in processes[::-1]:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes[::-1]:
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
