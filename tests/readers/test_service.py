@@ -192,3 +192,27 @@ def test_the_processes_print_their_address_and_stop_cleanly_on_sigterm():
         for process in (worker, dispatcher):
             process.kill()
             process.wait()
+
+
+def test_validation_data_is_read_from_the_service_too(service, tmp_path):
+    """fit's validation data (a dataset function) through the service, as jobs of a run
+    id of its own: its loss is model.evaluate's on the validation set."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    paths = records.write(tmp_path / "train", files=4)
+    held = records.write(tmp_path / "val", files=2, seed=1)
+    start = model().get_weights()
+    expect = want(records.global_batches(records.replica_batches(paths, B, 2)), start)
+    before = jobs()
+    out = train_ranks(model, by_files(paths), None, num_stages=1, num_replicas=2,
+                      num_microbatches=1, weights=start, epochs=EPOCHS, batch_size=B,
+                      data_service=service, validation_data=by_files(held))
+    weights, history = out[0]
+    assert max_diff(weights, expect) < 2e-6
+    x, y, w = (np.concatenate([b[k] for b in records.pipeline(held, 48).as_numpy_iterator()])
+               for k in range(3))
+    plain = model()
+    plain.set_weights(weights)
+    loss = plain.evaluate(x, y, sample_weight=w, batch_size=len(x), verbose=0)[0]
+    assert np.isclose(history["val_loss"][-1], loss, rtol=1e-5)
+    assert len({run for run, _, _ in jobs() - before}) == 2   # training's and validation's
