@@ -52,14 +52,25 @@ def target(address):
 def probe(address, seconds=PROBE_SECONDS):
     """Raise ConnectionError naming `address` unless its dispatcher takes a TCP
     connection within `seconds`."""
+    import time
+
     full, host, port = target(address)
-    try:
-        socket.create_connection((host, port), timeout=seconds).close()
-    except OSError as error:
-        raise ConnectionError(
-            f"The tf.data service dispatcher at {full} cannot be reached ({error}). Start "
-            f"it (`hyparflow data-service --dispatcher --port {port}` on {host}), or leave "
-            "data_service (and HYPARFLOW_DATA_SERVICE) unset to decode in place.") from None
+    deadline = time.monotonic() + seconds
+    while True:   # refused: tried again until the deadline (a dispatcher starting beside us)
+        try:
+            left = deadline - time.monotonic()
+            socket.create_connection((host, port), timeout=max(0.1, left)).close()
+            return
+        except OSError as error:
+            if time.monotonic() + 0.5 >= deadline:
+                failure = error
+                break
+        time.sleep(0.5)
+    raise ConnectionError(
+        f"The tf.data service dispatcher at {full} cannot be reached within {seconds:.0f} s "
+        f"({failure}). Start it (`hyparflow data-service --dispatcher --port {port}` on "
+        f"{host}), or leave data_service (and HYPARFLOW_DATA_SERVICE) unset to decode in "
+        "place.")
 
 
 def resolve(address=None, mode=None):
