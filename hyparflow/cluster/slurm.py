@@ -19,7 +19,7 @@ from .. import settings
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
            "parse_time", "signal_lead", "read_sweep", "render", "submit"]
 
-TEMPLATES = ("single", "hybrid", "array", "sweep", "node")
+TEMPLATES = ("single", "hybrid", "array", "sweep", "node", "data_service")
 LAUNCHERS = ("srun", "mpiexec")
 TASK_TOKEN = "{task}"          # in script arguments: replaced by the array task's index
 _PLACEHOLDER = re.compile(r"\$(?:\{([a-z_][a-z0-9_]*)\}|([a-z_][a-z0-9_]*))")

@@ -17,6 +17,7 @@ from test_sharded import B, EPOCHS, model, want  # noqa: E402
 
 comm = MPI.COMM_WORLD
 if comm.rank == 0:
+    os.makedirs(sys.argv[1], exist_ok=True)
     records.write(sys.argv[1], files=4)
 comm.Barrier()
 paths = sorted(os.path.join(sys.argv[1], f) for f in os.listdir(sys.argv[1]))
