@@ -280,7 +280,9 @@ def _add_slurm(sub: Subparsers) -> None:
     p.add_argument("--job-name", help="default: the script's name")
     p.add_argument("--template", help="single (one node, the default), hybrid (several nodes, "
                    "the default for --nodes > 1), array (with --array), node (one node, no "
-                   "task count: `hyparflow run` plans its ranks x threads), or a template file")
+                   "task count: `hyparflow run` plans its ranks x threads), data_service (a "
+                   "heterogeneous job: training nodes and a tf.data service's node), or a "
+                   "template file")
     p.add_argument("--launcher", choices=slurm.LAUNCHERS, default="srun",
                    help="srun --mpi=pmi2 (default) or the MPI's mpiexec")
     p.add_argument("--array", help="job array spec for a sweep, e.g. 0-7 or 0-15%%4; the task "
