@@ -89,10 +89,12 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
               "(or turned auto-sharding off): rank 0 reads and decodes every global batch "
               "and sends each replica its rows. For each replica to decode its own part, "
               "pass a dataset function (hf.InputContext).", flush=True)
+    bounded = None
     if service is not None and comm.rank == 0:
         x = service.distribute(x)   # rank 0 reads it whole, from the service's workers
+        bounded = lambda batches: service.bounded(batches, "the dataset")  # noqa: E731
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-                        shuffle=shuffle, need_y=need_y)
+                        shuffle=shuffle, need_y=need_y, bounded=bounded)
 
 
 def _is_dataset(x):

@@ -127,9 +127,9 @@ class Service:
         epoch by Keras's iterator): a job of its own for each iteration."""
         import tensorflow as tf
 
-        probe(self.address)
         name = None
-        if replica is not None:
+        if replica is not None:   # (a whole dataset: `bound` probed it just before)
+            probe(self.address)
             name = f"hyparflow-{self.run_id}-r{replica}-e{epoch}-p{next(self._passes)}"
         dynamic = tf.data.experimental.service.ShardingPolicy.DYNAMIC
         if self.mode == "dynamic":

@@ -47,9 +47,14 @@ def service(tmp_path_factory):
         tf.data.experimental.service.WorkerConfig(dispatcher_address=address))
         for _ in range(2)]
     yield dispatcher.target
-    for worker in workers:
-        worker._stop()
-    dispatcher._stop()
+    # Stopped on a thread, waited for a bounded time: a worker's stop once took 84 s
+    # (under load, after the other tests), and the servers end with the process anyway.
+    import threading
+
+    stopping = threading.Thread(target=lambda: [s._stop() for s in workers + [dispatcher]],
+                                daemon=True)
+    stopping.start()
+    stopping.join(20)
 
 
 @pytest.mark.parametrize("stages,replicas,micro", [(1, 2, 1), (2, 2, 2)])
