@@ -1,4 +1,4 @@
-"""The `hyparflow` command: run, info, slurm, export, trace."""
+"""The `hyparflow` command: run, info, slurm, export, trace, data-service."""
 
 from __future__ import annotations
 
@@ -73,6 +73,16 @@ def _add_run(sub: Subparsers) -> None:
                         "again up to K times on those that answer, the layout re-shaped to "
                         "them (fewer replicas, then fewer stages); the script resumes with "
                         "hf.fit(..., checkpoint_dir=DIR, resume=True) (default 0)")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--data-service", metavar="grpc://HOST:PORT",
+                      help="a tf.data service dispatcher whose workers decode the replicas' "
+                           "datasets (exported as HYPARFLOW_DATA_SERVICE)")
+    data.add_argument("--data-workers", type=int, metavar="K",
+                      help="start a tf.data service dispatcher and K workers on this node for "
+                           "the run, and stop them when it ends (mpiexec runs)")
+    p.add_argument("--data-service-mode", choices=("exact", "dynamic"),
+                   help="exported as HYPARFLOW_DATA_SERVICE_MODE (default exact: model.fit's "
+                        "weights; docs/training.md, 'Decoding on other nodes')")
     p.add_argument("--dry-run", action="store_true",
                    help="print where each rank runs, the environment and the command only")
     p.add_argument("script", help="the Python script to run")
@@ -126,6 +136,8 @@ def _run(args: argparse.Namespace) -> int:
                                tensor=args.tensor, threads=args.threads,
                                launcher=args.launcher, hosts=hosts, mesh=args.tensor_mesh,
                                plan=args.plan)
+    if args.data_service or args.data_service_mode or args.data_workers is not None:
+        return _run_with_data(args, line, hosts)
     if args.restarts:
         return _run_restarting(args, line, hosts)
     if args.dry_run:
@@ -134,6 +146,53 @@ def _run(args: argparse.Namespace) -> int:
     if line.supervise:
         return launch.supervise(line)
     launch.execute(line)  # does not return
+
+
+def _run_with_data(args: argparse.Namespace, line: CommandLine,
+                   hosts: Optional[HostSlots]) -> int:
+    """`hyparflow run` with a tf.data service: the one named (--data-service), or a
+    dispatcher and K workers started on this node (--data-workers) and stopped at exit."""
+    from .cluster import dataservice
+
+    if args.data_service_mode:
+        line.env["HYPARFLOW_DATA_SERVICE_MODE"] = args.data_service_mode
+    try:
+        if args.data_service:
+            line.env["HYPARFLOW_DATA_SERVICE"] = dataservice.address(args.data_service)
+    except ValueError as error:
+        raise launch.LaunchError(str(error)) from None
+    workers = args.data_workers
+    if workers is not None and (workers < 1 or args.restarts or line.launcher == "srun"):
+        raise launch.LaunchError(
+            f"--data-workers K starts K >= 1 workers on this node for one mpiexec run "
+            f"(received {workers}{', with --restarts' if args.restarts else ''}"
+            f"{', inside Slurm' if line.launcher == 'srun' else ''}): start `hyparflow "
+            "data-service --dispatcher` and `--worker` yourself (in Slurm, as steps of their "
+            "own) and pass --data-service grpc://HOST:PORT.")
+    if args.dry_run or not workers:
+        if args.dry_run:
+            print(launch.describe(line))
+            if workers:
+                print(f"# --data-workers {workers}: a dispatcher and {workers} workers "
+                      "started on this node, stopped at exit")
+            return 0
+        if args.restarts:   # its command lines are made anew: the variables go by ours
+            os.environ.update({k: v for k, v in line.env.items() if "DATA_SERVICE" in k})
+            return _run_restarting(args, line, hosts)
+        if line.supervise:
+            return launch.supervise(line)
+        launch.execute(line)  # does not return
+    import socket
+
+    processes, address = dataservice.start(workers, "localhost" if hosts is None
+                                           else socket.gethostname())
+    line.env["HYPARFLOW_DATA_SERVICE"] = address
+    print(f"hyparflow run: data service {address} (dispatcher pid {processes[0].pid}, "
+          f"worker pids {' '.join(str(p.pid) for p in processes[1:])})", flush=True)
+    try:
+        return launch.supervise(line)
+    finally:
+        dataservice.stop(processes)
 
 
 def _run_restarting(args: argparse.Namespace, first: CommandLine,
@@ -221,7 +280,9 @@ def _add_slurm(sub: Subparsers) -> None:
     p.add_argument("--job-name", help="default: the script's name")
     p.add_argument("--template", help="single (one node, the default), hybrid (several nodes, "
                    "the default for --nodes > 1), array (with --array), node (one node, no "
-                   "task count: `hyparflow run` plans its ranks x threads), or a template file")
+                   "task count: `hyparflow run` plans its ranks x threads), data_service (a "
+                   "heterogeneous job: training nodes and a tf.data service's node), or a "
+                   "template file")
     p.add_argument("--launcher", choices=slurm.LAUNCHERS, default="srun",
                    help="srun --mpi=pmi2 (default) or the MPI's mpiexec")
     p.add_argument("--array", help="job array spec for a sweep, e.g. 0-7 or 0-15%%4; the task "
@@ -272,6 +333,39 @@ def _slurm(args: argparse.Namespace) -> int:
     elif not args.output:
         sys.stdout.write(text)
     return 0
+
+
+def _add_data_service(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "data-service", help="run a tf.data service dispatcher or worker until stopped",
+        description="Run a tf.data service's dispatcher (--dispatcher) or one of its "
+                    "workers (--worker DISPATCHER) until SIGTERM or SIGINT; it prints its "
+                    "address on one line. hf.fit(..., data_service=ADDRESS) (or "
+                    "HYPARFLOW_DATA_SERVICE) then has the workers decode the replicas' "
+                    "datasets (docs/training.md, 'Decoding on other nodes').")
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("--dispatcher", action="store_true", help="run the dispatcher")
+    role.add_argument("--worker", metavar="HOST:PORT",
+                      help="run a worker of the dispatcher at HOST:PORT (or grpc://HOST:PORT)")
+    p.add_argument("--port", type=int, default=0, help="the port to serve on (default: a "
+                   "free one, printed)")
+    p.add_argument("--host", help="the name the trainers (and workers) reach this process by "
+                   "(default: this machine's name)")
+    p.add_argument("--worker-timeout", type=float, metavar="SECONDS",
+                   help="with --dispatcher: a worker silent this long is lost (TensorFlow's "
+                        "default otherwise)")
+    p.set_defaults(func=_data_service)
+
+
+def _data_service(args: argparse.Namespace) -> int:
+    from .cluster import dataservice
+
+    if args.port < 0 or args.port > 65535:
+        raise launch.LaunchError(f"--port must be 0 (a free one) to 65535. Received: "
+                                 f"{args.port}")
+    if args.dispatcher:
+        return dataservice.dispatcher(args.port, args.host, args.worker_timeout)
+    return dataservice.worker(args.worker, args.port, args.host)
 
 
 def _add_export(sub: Subparsers) -> None:
@@ -358,13 +452,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyparflow", description="Launch hyparflow training: locally, under Slurm, or as "
                                       "an sbatch script.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,info,slurm,export,trace,plan,strategy}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{run,info,slurm,export,trace,data-service,plan,strategy}")
     sub.required = True
     _add_run(sub)
     _add_info(sub)
     _add_slurm(sub)
     _add_export(sub)
     _add_trace(sub)
+    _add_data_service(sub)
     for name in FORWARDED:
         _add_forwarded(sub, name)
     return parser

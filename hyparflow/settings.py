@@ -16,7 +16,8 @@ __all__ = ["Variable", "VARIABLES", "SettingError", "layout_counts", "plan", "th
            "heartbeat_seconds", "peer_timeout", "probe_seconds", "transposed", "fused_norm", "sparse",
            "defer_conv", "zero", "shared_sums", "overlap", "slowdown", "slurm_templates", "reshaped",
            "sweep_configs", "tensor_mesh", "parse_mesh", "loss_scale", "profile_length",
-           "layout_warning", "plan_cache", "capture"]
+           "layout_warning", "plan_cache", "capture", "data_service", "data_service_mode",
+           "data_service_timeout"]
 
 
 class Variable(NamedTuple):
@@ -69,6 +70,17 @@ VARIABLES = (
              "exit code 75, naming it and its host (0 = no heartbeat)"),
     Variable("HYPARFLOW_HEARTBEAT_SECONDS", "2",
              "seconds between a rank's heartbeats"),
+    Variable("HYPARFLOW_DATA_SERVICE", "unset (each replica decodes in place)",
+             "`grpc://HOST:PORT`: a tf.data service dispatcher whose workers decode the "
+             "replicas' datasets, for `fit` calls that pass no `data_service=` "
+             "(`hyparflow data-service`)"),
+    Variable("HYPARFLOW_DATA_SERVICE_MODE", "exact",
+             "`exact` (each replica's part produced whole by one worker: model.fit's "
+             "weights) or `dynamic` (files split among all workers: the same training only "
+             "statistically), for `fit` calls that pass no `data_service_mode=`"),
+    Variable("HYPARFLOW_DATA_SERVICE_TIMEOUT", "60 (at most half of HYPARFLOW_TIMEOUT)",
+             "seconds a replica's reader waits for a batch from the tf.data service before "
+             "every rank ends, naming it (a lost worker's part is never given to another)"),
     Variable("HYPARFLOW_PROBE_SECONDS", "10",
              "how long a host gets to answer `hyparflow run --restarts`'s probe"),
     Variable("HYPARFLOW_RESHAPED", "unset",
@@ -355,3 +367,28 @@ def loss_scale() -> tuple[float, int]:
                            ">= 1 and an integer >= 1 (e.g. 32768,2000). Received: "
                            f"HYPARFLOW_LOSS_SCALE={text!r}") from None
     return initial, growth
+
+
+def data_service(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_DATA_SERVICE: a tf.data service dispatcher's address, if set."""
+    return _raw("HYPARFLOW_DATA_SERVICE", environ)
+
+
+def data_service_mode(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """HYPARFLOW_DATA_SERVICE_MODE: "exact" or "dynamic", if set."""
+    text = _raw("HYPARFLOW_DATA_SERVICE_MODE", environ)
+    if text is not None and text not in ("exact", "dynamic"):
+        raise SettingError("HYPARFLOW_DATA_SERVICE_MODE must be exact or dynamic. Received: "
+                           f"HYPARFLOW_DATA_SERVICE_MODE={text!r}")
+    return text
+
+
+def data_service_timeout() -> Optional[float]:
+    """HYPARFLOW_DATA_SERVICE_TIMEOUT (default 60), at most half the watchdog, so that a
+    reader names the service before its waiting peers time out; None: no limit."""
+    value = _number("HYPARFLOW_DATA_SERVICE_TIMEOUT", float, minimum=0)
+    value = 60.0 if value is None else float(value)
+    watchdog = timeout()
+    limits = [v for v in (value if value > 0 else None,
+                          None if watchdog is None else watchdog / 2) if v is not None]
+    return min(limits) if limits else None

@@ -19,7 +19,7 @@ from .. import settings
 __all__ = ["TEMPLATES", "LAUNCHERS", "JobSpec", "template_dir", "template_path",
            "parse_time", "signal_lead", "read_sweep", "render", "submit"]
 
-TEMPLATES = ("single", "hybrid", "array", "sweep", "node")
+TEMPLATES = ("single", "hybrid", "array", "sweep", "node", "data_service")
 LAUNCHERS = ("srun", "mpiexec")
 TASK_TOKEN = "{task}"          # in script arguments: replaced by the array task's index
 _PLACEHOLDER = re.compile(r"\$(?:\{([a-z_][a-z0-9_]*)\}|([a-z_][a-z0-9_]*))")
@@ -260,6 +260,9 @@ def render(spec: JobSpec) -> Tuple[str, List[str]]:
     if template == "single" and spec.nodes != 1:
         raise LaunchError(f"the single template is for one node (--nodes {spec.nodes}); "
                           f"use --template hybrid.")
+    if template == "data_service" and (spec.launcher != "srun" or spec.array or spec.sweep):
+        raise LaunchError("the data_service template starts its ranks with srun on the job's "
+                          "first component: it takes no --launcher mpiexec, --array or --sweep.")
     if template == "sweep" and not spec.sweep:
         raise LaunchError("the sweep template needs --sweep CONFIGS.json.")
     if spec.replicas is not None and not spec.sweep:

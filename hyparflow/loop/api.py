@@ -84,7 +84,9 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, 
         tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
         num_chunks: Optional[int] = None, replica_sync: Any = "allreduce",
         tensor_mesh: Any = None, embedding_sharding: Any = None,
-        communication_dtype: Any = None, threads_per_rank: Optional[int] = None) -> Any:
+        communication_dtype: Any = None, threads_per_rank: Optional[int] = None,
+        data_service: Optional[str] = None,
+        data_service_mode: Optional[Literal["exact", "dynamic"]] = None) -> Any:
     """Train a compiled Keras model with S stages x R replicas x M microbatches
     (x T tensor ranks per stage).
 
@@ -214,6 +216,17 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, 
             SLURM_CPUS_PER_TASK) divided among the ranks on its node; ranks the
             launcher did not bind are pinned to cores of their own. Rank 0 prints
             the choice first (with `verbose`).
+        data_service: "grpc://HOST:PORT", a tf.data service dispatcher (`hyparflow
+            data-service --dispatcher`) whose workers decode each replica's part of a
+            dataset function or of a dataset (and a dataset rank 0 reads whole), and
+            the validation data's; None: $HYPARFLOW_DATA_SERVICE, else decoded in place.
+            Arrays, PyDatasets and generators are read in place.
+        data_service_mode: "exact" (the default: each replica's part produced whole,
+            in order, by one worker: the weights are those of reading in place) or
+            "dynamic" (the parts' files split among all the workers as they ask: every
+            worker busy, each file read at most once, in no fixed order: the same
+            training only statistically); None: $HYPARFLOW_DATA_SERVICE_MODE, else
+            "exact" (docs/training.md, "Decoding on other nodes").
 
     `x` may also be a batched `tf.data.Dataset` yielding (x, y) or (x, y,
     sample_weight): each element is one global batch (`batch_size` is then
@@ -236,7 +249,8 @@ def fit(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = None, 
         checkpoint_every=checkpoint_every, keep=keep, resume=resume, check_finite=check_finite,
         speeds=speeds, memory_limit=memory_limit, replica_sync=replica_sync,
         embedding_sharding=embedding_sharding, communication_dtype=communication_dtype,
-        threads_per_rank=threads_per_rank)
+        threads_per_rank=threads_per_rank, data_service=data_service,
+        data_service_mode=data_service_mode)
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, schedule=schedule, num_chunks=num_chunks, balance=balance,

@@ -45,3 +45,6 @@ class FitOptions:
     # Checked against the threads TensorFlow started with (engine/node.py).
     threads_per_rank: Optional[int] = None
     communication_dtype: Any = None
+    # A tf.data service that decodes the replicas' datasets (readers/service.py).
+    data_service: Optional[str] = None
+    data_service_mode: Optional[str] = None

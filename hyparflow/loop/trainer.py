@@ -101,8 +101,10 @@ def train(model, x, y, *, comm, layout, options):
         reading = dict(batch_size=options.batch_size, sample_weight=sample_weight,
                        class_weight=options.class_weight, shuffle=options.shuffle,
                        seed=0, steps_per_epoch=options.steps_per_epoch)
-        stream = readers.open_source(comm, x, y, layout=layout, epoch=options.initial_epoch,
-                                     **reading)
+        # A tf.data service decodes the datasets' parts on its workers (readers/service.py).
+        service = readers.service.resolve(options.data_service, options.data_service_mode)
+        stream = readers.open_source(comm, x, y, layout=layout, service=service,
+                                     epoch=options.initial_epoch, **reading)
         graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
                            options.batch_size)
         cut = layout.stage_counts(graph)
@@ -126,7 +128,8 @@ def train(model, x, y, *, comm, layout, options):
                             steps_per_epoch=options.validation_steps)
             state["validation"], _ = readers.source(
                 graph, vx, vy, stream=readers.open_source(comm, vx, vy, layout=layout,
-                                                          validation=True, **vreading),
+                                                          service=service, validation=True,
+                                                          **vreading),
                 **vreading)
         state["validation_epochs"] = _validation_epochs(options.validation_freq, options.epochs)
     except (ValueError, TypeError, NotImplementedError) as exc:

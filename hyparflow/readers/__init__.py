@@ -10,6 +10,7 @@ the loop asks for once per step.
   sharded  each replica reads its own part: a dataset function, or a tf.data.Dataset's
            files dealt out to the replicas
   wait     the time each step waits for its batch: History, the trace, a warning
+  service  a tf.data service's workers decode each replica's part (or a whole dataset)
 """
 
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from .._compat.adapters import is_stream
 from ..engine.executor import split_batch
+from . import service
 from .arrays import (ArraySource, Data, check_finite, fit_order, prepare_data,
                      validation_split)
 from .context import InputContext
@@ -27,7 +29,7 @@ from .wait import Waits
 
 __all__ = ["ArraySource", "Data", "StreamSource", "IndexedSource", "ShardedSource", "InputContext",
            "check_finite", "fit_order", "prepare_data", "validation_split", "is_stream",
-           "is_function", "open_source", "source", "steps", "Waits"]
+           "is_function", "open_source", "source", "steps", "Waits", "service"]
 
 
 def is_function(x):
@@ -38,16 +40,25 @@ def is_function(x):
 
 def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None,
                 shuffle=False, seed=0, steps_per_epoch=None, need_y=True, layout=None,
-                shard=True, validation=False, epoch=0):
+                shard=True, service=None, validation=False, epoch=0):
     """The reader of `x` before the model's graph is read (collective): a ShardedSource
     for a dataset function, or a dataset whose files can be dealt to the replicas; a
     StreamSource for other streams; None for arrays (read once the graph is known).
     A source's `first_x` builds the model. `shard=False`: one rank reads a dataset
-    whole (what hf.predict needs, to give the predictions in order). `validation`:
-    fit's validation data, read again for each run. `epoch`: the first to run."""
+    whole (what hf.predict needs, to give the predictions in order). `service`: a
+    readers.service.Service whose workers decode the datasets' parts, or None.
+    `validation`: fit's validation data, read again for each run. `epoch`: the first
+    to run."""
     function = is_function(x)
+    if service is not None and not (function or _is_dataset(x)) and comm.rank == 0:
+        print(f"hyparflow: data_service={service.address} decodes tf.data datasets and "
+              f"dataset functions; the {type(x).__name__} is read in place.", flush=True)
     if not function and not is_stream(x):
         return None
+    if service is not None and (function or _is_dataset(x)):
+        service = service.bound(comm)   # collective: the run id, shared by every rank
+    else:
+        service = None
     if function and not shard:
         raise ValueError(
             "hf.predict gives the predictions in the order of `x`, and a dataset function "
@@ -67,7 +78,7 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
         try:
             return ShardedSource(comm, dealt[0], stages_x_tensor=ranks, batch_size=dealt[1],
                                  steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-                                 need_y=need_y, seed=seed,
+                                 need_y=need_y, seed=seed, service=service,
                                  what="the dataset function" if function else "the dataset")
         except ValueError as error:
             if function:
@@ -87,8 +98,12 @@ def open_source(comm, x, y, *, batch_size, sample_weight=None, class_weight=None
         return IndexedSource(comm, x, stages_x_tensor=ranks, class_weight=class_weight,
                              shuffle=shuffle, need_y=need_y, resets=validation,
                              epoch=epoch)
+    bounded = None
+    if service is not None and comm.rank == 0:
+        x = service.distribute(x)   # rank 0 reads it whole, from the service's workers
+        bounded = lambda batches: service.bounded(batches, "the dataset")  # noqa: E731
     return StreamSource(comm, x, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-                        shuffle=shuffle, need_y=need_y)
+                        shuffle=shuffle, need_y=need_y, bounded=bounded)
 
 
 def _is_dataset(x):

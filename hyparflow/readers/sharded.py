@@ -146,10 +146,11 @@ class ShardedSource:
     local = True      # a rank holds its replica's rows only
 
     def __init__(self, comm, make, *, stages_x_tensor, batch_size, steps_per_epoch=None,
-                 class_weight=None, need_y=True, seed=0, what="the dataset function"):
+                 class_weight=None, need_y=True, seed=0, what="the dataset function",
+                 service=None):
         import keras
 
-        self.comm, self.make, self.what = comm, make, what
+        self.comm, self.make, self.what, self.service = comm, make, what, service
         self.batch_size, self.steps = batch_size, steps_per_epoch
         self.class_weight, self.need_y, self.seed = class_weight, need_y, seed
         rank = comm.rank
@@ -165,7 +166,7 @@ class ShardedSource:
             try:
                 # The first pass, kept: its first batch is the first step's too, so
                 # that nothing is decoded twice.
-                self._pass = adapters.numpy_batches(self._dataset(0), class_weight)
+                self._pass = self._batches(0)
                 found = self._first = next(self._pass)
             except StopIteration:
                 found = Failed(f"{what} gave replica {self.replica} no batch")
@@ -193,7 +194,16 @@ class ShardedSource:
         if epoch == 0 and self.num_replicas > 1 and unseeded_order(dataset, "shard"):
             raise ValueError("The dataset function's dataset " + UNSEEDED.format(
                 what="input", where="its shard(ctx.num_input_pipelines, ...)"))
+        if self.service is not None:   # decoded by the service's workers, read here
+            dataset = self.service.distribute(dataset, self.replica, epoch)
         return within_budget(dataset)
+
+    def _batches(self, epoch):
+        """A pass's numpy batches (a service's, each awaited a bounded time)."""
+        batches = adapters.numpy_batches(self._dataset(epoch), self.class_weight)
+        if self.service is None:
+            return batches
+        return self.service.bounded(batches, f"replica {self.replica}'s part of {self.what}")
 
     def _prepare(self, element, class_weight=None):
         import keras
@@ -223,7 +233,7 @@ class ShardedSource:
         if self._ended:
             return None   # this replica's part ended this epoch; the others go on
         if self._pass is None:
-            self._pass = adapters.numpy_batches(self._dataset(epoch), self.class_weight)
+            self._pass = self._batches(epoch)
         try:
             return next(self._pass)
         except StopIteration:

@@ -50,11 +50,13 @@ class StreamSource:
     relative = True   # batch indices count from each batch's start
 
     def __init__(self, comm, x, *, steps_per_epoch=None, class_weight=None, shuffle=False,
-                 need_y=True):
+                 need_y=True, bounded=None):
         import keras
 
         self.comm, self.class_weight, self.need_y = comm, class_weight, need_y
         self.kind = type(x).__name__
+        # bounded(iterator): an iterator whose every wait is bounded (a data service's).
+        self.bounded = bounded or (lambda batches: batches)
         self.reader, self.graph, self.sample = None, None, None
         found, self._held = None, None
         if comm.rank == 0:
@@ -74,6 +76,8 @@ class StreamSource:
                 found = ValueError(f"The {type(x).__name__} gave no batch.")
             except (ValueError, TypeError) as error:
                 found = error
+            except TimeoutError as error:   # a data service's worker that never answers
+                found = ValueError(str(error))
         found = comm.bcast_obj(found, 0)
         if isinstance(found, BaseException):
             raise found
@@ -95,7 +99,7 @@ class StreamSource:
         return self.sample
 
     def _elements(self):
-        for _, _, buffer in self.reader:
+        for _, _, buffer in self.bounded(iter(self.reader)):
             yield from buffer
 
     def _begun(self):

@@ -132,3 +132,40 @@ def test_hybrid_template(tmp_path, launcher):
                                "--microbatches", "4", "--launcher", launcher, "--overcommit",
                                script_args=["--stages", "2"])
     check_trained(code, log, model, ranks=HYBRID_TASKS, stages=2)
+
+
+@pytest.mark.timeout(300)
+def test_data_service_template_as_the_two_steps_of_a_plain_job(tmp_path):
+    """slurm/data_service.sbatch is a heterogeneous job (training nodes + data nodes); a
+    one-node cluster cannot place two components on its node (the job stays pending for
+    Resources), so its steps are run as a plain job: the template without its `hetjob`
+    lines starts the dispatcher and a worker as steps beside the ranks, which read from
+    them (model.fit's weights, exact mode) and the steps end with the job."""
+    import re
+
+    job_file = tmp_path / "job.sbatch"
+    script = os.path.join(ROOT, "tests", "cluster", "data_service_script.py")
+    code = cli.main(["slurm", "--template", "data_service", "--nodes", "1",
+                     "--tasks-per-node", "2", "--overcommit", "--time", "00:10:00",
+                     "--job-name", f"hf-test-{uuid.uuid4().hex[:8]}",
+                     "--log", str(tmp_path / "job-%j.out"), "--output", str(job_file),
+                     script, str(tmp_path / "records")])
+    assert code == 0
+    text = job_file.read_text()
+    assert "#SBATCH hetjob" in text and "--het-group=1" in text
+    job_file.write_text(re.sub(r"#SBATCH hetjob\n(#SBATCH [^\n]*\n)*", "", text))
+    code, said = sbatch_wait(job_file, dict(SLURM_ENV, DATA_SERVICE_PORT=str(_free_port())),
+                             tmp_path, JOB_TIMEOUT)
+    logs = sorted(tmp_path.glob("job-*.out"))
+    log = logs[0].read_text() if logs else f"(no job log; sbatch said {said})"
+    print(log[-3000:])
+    assert code == 0, log[-3000:]
+    assert "hyparflow data-service: dispatcher grpc://" in log
+    assert "hyparflow data-service: worker " in log
+    assert log.count("max weight difference") == 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -36,6 +36,7 @@ RULES = {
     "hyparflow.engine.node": ["tensorflow", "keras"],
     "hyparflow.cluster.restart": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.cluster.dialect": ["tensorflow", "mpi4py", "keras"],
+    "hyparflow.cluster.dataservice": ["tensorflow", "mpi4py", "keras"],
     "hyparflow.engine.normaliser": ["tensorflow", "mpi4py", "keras"],
 }
 
@@ -72,9 +73,11 @@ LAYERS = {
              "loop.logs", "loop.costs", "loop.options", "loop.runtime",
              "loop.steps", "loop.slow", "loop.capture"},
     "readers": {"readers", "readers.columns", "readers.arrays", "readers.streams",
-                "readers.context", "readers.sharded", "readers.wait", "readers.indexed"},
+                "readers.context", "readers.sharded", "readers.wait", "readers.indexed",
+                "readers.service"},
     "cluster": {"cluster", "cluster.launch", "cluster.slurm", "cluster.hosts",
-                "cluster.heartbeat", "cluster.restart", "cluster.report", "cluster.dialect"},
+                "cluster.heartbeat", "cluster.restart", "cluster.report", "cluster.dialect",
+                "cluster.dataservice"},
     "planning": {"planning", "planning.planner", "planning.measure", "planning.probes",
                  "planning.profile", "planning.costmodel", "planning.command",
                  "planning.schedule_csv", "planning.strategy_command", "planning.search",

@@ -72,3 +72,46 @@ def global_batches(parts):
         mine = [p[s] for p in parts if s < len(p)]
         out.append(tuple(np.concatenate([m[k] for m in mine]) for k in range(3)))
     return out
+
+
+def parse(record):
+    """One record to (x, y, w), uncounted: a pipeline a worker in another process runs
+    (a numpy_function lives only in the process that made it)."""
+    parsed = tf.io.parse_single_example(record, {
+        "id": tf.io.FixedLenFeature([], tf.int64),
+        "x": tf.io.FixedLenFeature([FEATURES], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+        "w": tf.io.FixedLenFeature([], tf.float32)})
+    return parsed["x"], parsed["y"], parsed["w"]
+
+
+def by_files_uncounted(paths):
+    """A dataset function: replica r reads files r, r + R, ..., decoded uncounted."""
+    def fn(ctx):
+        mine = paths[ctx.input_pipeline_id::ctx.num_input_pipelines]
+        return tf.data.TFRecordDataset(mine).map(parse).batch(ctx.per_replica_batch_size)
+    return fn
+
+
+def data_service(*args, timeout=90):
+    """`hyparflow data-service ARGS` started as a process of its own (without the MPI
+    launcher's variables, which would make it a rank): (process, the address it printed)."""
+    import subprocess
+    import sys
+    import threading
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "MPI_", "OMPI_", "HYDRA_", "MPIR_"))}
+    process = subprocess.Popen([sys.executable, "-m", "hyparflow", "data-service", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env=env)
+    timer = threading.Timer(timeout, process.kill)   # no line: no hang
+    timer.start()
+    try:
+        line = process.stdout.readline()
+    finally:
+        timer.cancel()
+    if "hyparflow data-service:" not in line:
+        process.kill()
+        raise RuntimeError(f"hyparflow data-service {' '.join(args)} printed {line!r}")
+    return process, line.split()[3]
