@@ -470,3 +470,54 @@ def test_two_node_job_requeued_at_the_time_limit_resumes(tmp_path):
     assert result["iterations_at_resume"] >= 5, result
     assert result["iterations"][0] == result["iterations"][1] == 32, result
     assert result["diff"] <= 1e-5, result
+
+
+def _address(host):
+    path = os.path.join(os.environ.get("HYPARFLOW_EMU_DIR", "/tmp/hyparflow-emu"), "hosts")
+    return dict(line.split()[:2] for line in open(path) if line.strip())[host]
+
+
+def _serve(host, *args):
+    """`hyparflow data-service ARGS` on `host`: (process, the address it printed)."""
+    proc = subprocess.Popen(["bash", CLUSTER, "exec", host, sys.executable, "-m", "hyparflow",
+                             "data-service", *args], env=ENV, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.startswith("hyparflow data-service: "), (line, proc.poll())
+    return proc, line.split()[3]
+
+
+@pytest.mark.timeout(420)
+def test_training_on_one_host_from_a_data_service_on_another():
+    """Host B runs `hyparflow data-service` (a dispatcher and a worker, each told host B's
+    address); 2 ranks on host A train from it over TCP (tests/mpi/test_service_mpi.py,
+    Adam, S=1 R=2 and S=2 M=2): the exact mode's weights are those of reading in place.
+    SIGTERM then stops both cleanly."""
+    import shutil
+
+    h1, h2 = HOSTS[:2]
+    address = _address(h2)
+    dispatcher, target = _serve(h2, "--dispatcher", "--host", address)
+    procs = [dispatcher]
+    try:
+        procs.append(_serve(h2, "--worker", target, "--host", address)[0])
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+        env = dict(ENV, HYPARFLOW_TEST_DATA_SERVICE=target, HYPARFLOW_INTER_OP_THREADS="1",
+                   HYPARFLOW_TIMEOUT="120")
+        out = subprocess.run([mpiexec, "-hosts", f"{h1}:2", "-n", "2", sys.executable, "-m",
+                              "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
+                              os.path.join(ROOT, "tests", "mpi", "test_service_mpi.py")],
+                             env=env, cwd=os.path.join(ROOT, "tests"), capture_output=True,
+                             text=True, timeout=360)
+        assert out.returncode == 0 and "2 passed" in out.stdout, \
+            out.stdout[-4000:] + out.stderr[-4000:]
+        assert "data service S=2 R=1 M=2: max weight difference" in out.stdout
+    finally:
+        for proc in procs[::-1]:
+            proc.terminate()   # the `exec` wrapper execs the service: SIGTERM reaches it
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                _end(proc)
+    assert all(proc.returncode == 0 for proc in procs), [p.returncode for p in procs]

@@ -1,8 +1,9 @@
 """A tf.data service's worker decodes the replicas' parts, over real MPI messages with
 production's one inter-op thread: rank 0 starts `hyparflow data-service --dispatcher`
 and one `--worker` as processes of their own, stops them with SIGTERM at the end (they
-must exit cleanly), and the exact mode's weights are those of reading in place. Run
-under mpiexec by tests/cluster/test_mpi.py:
+must exit cleanly), and the exact mode's weights are those of reading in place (with
+HYPARFLOW_TEST_DATA_SERVICE, the service at that address: another emulated host's,
+tests/hosts/test_hosts_emulated.py). Run under mpiexec by tests/cluster/test_mpi.py:
 
     mpiexec -n 2 python -m pytest --with-mpi tests/mpi/test_service_mpi.py
 """
@@ -30,6 +31,10 @@ def service():
 
     comm = MPI.COMM_WORLD
     processes, address = [], None
+    given = os.environ.get("HYPARFLOW_TEST_DATA_SERVICE")   # one on another host
+    if given:
+        yield given
+        return
     if comm.rank == 0:
         dispatcher, address = records.data_service("--dispatcher", "--host", "localhost")
         worker, _ = records.data_service("--worker", address, "--host", "localhost")
