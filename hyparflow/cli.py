@@ -162,19 +162,23 @@ def _run_with_data(args: argparse.Namespace, line: CommandLine,
     except ValueError as error:
         raise launch.LaunchError(str(error)) from None
     workers = args.data_workers
-    if workers is not None and (workers < 1 or args.restarts or line.launcher == "srun"):
+    if workers is not None and (workers < 1 or args.restarts):
         raise launch.LaunchError(
-            f"--data-workers K starts K >= 1 workers on this node for one mpiexec run "
-            f"(received {workers}{', with --restarts' if args.restarts else ''}"
-            f"{', inside Slurm' if line.launcher == 'srun' else ''}): start `hyparflow "
+            f"--data-workers K starts K >= 1 workers for one run (received {workers}"
+            f"{', with --restarts' if args.restarts else ''}): start `hyparflow "
             "data-service --dispatcher` and `--worker` yourself (in Slurm, as steps of their "
             "own) and pass --data-service grpc://HOST:PORT.")
+    # Inside a Slurm allocation each is a step of its own beside the ranks' (--overlap:
+    # it shares their nodes' cores), and names its node; slurm/data_service.sbatch gives
+    # the data nodes of their own.
+    steps = ("srun", "--overlap", "--nodes=1", "--ntasks=1") if line.launcher == "srun" else ()
     if args.dry_run or not workers:
         if args.dry_run:
             print(launch.describe(line))
             if workers:
+                where = "as Slurm steps (srun --overlap)" if steps else "on this node"
                 print(f"# --data-workers {workers}: a dispatcher and {workers} workers "
-                      "started on this node, stopped at exit")
+                      f"started {where}, stopped at exit")
             return 0
         if args.restarts:   # its command lines are made anew: the variables go by ours
             os.environ.update({k: v for k, v in line.env.items() if "DATA_SERVICE" in k})
@@ -184,8 +188,9 @@ def _run_with_data(args: argparse.Namespace, line: CommandLine,
         launch.execute(line)  # does not return
     import socket
 
-    processes, address = dataservice.start(workers, "localhost" if hosts is None
-                                           else socket.gethostname())
+    processes, address = dataservice.start(
+        workers, None if steps else "localhost" if hosts is None else socket.gethostname(),
+        prefix=steps)
     line.env["HYPARFLOW_DATA_SERVICE"] = address
     print(f"hyparflow run: data service {address} (dispatcher pid {processes[0].pid}, "
           f"worker pids {' '.join(str(p.pid) for p in processes[1:])})", flush=True)

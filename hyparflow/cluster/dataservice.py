@@ -92,12 +92,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _start(args: List[str], timeout: float) -> Tuple[Any, str]:
-    """`hyparflow data-service ARGS` as a child: (process, the address it printed)."""
+def _start(args: List[str], timeout: float, prefix: Tuple[str, ...] = ()) -> Tuple[Any, str]:
+    """`hyparflow data-service ARGS` as a child (through `prefix`: an srun step's
+    command): (process, the address it printed)."""
     import subprocess
     import sys
 
-    process = subprocess.Popen([sys.executable, "-m", "hyparflow", "data-service", *args],
+    process = subprocess.Popen([*prefix, sys.executable, "-m", "hyparflow", "data-service",
+                                *args],
                                stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
     timer = threading.Timer(timeout, process.kill)   # a process that prints nothing: no hang
     timer.start()
@@ -112,15 +114,18 @@ def _start(args: List[str], timeout: float) -> Tuple[Any, str]:
     return process, line.split()[3]
 
 
-def start(workers: int, host: str = "localhost", timeout: float = 120) -> Tuple[List[Any], str]:
-    """A dispatcher and `workers` workers on this node, as children: (the processes,
-    the dispatcher's address). `stop` ends them."""
+def start(workers: int, host: Optional[str] = "localhost", timeout: float = 120,
+          prefix: Tuple[str, ...] = ()) -> Tuple[List[Any], str]:
+    """A dispatcher and `workers` workers, as children: on this node, or each as what
+    `prefix` starts (an srun step, which names its node when `host` is None): (the
+    processes, the dispatcher's address). `stop` ends them."""
     processes: List[Any] = []
+    named = ["--host", host] if host else []
     try:
-        dispatcher, where = _start(["--dispatcher", "--host", host], timeout)
+        dispatcher, where = _start(["--dispatcher", *named], timeout, prefix)
         processes.append(dispatcher)
         for _ in range(workers):
-            processes.append(_start(["--worker", where, "--host", host], timeout)[0])
+            processes.append(_start(["--worker", where, *named], timeout, prefix)[0])
     except BaseException:
         stop(processes)
         raise

@@ -169,3 +169,28 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_run_data_workers_inside_an_allocation_start_as_steps(tmp_path):
+    """`hyparflow run -n 2 --data-workers 1` in a batch job: the dispatcher and the worker
+    start as steps of their own (srun --overlap), the ranks read from them (model.fit's
+    weights, exact mode), and the steps are stopped when the run ends (the job then
+    completes with nothing left running)."""
+    import sys
+
+    script = os.path.join(ROOT, "tests", "cluster", "data_service_script.py")
+    job_file = tmp_path / "job.sbatch"
+    job_file.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --nodes=1", "#SBATCH --ntasks=2", "#SBATCH --overcommit",
+        "#SBATCH --time=00:10:00", f"#SBATCH --job-name=hf-test-{uuid.uuid4().hex[:8]}",
+        f"#SBATCH --output={tmp_path}/job-%j.out",
+        f"{sys.executable} -m hyparflow run -n 2 --data-workers 1 {script} "
+        f"{tmp_path / 'records'}", ""]))
+    code, said = sbatch_wait(job_file, SLURM_ENV, tmp_path, JOB_TIMEOUT)
+    logs = sorted(tmp_path.glob("job-*.out"))
+    log = logs[0].read_text() if logs else f"(no job log; sbatch said {said})"
+    print(log[-3000:])
+    assert code == 0, log[-3000:]
+    assert re.search(r"hyparflow run: data service grpc://\S+:\d+ \(dispatcher pid", log), log
+    assert log.count("max weight difference") == 2, log[-3000:]
