@@ -167,7 +167,9 @@ def _subcommands():
 
 
 def test_every_subcommand_is_checked_here():
-    assert _subcommands() == ["export", "info", "plan", "run", "slurm", "strategy", "trace"]
+    # data-service: tests/readers/test_service.py (its processes start and stop).
+    assert _subcommands() == ["data-service", "export", "info", "plan", "run", "slurm",
+                              "strategy", "trace"]
 
 
 @pytest.mark.parametrize("command", _subcommands())
