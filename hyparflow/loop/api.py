@@ -273,7 +273,9 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = N
              num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
              balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
              tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-             plan: Optional[str] = None, tensor_mesh: Any = None) -> Any:
+             plan: Optional[str] = None, tensor_mesh: Any = None,
+             data_service: Optional[str] = None,
+             data_service_mode: Optional[str] = None) -> Any:
     """`model.evaluate`, pipeline-parallel: forward only, microbatched, the replicas
     sharing the data. Returns what `model.evaluate` returns (the loss, or a list
     with the metrics, or a dict with `return_dict=True`), the same on every rank.
@@ -283,7 +285,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = N
     prints Keras's progress bar (`"auto"`: the bar on a terminal, else one line);
     callbacks get `on_test_begin` / `on_test_batch_end` / `on_test_end` with the
     global logs (those that print or write files on rank 0 only, as in `fit`). The
-    layout arguments (`plan` included) are `fit`'s."""
+    layout arguments (`plan` included) and `data_service` are `fit`'s."""
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
@@ -292,7 +294,8 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: Optional[int] = N
                  inference.evaluate(model, x, y, comm=communicator, layout=layout,
                                     batch_size=batch_size or 32, sample_weight=sample_weight,
                                     steps=steps, return_dict=return_dict, verbose=verbose,
-                                    callbacks=callbacks))
+                                    callbacks=callbacks, data_service=data_service,
+                                    data_service_mode=data_service_mode))
 
 
 @user_errors("hf.predict", _agree_bad_call("hf.predict"))
@@ -303,14 +306,16 @@ def predict(model: Any, x: Any, *, batch_size: Optional[int] = None,
             num_replicas: Optional[int] = None, num_microbatches: Optional[int] = None,
             balance: Balance = None, comm: Any = None, num_tensor: Optional[int] = None,
             tensor_layers: Optional[Sequence[str]] = None, tensor_shares: Shares = None,
-            plan: Optional[str] = None, tensor_mesh: Any = None) -> Any:
+            plan: Optional[str] = None, tensor_mesh: Any = None,
+            data_service: Optional[str] = None) -> Any:
     """`model.predict`, pipeline-parallel. Predictions come back in input order, in
     the structure `model.predict` gives, on every rank (`gather="all"`) or only on
     rank 0 (`gather="main"`, None elsewhere) for big outputs.
 
     Takes `model.predict`'s arguments (`batch_size`, `verbose`, `steps`, `callbacks`),
     which behave as in `evaluate`; callbacks get `on_predict_*`, with each batch's
-    predictions as `logs["outputs"]`."""
+    predictions as `logs["outputs"]`. `data_service`: a dataset decoded by the service's
+    workers, in order (its exact mode)."""
     layout_arguments = dict(
         num_stages=num_stages, num_replicas=num_replicas, num_microbatches=num_microbatches,
         num_tensor=num_tensor, balance=balance, tensor_layers=tensor_layers,
@@ -318,7 +323,8 @@ def predict(model: Any, x: Any, *, batch_size: Optional[int] = None,
     return _call("hf.predict", comm, layout_arguments, lambda communicator, layout:
                  inference.predict(model, x, comm=communicator, layout=layout,
                                    batch_size=batch_size or 32, steps=steps, gather=gather,
-                                   verbose=verbose, callbacks=callbacks))
+                                   verbose=verbose, callbacks=callbacks,
+                                   data_service=data_service))
 
 
 def _world() -> Any:

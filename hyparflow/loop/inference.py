@@ -25,7 +25,8 @@ def run_evaluation(model, runtime, source, logs=None):
     return logs.result()
 
 
-def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kind):
+def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kind,
+             service=None):
     check_positive(batch_size=batch_size)
     if layout.tensor_shares == "measure":
         # Shares change only the speed of inference, never its results.
@@ -34,7 +35,7 @@ def _runtime(model, x, y, comm, layout, *, batch_size, sample_weight, steps, kin
                    need_y=(kind == "evaluate"))
     # Predictions come back in the order of `x`: a predicting run reads it whole.
     stream = readers.open_source(comm, x, y, layout=layout, shard=(kind != "predict"),
-                                 **reading)
+                                 service=service, **reading)
     graph = read_graph(model, layout.num_stages, x if stream is None else stream.first_x,
                        batch_size)
     source, sample = readers.source(graph, x, y, stream=stream, **reading)
@@ -66,7 +67,8 @@ def _run(comm, build, body):
 
 
 def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, steps=None,
-             return_dict=False, verbose="auto", callbacks=None):
+             return_dict=False, verbose="auto", callbacks=None, data_service=None,
+             data_service_mode=None):
     """The body of `hyparflow.evaluate` for one rank."""
     if not _compat.is_compiled(model):
         raise ValueError(f"Model {model.name!r} is not compiled: call model.compile(...) before "
@@ -105,11 +107,12 @@ def evaluate(model, x, y=None, *, comm, layout, batch_size, sample_weight=None, 
 
     return _run(comm, lambda: _runtime(
         model, x, y, comm, layout, batch_size=batch_size, sample_weight=sample_weight,
-        steps=steps, kind="evaluate"), body)
+        steps=steps, kind="evaluate",
+        service=readers.service.resolve(data_service, data_service_mode)), body)
 
 
 def predict(model, x, *, comm, layout, batch_size, steps=None, gather="all", verbose="auto",
-            callbacks=None):
+            callbacks=None, data_service=None):
     """The body of `hyparflow.predict` for one rank."""
     if gather not in ("all", "main"):
         raise ValueError(f"`gather` must be 'all' or 'main'. Received: gather={gather!r}")
@@ -157,9 +160,10 @@ def predict(model, x, *, comm, layout, batch_size, steps=None, gather="all", ver
         return _assemble([p for rank_pieces in everyone for p in rank_pieces], offset,
                          runtime.graph)
 
+    # Predictions come back in the order of `x`: the service's exact mode keeps it.
     return _run(comm, lambda: _runtime(
         model, x, None, comm, layout, batch_size=batch_size, sample_weight=None, steps=steps,
-        kind="predict"), body)
+        kind="predict", service=readers.service.resolve(data_service, "exact")), body)
 
 
 def _assemble(pieces, total, graph):

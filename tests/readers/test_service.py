@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import hyparflow as hf
 from conftest import max_diff, train_ranks
+from hyparflow.engine.local import run_ranks
 import records
 from test_sharded import B, EPOCHS, by_files, dealt, model, want
 
@@ -221,3 +223,32 @@ def test_validation_data_is_read_from_the_service_too(service, tmp_path):
     loss = plain.evaluate(x, y, sample_weight=w, batch_size=len(x), verbose=0)[0]
     assert np.isclose(history["val_loss"][-1], loss, rtol=1e-5)
     assert len({run for run, _, _ in jobs() - before}) == 2   # training's and validation's
+
+
+def test_evaluate_and_predict_read_from_the_service(service, tmp_path):
+    """hf.evaluate (a dataset function, each replica's part) and hf.predict (a dataset,
+    in order) decoded by the service's workers: model.evaluate's loss and metrics,
+    model.predict's outputs in the dataset's order."""
+    paths = records.write(tmp_path, files=4)
+    plain = model()
+    x, y, w = (np.concatenate([b[k] for b in records.pipeline(paths, 48).as_numpy_iterator()])
+               for k in range(3))
+    want_eval = plain.evaluate(x, y, sample_weight=w, batch_size=len(x), verbose=0)
+    want_pred = plain.predict(x, batch_size=B, verbose=0)
+    weights = plain.get_weights()
+    before = jobs()
+
+    def body(comm):
+        m = model()
+        m.set_weights(weights)
+        got = hf.evaluate(m, by_files(paths), batch_size=B, num_replicas=2, comm=comm,
+                          verbose=0, data_service=service)
+        out = hf.predict(m, records.pipeline(paths, B), num_replicas=2, comm=comm,
+                         verbose=0, data_service=service)
+        return got, out
+
+    for got, out in run_ranks(2, body, timeout=300):
+        assert np.allclose(got, want_eval, rtol=1e-5), (got, want_eval)
+        assert np.allclose(out, want_pred, atol=1e-6)
+    # evaluate's run id (predict's whole dataset is an anonymous job of its own)
+    assert len({run for run, _, _ in jobs() - before}) == 1
