@@ -13,8 +13,11 @@ Two modes:
            never an epoch silently shorter.
   dynamic  ShardingPolicy.DYNAMIC on the part itself: its files are split among all
            the workers as they ask for work (every worker busy), each file read at most
-           once, in no fixed order: the same training only statistically. A lost
-           worker's unread files are skipped; training goes on with the others.
+           once, in no fixed order: the same training only statistically.
+
+A lost worker, in either mode, leaves its reader waiting without end (TensorFlow 2.21
+neither replaces it nor gives its split to another): each batch is awaited at most
+HYPARFLOW_DATA_SERVICE_TIMEOUT seconds, then every rank ends naming the service.
 
 Jobs are named by a run id drawn on rank 0 and shared (so no two fits or passes
 collide), the replica and the pass. A dispatcher that does not answer a TCP connect
