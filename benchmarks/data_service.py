@@ -16,7 +16,6 @@ hosts share this machine's cores: a worker on "host B" takes cores from the trai
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(ROOT, "scripts", "emulated-cluster.sh")
 sys.path.insert(0, HERE)
+
+from input import make_files, pipeline_arguments, result, worker_command  # noqa: E402
 
 
 def hosts():
@@ -87,10 +88,7 @@ def train(args, host, target):
     import shutil
 
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    cmd = [mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "input.py"),
-           "--worker", "hf-dataset", "--dir", args.dir,
-           *(f"--{k}={getattr(args, k)}" for k in ("images", "size", "resize", "crop",
-                                                     "batch", "epochs"))]
+    cmd = [mpiexec, "-n", "2", *worker_command(args, "hf-dataset")]
     if target:
         cmd += ["--data-service", target, "--data-service-mode", args.mode]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
@@ -99,30 +97,18 @@ def train(args, host, target):
     proc = on(host, *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     out, err = proc.communicate(timeout=3000)
     moved = received(host) - before
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"training failed:\n{out[-2000:]}\n{err[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):]), moved
+    return result(proc.returncode, out, err, "training"), moved
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=1536)
-    parser.add_argument("--files", type=int, default=8)
-    parser.add_argument("--size", type=int, default=160)
-    parser.add_argument("--resize", type=int, default=72)
-    parser.add_argument("--crop", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=3)
+    pipeline_arguments(parser, 1536)
     parser.add_argument("--workers", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--mode", default="exact", choices=("exact", "dynamic"))
-    parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     (a, _), (b, b_address) = hosts()[:2]
     args.dir = args.dir or tempfile.mkdtemp(prefix="jpeg-records-")
     if not os.listdir(args.dir):
-        from input import make_files
-
         make_files(args, args.dir)
     rows = []
     for k in args.workers:

@@ -120,32 +120,46 @@ def _jpegs(paths, args):
     return Jpegs(workers=2)
 
 
-def measure(args, how, ranks):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", how, "--dir", args.dir,
-           *(f"--{k}={getattr(args, k)}" for k in ("images", "size", "resize", "crop",
-                                                     "batch", "epochs"))]
-    if ranks:
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{how} on {ranks} ranks failed:\n{out.stdout[-2000:]}\n"
-                           f"{out.stderr[-3000:]}")
+def worker_command(args, how):
+    """The command line of one measurement `how` of the pipeline `args` describe."""
+    return [sys.executable, os.path.abspath(__file__), "--worker", how, "--dir", args.dir,
+            *(f"--{k}={getattr(args, k)}" for k in ("images", "size", "resize", "crop",
+                                                      "batch", "epochs"))]
+
+
+def result(code, stdout, stderr, what):
+    """The RESULT a worker printed, or RuntimeError with its output."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if code != 0 or not lines:
+        raise RuntimeError(f"{what} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=3072)
+def pipeline_arguments(parser, images):
+    """The pipeline's arguments, shared with benchmarks/data_service.py."""
+    parser.add_argument("--images", type=int, default=images)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--size", type=int, default=160)
     parser.add_argument("--resize", type=int, default=72)
     parser.add_argument("--crop", type=int, default=64)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--dir", default=None)
+
+
+def measure(args, how, ranks):
+    cmd = worker_command(args, how)
+    if ranks:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
+    return result(out.returncode, out.stdout, out.stderr, f"{how} on {ranks} ranks")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    pipeline_arguments(parser, 3072)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--worker", default=None)
     # A tf.data service decodes for the worker (benchmarks/data_service.py).
     parser.add_argument("--data-service", default=None)
