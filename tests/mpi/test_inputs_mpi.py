@@ -98,11 +98,7 @@ def test_each_replica_reads_its_part_once(form, layout, tmp_path_factory):
 
     stages, replicas, micro = layout
     comm = MPI.COMM_WORLD
-    tmp = comm.bcast(str(tmp_path_factory.mktemp("records")) if comm.rank == 0 else None, 0)
-    if comm.rank == 0:
-        records.write(tmp, files=4)
-    comm.Barrier()
-    paths = sorted(os.path.join(tmp, f) for f in os.listdir(tmp))
+    paths = records.written_once(comm, tmp_path_factory)
     parts = (records.replica_batches(paths, B, replicas) if form == "function"
              else dealt(paths, replicas))
     start = model().get_weights()

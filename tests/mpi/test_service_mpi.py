@@ -57,12 +57,7 @@ def test_a_worker_process_decodes_each_replicas_part_exactly(layout, service,
     from test_sharded import B, EPOCHS, model, want
 
     stages, replicas, micro = layout
-    comm = MPI.COMM_WORLD
-    tmp = comm.bcast(str(tmp_path_factory.mktemp("records")) if comm.rank == 0 else None, 0)
-    if comm.rank == 0:
-        records.write(tmp, files=4)
-    comm.Barrier()
-    paths = sorted(os.path.join(tmp, f) for f in os.listdir(tmp))
+    paths = records.written_once(MPI.COMM_WORLD, tmp_path_factory)
     start = model().get_weights()
     expect = want(records.global_batches(records.replica_batches(paths, B, replicas)), start)
     trained = model()

@@ -33,6 +33,16 @@ def write(directory, files=4, per_file=24, seed=0):
     return paths
 
 
+def written_once(comm, tmp_path_factory, files=4):
+    """Under MPI: the files written by rank 0 in a directory every rank is told; their
+    paths, on every rank once they exist."""
+    where = comm.bcast(str(tmp_path_factory.mktemp("records")) if comm.rank == 0 else None, 0)
+    if comm.rank == 0:
+        write(where, files=files)
+    comm.Barrier()
+    return sorted(os.path.join(where, f) for f in os.listdir(where))
+
+
 def _count(ids):
     DECODED.extend(int(i) for i in np.ravel(ids))
     return ids
