@@ -72,12 +72,14 @@ def worker(dispatcher_address: str, port: int = 0, host: Optional[str] = None,
                          f"grpc://{bare(dispatcher_address)}", stop)
 
 
-def address(text: str) -> str:
-    """"grpc://HOST:PORT" for "HOST:PORT" or "grpc://HOST:PORT"; ValueError otherwise."""
-    host, _, port = bare(text.strip()).rpartition(":")
-    if not host or not port.isdigit() or ("://" in text and not text.startswith("grpc://")):
-        raise ValueError(f"--data-service takes grpc://HOST:PORT (a dispatcher's address, "
-                         f"printed by `hyparflow data-service --dispatcher`). Received: {text!r}")
+def address(text: Any, what: str = "--data-service") -> str:
+    """"grpc://HOST:PORT" for "HOST:PORT" or "grpc://HOST:PORT"; ValueError naming
+    `what` (the flag or argument it came by) otherwise."""
+    given = str(text).strip()
+    host, _, port = bare(given).rpartition(":")
+    if not host or not port.isdigit() or ("://" in given and not given.startswith("grpc://")):
+        raise ValueError(f"{what} takes grpc://HOST:PORT (a dispatcher's address, printed "
+                         f"by `hyparflow data-service --dispatcher`). Received: {text!r}")
     return f"grpc://{host}:{port}"
 
 

@@ -31,6 +31,7 @@ import threading
 import uuid
 
 from .. import settings
+from ..cluster import dataservice
 
 __all__ = ["MODES", "Service", "resolve", "probe", "target", "PROBE_SECONDS"]
 
@@ -42,14 +43,9 @@ _BATCH, _END, _TAIL = 0, 1, 2
 
 def target(address):
     """("grpc://HOST:PORT", HOST, PORT) for "grpc://HOST:PORT" or "HOST:PORT"."""
-    text = str(address).strip()
-    bare = text.split("://", 1)[1] if "://" in text else text
-    host, _, port = bare.rpartition(":")
-    if "://" in text and not text.startswith("grpc://") or not host or not port.isdigit():
-        raise ValueError(f"data_service takes grpc://HOST:PORT (the dispatcher's address, "
-                         f"printed by `hyparflow data-service --dispatcher`). Received: "
-                         f"{address!r}")
-    return f"grpc://{host}:{port}", host.strip("[]"), int(port)
+    full = dataservice.address(address, "data_service")
+    host, _, port = dataservice.bare(full).rpartition(":")
+    return full, host.strip("[]"), int(port)
 
 
 def probe(address, seconds=PROBE_SECONDS):
