@@ -18,7 +18,7 @@ from ..engine import weights as _weights
 from ..engine.prepare import agree_on_error, check_positive, fail
 from ..engine.steps import ReplicaSums, seed_generators_of
 from .. import readers as _data
-from ..readers.streams import Failed
+from ..readers.streams import broadcast
 from .progress import callback_list, resolve_verbose
 
 __all__ = ["overrides", "check_layout", "fit", "evaluate"]
@@ -67,10 +67,6 @@ def _refuse_options(options):
             "compute_loss(...) to train with hyparflow's step.")
 
 
-class _End:
-    """The stream has no more batches this epoch."""
-
-
 class Batches:
     """numpy data (x, y, sample_weight in the structures `model.fit` takes) or a stream
     of global batches (a tf.data.Dataset, a keras.utils.PyDataset, a generator: read on
@@ -110,29 +106,21 @@ class Batches:
                 "a train_step's mean over no rows is NaN. Use a batch_size whose last batch "
                 f"holds at least {replicas} rows, or drop the last samples.")
 
+    def _elements(self):
+        """Rank 0's pass over the stream (Keras's epoch iterator: `steps_per_epoch`
+        goes on across epochs, as in model.fit), made at its first element so that a
+        failure to make it reaches every rank."""
+        if self.reader is None:
+            self.reader = _adapters.epoch_iterator(
+                self.stream, steps_per_epoch=self._asked, shuffle=self.shuffle)
+            self.reader.reset()   # as model.fit, once before the first epoch
+        for _, _, buffer in self.reader:
+            yield from buffer
+
     def _read(self, comm):
-        """One epoch's global batches of the stream, read on rank 0 (Keras's epoch
-        iterator: `steps_per_epoch` goes on across epochs, as in model.fit) and
-        broadcast (collective)."""
-        elements = None
-        if comm.rank == 0:
-            if self.reader is None:
-                self.reader = _adapters.epoch_iterator(
-                    self.stream, steps_per_epoch=self._asked, shuffle=self.shuffle)
-                self.reader.reset()   # as model.fit, once before the first epoch
-            elements = (e for _, _, buffer in self.reader for e in buffer)
-        while True:
-            element = None
-            if elements is not None:
-                try:
-                    element = next(elements, _End())
-                except Exception as error:  # noqa: BLE001 - every rank must hear of it
-                    element = Failed(f"{type(error).__name__}: {error}")
-            element = comm.bcast_obj(element, 0)
-            if isinstance(element, _End):
-                return
-            if isinstance(element, Failed):
-                raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
+        """One epoch's global batches of the stream, read on rank 0 and broadcast
+        (collective)."""
+        for element in broadcast(comm, self._elements() if comm.rank == 0 else None):
             yield keras.tree.map_structure(_numpy, element)
 
     def first(self, comm):

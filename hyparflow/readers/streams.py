@@ -15,7 +15,7 @@ from .. import _compat
 from .._compat import adapters
 from .arrays import prepare_data
 
-__all__ = ["StreamSource"]
+__all__ = ["StreamSource", "broadcast", "replay", "Failed"]
 
 
 class _End:
@@ -40,6 +40,26 @@ def replay(elements, count, what, say=True):
     for _ in range(count):
         if next(elements, None) is None:
             return
+
+
+def broadcast(comm, elements):
+    """Each of rank 0's `elements` (None on the other ranks), broadcast to every rank,
+    until they end (collective). A failure to read ends every rank: rank 0 with its
+    error, the others naming it."""
+    while True:
+        element = None
+        if elements is not None:
+            try:
+                element = next(elements, _End())
+            except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                comm.bcast_obj(Failed(f"{type(error).__name__}: {error}"), 0)
+                raise
+        element = comm.bcast_obj(element, 0)
+        if isinstance(element, _End):
+            return
+        if isinstance(element, Failed):
+            raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
+        yield element
 
 
 class StreamSource:
@@ -115,20 +135,6 @@ class StreamSource:
         elements = self._begun() if self.reader is not None else None
         if elements is not None and start:
             replay(elements, start, f"the {self.kind}")
-        while True:
-            element = None
-            if elements is not None:
-                try:
-                    element = next(elements)
-                except StopIteration:
-                    element = _End()
-                except Exception as error:  # noqa: BLE001 - every rank must hear of it
-                    self.comm.bcast_obj(Failed(f"{type(error).__name__}: {error}"), 0)
-                    raise
-            element = self.comm.bcast_obj(element, 0)
-            if isinstance(element, _End):
-                return
-            if isinstance(element, Failed):
-                raise RuntimeError(f"Reading the data on rank 0 failed: {element.message}")
+        for element in broadcast(self.comm, elements):
             data = self._prepare(element)
             yield data, np.arange(len(data))
