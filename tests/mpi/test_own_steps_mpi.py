@@ -80,3 +80,35 @@ def test_own_train_step_with_random_draws_repeats():
         np.testing.assert_allclose(h1[key], h0[key], rtol=1e-6, err_msg=key)
     everyone = MPI.COMM_WORLD.allgather([a.tobytes() for a in w0])
     assert all(other == everyone[0] for other in everyone)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_own_train_step_from_a_pydataset_read_on_rank_0():
+    """Keras's own step through the override (compiled loss and metrics, sample
+    weights), fed by a PyDataset on two threads: rank 0 reads each batch once and
+    broadcasts it, every replica slices its rows; model.fit's weights and logs, and the
+    other processes' copies read nothing."""
+    from test_own_steps import Rows, keras_step
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(70, 4)).astype("float32"), rng.normal(size=(70, 3)).astype("float32")
+    w = np.linspace(0.5, 2.0, 70).astype("float32")
+    reference = keras_step()
+    start = reference.get_weights()
+    expected = reference.fit(Rows(x, y, w, workers=2), epochs=2, shuffle=False,
+                             verbose=0).history
+    model = keras_step()
+    model.set_weights(start)
+    data = Rows(x, y, w, workers=2)
+    history = hf.fit(model, data, epochs=2, num_stages=1, num_microbatches=1, shuffle=False,
+                     verbose=0)
+    diff = max_diff(model.get_weights(), reference.get_weights())
+    reads = MPI.COMM_WORLD.allgather(len(data.reads))
+    if hf.is_main():
+        print(f"\nown train_step from a PyDataset R={SIZE}: max weight difference {diff:.3g}, "
+              f"reads per rank {reads}")
+    assert diff <= 1e-6, diff
+    assert reads == [len(data) * 2] + [0] * (SIZE - 1), reads
+    for key, values in expected.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=2e-6, atol=1e-7,
+                                   err_msg=key)
